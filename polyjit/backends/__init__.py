@@ -1,0 +1,95 @@
+"""The backend registry.
+
+Built-in backends are imported on first use. Third-party backends register
+through the entry-point group ``polyjit.backends``: the entry point names a
+callable that returns a ``Backend`` (or a ``Driver``, which is raised into one).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import threading
+from collections.abc import Callable
+from importlib.metadata import entry_points
+from typing import Any
+
+from polyjit.core.errors import BackendUnavailableError, PolyjitError, UnknownBackendError
+from polyjit.core.protocol import Driver
+from polyjit.core.runtime import Backend
+
+_BUILTIN = {
+    "cpu": "polyjit.backends.cpu:create_backend",
+    "opencl": "polyjit.backends.opencl:create_backend",
+    "cuda": "polyjit.backends.cuda:create_backend",
+}
+_factories: dict[str, Callable[[], Any]] = {}
+_instances: dict[str, Backend] = {}
+_lock = threading.RLock()
+
+
+def _load_target(target: str) -> Callable[[], Any]:
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)  # type: ignore[no-any-return]
+
+
+def register_backend(name: str, factory: Callable[[], Backend | Driver]) -> None:
+    """Register a backend factory under ``name`` (replaces an earlier one of that name)."""
+    with _lock:
+        _factories[name] = factory
+        _instances.pop(name, None)
+
+
+def backends() -> list[str]:
+    """Names of every registered backend, available here or not."""
+    names = [n for n in _BUILTIN if _module_exists(_BUILTIN[n])]
+    names += [n for n in _factories if n not in names]
+    for ep in entry_points(group="polyjit.backends"):
+        if ep.name not in names:
+            names.append(ep.name)
+    return names
+
+
+def _module_exists(target: str) -> bool:
+    return importlib.util.find_spec(target.partition(":")[0]) is not None
+
+
+def get_backend(name: str = "cpu") -> Backend:
+    """The backend of that name (one instance per process)."""
+    with _lock:
+        hit = _instances.get(name)
+        if hit is not None:
+            return hit
+        factory = _factories.get(name)
+        if factory is None:
+            eps = {ep.name: ep for ep in entry_points(group="polyjit.backends")}
+            if name in eps:
+                factory = eps[name].load()
+            elif name in _BUILTIN and _module_exists(_BUILTIN[name]):
+                try:
+                    factory = _load_target(_BUILTIN[name])
+                except ImportError as e:
+                    raise BackendUnavailableError(f"backend {name!r} cannot be imported: {e}") from e
+            else:
+                raise UnknownBackendError(f"no backend named {name!r}; registered: {', '.join(backends())}")
+        try:
+            made = factory()
+        except PolyjitError:
+            raise
+        except Exception as e:
+            raise BackendUnavailableError(f"backend {name!r} failed to start: {e}") from e
+        backend = made if isinstance(made, Backend) else Backend(made)
+        _instances[name] = backend
+        return backend
+
+
+def available_backends() -> list[str]:
+    """Backends that start here and have at least one device."""
+    out = []
+    for name in backends():
+        try:
+            if get_backend(name).num_devices() > 0:
+                out.append(name)
+        except PolyjitError:
+            continue
+    return out

@@ -1,0 +1,228 @@
+"""The CPU backend: C through the system compiler, loaded with ctypes, OpenMP inside kernels.
+
+Each device is a set of cores (``POLYJIT_CPU_DEVICES=N`` splits the machine
+into N devices); each stream is a worker thread written in C
+(``cpu_runtime.c``) pinned to its device's cores, so handing a kernel over
+costs about a microsecond and the GIL is never held while kernels run.
+A pool is one aligned host allocation; kernels get pool base + offset.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import functools
+import os
+import platform
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+
+from polyjit.backends.cc import build_shared
+from polyjit.backends.cpu_native import NativeRuntime, load_runtime
+from polyjit.core.codegen import Dialect, KernelSpec, Source
+from polyjit.core.protocol import DeviceInfo
+from polyjit.core.runtime import Backend
+
+BASE_ALIGNMENT = 64  # a cache line; also enough for AVX-512 loads
+
+
+@functools.cache
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@functools.cache
+def _cpu_flags_digest() -> str:
+    """-march=native depends on the host: its CPU goes into the cache key (via the source)."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import hashlib
+
+    return hashlib.sha256(f"{platform.machine()} {cpu_model()} {flags}".encode()).hexdigest()[:16]
+
+
+def _total_memory() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError):
+        return 8 << 30
+
+
+def split_cores(cores: Sequence[int], n: int) -> list[list[int]]:
+    """N groups of cores, as even as possible; with more devices than cores, groups share cores."""
+    cores = list(cores)
+    if n <= len(cores):
+        base, extra = divmod(len(cores), n)
+        out, start = [], 0
+        for k in range(n):
+            size = base + (1 if k < extra else 0)
+            out.append(cores[start : start + size])
+            start += size
+        return out
+    return [[cores[k % len(cores)]] for k in range(n)]
+
+
+@attrs.frozen(eq=False)
+class _Prepared:
+    descs: Any  # ctypes array of pj_launch_desc
+    count: int
+    keep: tuple[Any, ...]  # the void* arrays the descriptors point at
+
+
+class CpuDriver:
+    """The Driver of the CPU backend."""
+
+    name = "cpu"
+
+    def __init__(self, num_devices: int | None = None) -> None:
+        if num_devices is None:
+            num_devices = int(os.environ.get("POLYJIT_CPU_DEVICES", "1") or 1)
+        if num_devices < 1:
+            raise ValueError(f"POLYJIT_CPU_DEVICES must be at least 1, got {num_devices}")
+        self.dialect = Dialect()
+        self._cores = split_cores(sorted(os.sched_getaffinity(0)), num_devices)
+        self._memory = _total_memory() // num_devices
+        self._rt: NativeRuntime | None = None
+        self._pending: dict[int, collections.deque[tuple[int, np.ndarray]]] = {}
+        self._lock = threading.Lock()
+        self._modules: dict[Path, ctypes.CDLL] = {}
+
+    @property
+    def rt(self) -> NativeRuntime:
+        if self._rt is None:
+            self._rt = load_runtime()
+        return self._rt
+
+    # -- devices -----------------------------------------------------------------
+
+    def device_count(self) -> int:
+        return len(self._cores)
+
+    def device_info(self, ordinal: int) -> DeviceInfo:
+        cores = self._cores[ordinal]
+        return DeviceInfo(
+            name=f"{cpu_model()} [cores {','.join(map(str, cores))}]",
+            memory_bytes=self._memory,
+            compute_units=len(cores),
+            base_alignment=BASE_ALIGNMENT,
+            properties={"cores": tuple(cores), "openmp_threads": len(cores), "fp64": True},
+        )
+
+    # -- memory ------------------------------------------------------------------
+
+    def alloc(self, ordinal: int, nbytes: int, alignment: int) -> int:
+        ptr = self.rt.alloc(nbytes, max(alignment, BASE_ALIGNMENT))
+        if not ptr:
+            raise MemoryError(f"cannot allocate {nbytes} bytes on the host")
+        return ptr
+
+    def free(self, ordinal: int, pool: int) -> None:
+        self.rt.free(pool)
+
+    # -- streams and events --------------------------------------------------------
+
+    def new_stream(self, ordinal: int) -> int:
+        cores = self._cores[ordinal]
+        pin = cores if len(self._cores) > 1 else None  # one device: let the OS place threads
+        handle = self.rt.stream_create(len(cores), pin)
+        self._pending[handle] = collections.deque()
+        return handle
+
+    def record(self, stream: int) -> tuple[int, int]:
+        return (stream, self.rt.last_ticket(stream))
+
+    def wait(self, stream: int, event: tuple[int, int]) -> None:
+        self.rt.wait(stream, event[0], event[1])
+
+    def event_done(self, event: tuple[int, int]) -> bool:
+        return bool(self.rt.done(event[0]) >= event[1])
+
+    def event_sync(self, event: tuple[int, int]) -> None:
+        self.rt.sync(event[0], event[1])
+        self._release(event[0])
+
+    # -- transfers ------------------------------------------------------------------
+
+    def _keep(self, stream: int, ticket: int, array: np.ndarray) -> None:
+        """Hold a host array until the copy that reads or writes it is done."""
+        pending = self._pending[stream]
+        with self._lock:
+            pending.append((ticket, array))
+        self._release(stream)
+
+    def _release(self, stream: int) -> None:
+        pending = self._pending.get(stream)
+        if not pending:
+            return
+        done = self.rt.done(stream)
+        with self._lock:
+            while pending and pending[0][0] <= done:
+                pending.popleft()
+
+    def memset_zero(self, stream: int, pool: int, offset: int, nbytes: int) -> None:
+        self.rt.memset(stream, pool + offset, 0, nbytes)
+
+    def copy_from_host(self, stream: int, pool: int, offset: int, array: np.ndarray) -> None:
+        ticket = self.rt.memcpy(stream, pool + offset, array.ctypes.data, array.nbytes)
+        self._keep(stream, ticket, array)
+
+    def copy_to_host(self, stream: int, pool: int, offset: int, array: np.ndarray) -> None:
+        ticket = self.rt.memcpy(stream, array.ctypes.data, pool + offset, array.nbytes)
+        self._keep(stream, ticket, array)
+
+    def copy_device(self, stream: int, dst: tuple[int, int, int], src: tuple[int, int, int], nbytes: int) -> None:
+        self.rt.memcpy(stream, dst[1] + dst[2], src[1] + src[2], nbytes)
+
+    # -- code -------------------------------------------------------------------------
+
+    def compile(self, source: Source) -> Path:
+        header = f"/* polyjit cpu kernels; host {_cpu_flags_digest()} */\n"
+        return build_shared(header + source.text)
+
+    def load(self, ordinal: int, binary: Path) -> ctypes.CDLL:
+        with self._lock:  # every device of the process shares one loaded library
+            lib = self._modules.get(binary)
+            if lib is None:
+                lib = self._modules[binary] = ctypes.CDLL(str(binary))
+            return lib
+
+    def prepare(
+        self, ordinal: int, module: ctypes.CDLL, kernels: Sequence[tuple[KernelSpec, Sequence[tuple[int, int]]]]
+    ) -> _Prepared:
+        pairs = []
+        keep = []
+        for spec, args in kernels:
+            fn = ctypes.cast(getattr(module, spec.name), ctypes.c_void_p).value or 0
+            bufs = self.rt.make_ptr_array([pool + off for pool, off in args])
+            keep.append(bufs)
+            pairs.append((fn, ctypes.addressof(bufs)))
+        return _Prepared(self.rt.make_descs(pairs), len(pairs), tuple(keep))
+
+    def launch(self, stream: int, prepared: _Prepared, statics: Sequence[int]) -> None:
+        if statics:
+            arr = (ctypes.c_int64 * len(statics))(*statics)
+            self.rt.launch_seq(stream, prepared.descs, prepared.count, arr, len(statics))
+        else:
+            self.rt.launch_seq(stream, prepared.descs, prepared.count, None, 0)
+
+
+def create_backend(num_devices: int | None = None) -> Backend:
+    """A CPU backend; ``num_devices`` overrides ``POLYJIT_CPU_DEVICES``."""
+    return Backend(CpuDriver(num_devices))

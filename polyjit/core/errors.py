@@ -1,0 +1,72 @@
+"""The error hierarchy. Every error polyjit raises on purpose derives from PolyjitError.
+
+Each subclass also derives from the builtin exception a Python user would
+expect (KeyError for a missing node, MemoryError for an exhausted pool, ...),
+so generic handlers keep working.
+"""
+
+from __future__ import annotations
+
+
+class PolyjitError(Exception):
+    """Base class of all polyjit errors."""
+
+
+class InvalidProgramError(PolyjitError, ValueError):
+    """The IR itself is malformed: bad projections, unknown op, an index out of bounds."""
+
+
+class ShapeMismatchError(PolyjitError, ValueError):
+    """An array or node has the wrong shape for where it is used."""
+
+
+class DTypeMismatchError(PolyjitError, TypeError):
+    """An array or node has the wrong dtype for where it is used."""
+
+
+class UnsupportedError(PolyjitError, NotImplementedError):
+    """The operation is valid but this backend or device cannot do it (float64 without fp64, ...)."""
+
+
+class UnknownBackendError(PolyjitError, LookupError):
+    """No backend of that name is registered."""
+
+
+class BackendUnavailableError(PolyjitError, RuntimeError):
+    """The backend is registered but cannot run here (no driver, no platform, ...)."""
+
+
+class UnknownDeviceError(PolyjitError, LookupError):
+    """A device ordinal outside the backend's range."""
+
+
+class NodeNotInContextError(PolyjitError, KeyError):
+    """A node that a routine or transfer needs has no buffer in the context."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class MergeBufferMismatchError(PolyjitError, ValueError):
+    """A routine reads the merge buffer expecting one node, but it holds another (or none)."""
+
+
+class CompileError(PolyjitError, RuntimeError):
+    """The backend's compiler rejected generated source. The message holds the log and the lines."""
+
+    def __init__(self, message: str, *, source: str = "", log: str = "") -> None:
+        super().__init__(message)
+        self.source = source
+        self.log = log
+
+
+class PoolExhaustedError(PolyjitError, MemoryError):
+    """A pool allocation does not fit in the device's memory."""
+
+
+class FinalizedError(PolyjitError, RuntimeError):
+    """A context (or a routine linked into it) was used after finalize()."""
+
+
+class BindingError(PolyjitError, ValueError):
+    """A static-symbol binding is missing or out of its range."""

@@ -1,0 +1,674 @@
+"""The IR: tensor nodes, index expressions and assignments.
+
+A program is a ``Comp``: a tuple of assignments over ``Node``s. ``Accum`` is the
+one general construct: over a product space of loop symbols it writes
+``lhs[pl(it)] = accum(lhs[pl(it)], op(rhs_k[pk(it)]...))``, which covers
+elementwise ops, broadcasting, transposes, reductions and matmul. ``Fetch``
+fills a node with a constant, a fill value, a range, or a slice of another
+node at a (static) index.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, Union
+
+import attrs
+import numpy as np
+
+from polyjit.core import dtypes
+from polyjit.core.dtypes import DType, as_dtype
+from polyjit.core.errors import DTypeMismatchError, InvalidProgramError, ShapeMismatchError
+
+
+class MemoryMode(enum.Enum):
+    VIRTUAL = "virtual"  # inlined into its readers, never stored
+    LOCAL = "local"  # scratch inside one linked batch; its space is reused by the planner
+    ON_DEVICE = "on_device"  # stored in a context's slab
+    MATERIALIZED = "materialized"  # stored and readable from the host
+
+
+_node_ids = itertools.count(1)
+
+
+def _shape(value: Iterable[int]) -> tuple[int, ...]:
+    shape = tuple(int(d) for d in value)
+    if any(d < 0 for d in shape):
+        raise ShapeMismatchError(f"negative dimension in shape {shape}")
+    return shape
+
+
+@attrs.frozen(eq=False, repr=False)
+class Node:
+    """A tensor node. Identity (``id``) is what distinguishes nodes; names need not be unique."""
+
+    name: str
+    shape: tuple[int, ...] = attrs.field(converter=_shape)
+    dtype: DType = attrs.field(converter=as_dtype, default=dtypes.float32)
+    mode: MemoryMode | None = None
+    id: int = attrs.field(factory=lambda: next(_node_ids))
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    def __hash__(self) -> int:
+        return self.id
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __repr__(self) -> str:
+        shape = "x".join(map(str, self.shape)) or "scalar"
+        return f"Node({self.name}#{self.id} {shape} {self.dtype})"
+
+    @property
+    def label(self) -> str:
+        """A short human-readable name: ``name#id``."""
+        return f"{self.name}#{self.id}"
+
+    def with_mode(self, mode: MemoryMode | None) -> Node:
+        """The same node (same id) with another memory mode."""
+        return attrs.evolve(self, mode=mode)
+
+
+# ---------------------------------------------------------------------------
+# Index expressions
+
+
+@attrs.frozen
+class Symbol:
+    """A loop symbol of an Accum's product space."""
+
+    name: str
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+@attrs.frozen
+class StaticSymbol:
+    """An index whose value is a kernel argument bound when ``run()`` enqueues (e.g. a batch index).
+
+    ``bound`` is the exclusive upper limit of its values, checked at run time.
+    """
+
+    name: str
+    bound: int
+
+    def __repr__(self) -> str:
+        return f"${self.name}"
+
+
+Var = Union[Symbol, StaticSymbol]
+
+
+@attrs.frozen
+class Affine:
+    """``sum(coeff * var) + const`` over loop and static symbols. Terms are kept sorted and non-zero."""
+
+    terms: tuple[tuple[Var, int], ...] = ()
+    const: int = 0
+
+    @staticmethod
+    def of(mapping: Mapping[Var, int], const: int = 0) -> Affine:
+        items = [(v, int(c)) for v, c in mapping.items() if c != 0]
+        items.sort(key=lambda vc: (isinstance(vc[0], StaticSymbol), vc[0].name))
+        return Affine(tuple(items), int(const))
+
+    def coeff(self, var: Var) -> int:
+        for v, c in self.terms:
+            if v == var:
+                return c
+        return 0
+
+    @property
+    def vars(self) -> tuple[Var, ...]:
+        return tuple(v for v, _ in self.terms)
+
+    def as_dict(self) -> dict[Var, int]:
+        return dict(self.terms)
+
+    def __add__(self, other: Affine) -> Affine:
+        d = self.as_dict()
+        for v, c in other.terms:
+            d[v] = d.get(v, 0) + c
+        return Affine.of(d, self.const + other.const)
+
+    def scale(self, k: int) -> Affine:
+        return Affine.of({v: c * k for v, c in self.terms}, self.const * k)
+
+    def substitute(self, env: Mapping[Var, Affine]) -> Affine:
+        out = Affine((), self.const)
+        for v, c in self.terms:
+            out = out + (env[v].scale(c) if v in env else Affine(((v, c),)))
+        return out
+
+    def __repr__(self) -> str:
+        parts = [(f"{c}*{v!r}" if c != 1 else repr(v)) for v, c in self.terms]
+        if self.const or not parts:
+            parts.append(str(self.const))
+        return " + ".join(parts)
+
+
+def fixed(k: int) -> Affine:
+    """A fixed index."""
+    return Affine((), int(k))
+
+
+def affine(*terms: tuple[int, Var], const: int = 0) -> Affine:
+    """``affine((2, i), (1, j), const=3)`` is ``2*i + j + 3``."""
+    d: dict[Var, int] = {}
+    for c, v in terms:
+        d[v] = d.get(v, 0) + c
+    return Affine.of(d, const)
+
+
+Index = Union[Symbol, StaticSymbol, Affine, int]
+
+
+def as_affine(index: Index) -> Affine:
+    if isinstance(index, Affine):
+        return index
+    if isinstance(index, (Symbol, StaticSymbol)):
+        return Affine(((index, 1),))
+    if isinstance(index, (int, np.integer)):
+        return fixed(int(index))
+    raise InvalidProgramError(f"not an index expression: {index!r}")
+
+
+# ---------------------------------------------------------------------------
+# Operations
+
+
+class Op(enum.Enum):
+    """Scalar operations applied to the rhs operands of an Accum."""
+
+    # arity 1
+    ID = "id"
+    NEG = "neg"
+    ABS = "abs"
+    EXP = "exp"
+    LOG = "log"
+    SQRT = "sqrt"
+    TANH = "tanh"
+    SIGMOID = "sigmoid"
+    RELU = "relu"
+    CAST = "cast"  # converts to the lhs dtype
+    # arity 2
+    ADD = "add"
+    SUB = "sub"
+    MUL = "mul"
+    DIV = "div"  # integers: truncates toward zero, as C does
+    MAX = "max"
+    MIN = "min"
+    POW = "pow"
+    LT = "lt"
+    LE = "le"
+    GT = "gt"
+    GE = "ge"
+    EQ = "eq"
+    NE = "ne"
+    # arity 3
+    WHERE = "where"  # where(cond, a, b)
+
+    @property
+    def arity(self) -> int:
+        return _ARITY[self]
+
+
+_UNARY = {Op.ID, Op.NEG, Op.ABS, Op.EXP, Op.LOG, Op.SQRT, Op.TANH, Op.SIGMOID, Op.RELU, Op.CAST}
+_ARITY = {op: (1 if op in _UNARY else 3 if op is Op.WHERE else 2) for op in Op}
+FLOAT_ONLY = frozenset({Op.EXP, Op.LOG, Op.SQRT, Op.TANH, Op.SIGMOID, Op.POW})
+COMPARISONS = frozenset({Op.LT, Op.LE, Op.GT, Op.GE, Op.EQ, Op.NE})
+
+
+class AccumOp(enum.Enum):
+    """How an Accum combines a value with what the lhs cell holds."""
+
+    ADD = "add"
+    MUL = "mul"
+    MAX = "max"
+    MIN = "min"
+
+    def neutral(self, dtype: DType) -> float | int:
+        if self is AccumOp.ADD:
+            return 0
+        if self is AccumOp.MUL:
+            return 1
+        if dtype.is_float:
+            return -np.inf if self is AccumOp.MAX else np.inf
+        info = np.iinfo(dtype.np) if not dtype.is_bool else np.iinfo(np.uint8)
+        return int(info.min) if self is AccumOp.MAX else int(info.max)
+
+
+def result_dtype(op: Op, operand_dtypes: Sequence[DType], lhs_dtype: DType) -> DType:
+    """The dtype an op produces; raises DTypeMismatchError for operands it does not accept.
+
+    polyjit does not promote: arithmetic operands share one dtype, a cast is explicit.
+    """
+    if op is Op.CAST:
+        return lhs_dtype
+    if op is Op.WHERE:
+        cond, a, b = operand_dtypes
+        if not cond.is_bool:
+            raise DTypeMismatchError(f"where() needs a bool condition, got {cond}")
+        if a != b:
+            raise DTypeMismatchError(f"where() branches differ in dtype: {a} and {b}")
+        return a
+    first = operand_dtypes[0]
+    for d in operand_dtypes[1:]:
+        if d != first:
+            names = ", ".join(str(x) for x in operand_dtypes)
+            raise DTypeMismatchError(f"{op.value} operands differ in dtype ({names}); cast first")
+    if op in COMPARISONS:
+        return dtypes.bool_
+    if op in FLOAT_ONLY and not first.is_float:
+        raise DTypeMismatchError(f"{op.value} needs a floating dtype, got {first}; cast first")
+    if first.is_bool and op is not Op.ID:
+        raise DTypeMismatchError(f"{op.value} is not defined on bool; cast first")
+    return first
+
+
+# ---------------------------------------------------------------------------
+# Operands and assignments
+
+
+@attrs.frozen
+class MergeRead:
+    """Read ``node`` from the device's merge buffer instead of the node's own buffer."""
+
+    node: Node
+
+
+def merge(node: Node) -> MergeRead:
+    """An operand that reads what a device_to_device(..., MergeBuffer.COPY) put in the merge buffer."""
+    return MergeRead(node)
+
+
+Scalar = Union[int, float, bool]
+Operand = Union[Node, MergeRead, Scalar]
+
+
+def _is_tensor_operand(x: object) -> bool:
+    return isinstance(x, (Node, MergeRead))
+
+
+def operand_node(x: Node | MergeRead) -> Node:
+    return x.node if isinstance(x, MergeRead) else x
+
+
+@attrs.frozen
+class Projections:
+    """The product space (symbols and extents) and the index tuple of the lhs and of each tensor rhs."""
+
+    product_space: tuple[tuple[Symbol, int], ...]
+    lhs: tuple[Affine, ...]
+    rhs: tuple[tuple[Affine, ...], ...]
+
+    @property
+    def symbols(self) -> tuple[Symbol, ...]:
+        return tuple(s for s, _ in self.product_space)
+
+    def extent(self, sym: Symbol) -> int:
+        for s, n in self.product_space:
+            if s == sym:
+                return n
+        raise InvalidProgramError(f"symbol {sym!r} is not in the product space")
+
+
+def projections(
+    space: Sequence[tuple[Symbol, int]], lhs: Sequence[Index], *rhs: Sequence[Index]
+) -> Projections:
+    return Projections(
+        tuple((s, int(n)) for s, n in space),
+        tuple(as_affine(i) for i in lhs),
+        tuple(tuple(as_affine(i) for i in r) for r in rhs),
+    )
+
+
+@attrs.frozen
+class Accum:
+    """``lhs[pl(it)] = accum(lhs[pl(it)], op(rhs...))`` over the product space; accum=None assigns.
+
+    With ``init_neutral`` the lhs starts from the accumulation's neutral element
+    (zero for a sum); without it the accumulation adds onto what the lhs holds.
+    """
+
+    lhs: Node
+    accum: AccumOp | None
+    op: Op
+    rhs: tuple[Operand, ...]
+    projections: Projections
+    init_neutral: bool = True
+
+    def __attrs_post_init__(self) -> None:
+        _check_accum(self)
+
+    @property
+    def tensor_operands(self) -> tuple[Node | MergeRead, ...]:
+        return tuple(x for x in self.rhs if _is_tensor_operand(x))  # type: ignore[misc]
+
+
+@attrs.frozen
+class Fill:
+    value: Scalar
+
+
+@attrs.frozen
+class Range:
+    """Each cell gets its row-major flat index (cast to the node's dtype)."""
+
+
+@attrs.frozen(eq=False)
+class Constant:
+    """A host array; the node becomes a read-only constant in the device's constant table."""
+
+    values: np.ndarray[Any, Any]
+
+
+@attrs.frozen
+class Slice:
+    """``node[...] = source[index, ...]``: a slice of ``source`` along its first axis."""
+
+    source: Node
+    index: Affine = attrs.field(converter=as_affine)
+
+
+FetchValue = Union[Fill, Range, Constant, Slice]
+
+
+@attrs.frozen
+class Fetch:
+    node: Node
+    value: FetchValue
+
+    def __attrs_post_init__(self) -> None:
+        _check_fetch(self)
+
+
+@attrs.frozen
+class Seq:
+    items: tuple[Assignment, ...]
+
+
+@attrs.frozen
+class Block:
+    comment: str
+    body: Assignment
+
+
+Assignment = Union[Accum, Fetch, Seq, Block]
+
+
+def flatten(a: Assignment) -> Iterator[Accum | Fetch]:
+    """The Accum and Fetch leaves of an assignment tree, in program order."""
+    if isinstance(a, (Accum, Fetch)):
+        yield a
+    elif isinstance(a, Seq):
+        for item in a.items:
+            yield from flatten(item)
+    elif isinstance(a, Block):
+        yield from flatten(a.body)
+    else:
+        raise InvalidProgramError(f"not an assignment: {a!r}")
+
+
+def writes(a: Accum | Fetch) -> Node:
+    return a.lhs if isinstance(a, Accum) else a.node
+
+
+def reads(a: Accum | Fetch) -> tuple[Node | MergeRead, ...]:
+    if isinstance(a, Accum):
+        return a.tensor_operands
+    if isinstance(a.value, Slice):
+        return (a.value.source,)
+    return ()
+
+
+@attrs.frozen
+class Comp:
+    """A computation: assignments plus the nodes it creates (``embedded``), which persist in the context.
+
+    When ``embedded`` is not given, it is the nodes the computation writes that
+    are either read by no assignment of it (its results) or have an explicit
+    stored memory mode. Other written nodes are intermediates: inlined when they
+    can be, else scratch space inside the batch.
+    """
+
+    assignments: tuple[Assignment, ...]
+    embedded: frozenset[Node]
+
+    @staticmethod
+    def of(*assignments: Assignment, embedded: Iterable[Node] | None = None) -> Comp:
+        flat = [leaf for a in assignments for leaf in flatten(a)]
+        if embedded is None:
+            read = {operand_node(x) for leaf in flat for x in reads(leaf)}
+            stored = {MemoryMode.ON_DEVICE, MemoryMode.MATERIALIZED}
+            embedded = [
+                writes(leaf) for leaf in flat if writes(leaf) not in read or writes(leaf).mode in stored
+            ]
+        return Comp(tuple(assignments), frozenset(embedded))
+
+    def leaves(self) -> list[Accum | Fetch]:
+        return [leaf for a in self.assignments for leaf in flatten(a)]
+
+
+# ---------------------------------------------------------------------------
+# Validation
+
+
+def _check_index_bounds(
+    node: Node, index: tuple[Affine, ...], space: Mapping[Symbol, int], what: str
+) -> None:
+    if len(index) != len(node.shape):
+        raise ShapeMismatchError(
+            f"{what} indexes {node.label} of shape {node.shape} with {len(index)} indices"
+        )
+    for dim, (e, n) in enumerate(zip(index, node.shape)):
+        lo = hi = e.const
+        for v, c in e.terms:
+            if isinstance(v, StaticSymbol):
+                top = v.bound - 1
+            elif v in space:
+                top = space[v] - 1
+            else:
+                raise InvalidProgramError(f"{what}: symbol {v!r} is not in the product space")
+            lo += min(0, c * top)
+            hi += max(0, c * top)
+        if lo < 0 or hi >= n:
+            raise ShapeMismatchError(
+                f"{what}: index {e!r} of {node.label} axis {dim} ranges over [{lo}, {hi}] "
+                f"but the axis has size {n}"
+            )
+
+
+def accum_operand_dtypes(a: Accum) -> list[DType]:
+    """The dtype of each rhs operand; a Python scalar takes the dtype of the tensor values beside it."""
+    value_positions = (1, 2) if a.op is Op.WHERE else range(len(a.rhs))
+    tensor_values = [operand_node(a.rhs[k]).dtype for k in value_positions if _is_tensor_operand(a.rhs[k])]
+    scalar_dtype = tensor_values[0] if tensor_values else a.lhs.dtype
+    out: list[DType] = []
+    for k, x in enumerate(a.rhs):
+        if _is_tensor_operand(x):
+            out.append(operand_node(x).dtype)  # type: ignore[arg-type]
+        elif a.op is Op.WHERE and k == 0:
+            out.append(dtypes.bool_)
+        else:
+            out.append(scalar_dtype)
+    return out
+
+
+def _check_accum(a: Accum) -> None:
+    pr = a.projections
+    space = dict(pr.product_space)
+    if len(space) != len(pr.product_space):
+        raise InvalidProgramError(f"repeated symbol in product space {pr.product_space}")
+    if a.op.arity != len(a.rhs):
+        raise InvalidProgramError(f"{a.op.value} takes {a.op.arity} operands, got {len(a.rhs)}")
+    tensors = a.tensor_operands
+    if len(pr.rhs) != len(tensors):
+        raise InvalidProgramError(
+            f"{len(tensors)} tensor operands but {len(pr.rhs)} rhs projections for {a.lhs.label}"
+        )
+    _check_index_bounds(a.lhs, pr.lhs, space, f"write of {a.lhs.label}")
+    for x, idx in zip(tensors, pr.rhs):
+        _check_index_bounds(operand_node(x), idx, space, f"read for {a.lhs.label}")
+    operand_dtypes = accum_operand_dtypes(a)
+    out = result_dtype(a.op, operand_dtypes, a.lhs.dtype)
+    if out != a.lhs.dtype:
+        raise DTypeMismatchError(
+            f"{a.op.value} produces {out} but {a.lhs.label} is {a.lhs.dtype}; add a cast"
+        )
+    if a.accum is not None and a.lhs.dtype.is_bool:
+        raise DTypeMismatchError(f"cannot accumulate into bool node {a.lhs.label}")
+
+
+def _check_fetch(f: Fetch) -> None:
+    v = f.value
+    if isinstance(v, Constant):
+        if tuple(v.values.shape) != f.node.shape:
+            raise ShapeMismatchError(
+                f"constant of shape {v.values.shape} for {f.node.label} of shape {f.node.shape}"
+            )
+        if v.values.dtype != f.node.dtype.np:
+            raise DTypeMismatchError(
+                f"constant of dtype {v.values.dtype} for {f.node.label} of dtype {f.node.dtype}"
+            )
+    elif isinstance(v, Slice):
+        if v.source.shape[1:] != f.node.shape:
+            raise ShapeMismatchError(
+                f"slice of {v.source.label} {v.source.shape} has shape {v.source.shape[1:]}, "
+                f"but {f.node.label} is {f.node.shape}"
+            )
+        if v.source.dtype != f.node.dtype:
+            raise DTypeMismatchError(
+                f"slice of {v.source.label} ({v.source.dtype}) into {f.node.label} ({f.node.dtype})"
+            )
+        _check_index_bounds(v.source, (v.index,) + tuple(fixed(0) for _ in f.node.shape), {},
+                            f"slice of {v.source.label}")
+
+
+# ---------------------------------------------------------------------------
+# Convenient constructors
+
+
+def _symbols(n: int, prefix: str = "i") -> list[Symbol]:
+    return [Symbol(f"{prefix}{k}") for k in range(n)]
+
+
+def _broadcast_index(shape: tuple[int, ...], out_syms: Sequence[Symbol]) -> tuple[Affine, ...]:
+    """numpy broadcasting: align trailing axes; a size-1 axis reads index 0."""
+    offset = len(out_syms) - len(shape)
+    return tuple(
+        fixed(0) if n == 1 else as_affine(out_syms[offset + k]) for k, n in enumerate(shape)
+    )
+
+
+def broadcast_shapes(*shapes: tuple[int, ...]) -> tuple[int, ...]:
+    try:
+        return tuple(int(d) for d in np.broadcast_shapes(*shapes))
+    except ValueError:
+        raise ShapeMismatchError(f"shapes {shapes} do not broadcast together") from None
+
+
+def apply(
+    op: Op,
+    *operands: Operand,
+    into: Node,
+    accum: AccumOp | None = None,
+    init_neutral: bool = True,
+) -> Accum:
+    """An elementwise Accum with numpy broadcasting of the tensor operands to ``into.shape``."""
+    shapes = [operand_node(x).shape for x in operands if _is_tensor_operand(x)]
+    out_shape = broadcast_shapes(into.shape, *shapes)
+    if out_shape != into.shape:
+        raise ShapeMismatchError(
+            f"operands of {op.value} broadcast to {out_shape}, but {into.label} is {into.shape}"
+        )
+    syms = _symbols(len(into.shape))
+    space = tuple(zip(syms, into.shape))
+    rhs_idx = [_broadcast_index(operand_node(x).shape, syms) for x in operands if _is_tensor_operand(x)]
+    return Accum(
+        into,
+        accum,
+        op,
+        tuple(operands),
+        Projections(space, tuple(as_affine(s) for s in syms), tuple(rhs_idx)),
+        init_neutral,
+    )
+
+
+_EINSUM_SPEC = re.compile(r"^\s*([a-zA-Z]*)\s*((?:,\s*[a-zA-Z]*\s*)*)->\s*([a-zA-Z]*)\s*$")
+
+
+def einsum(
+    spec: str,
+    *operands: Node | MergeRead,
+    into: Node,
+    accum: AccumOp = AccumOp.ADD,
+    init_neutral: bool = True,
+) -> Accum:
+    """``einsum("ik,kj->ij", a, b, into=c)``: multiply the operands, accumulate over dropped letters.
+
+    One operand is a transpose or a reduction (``"ij->i"``); two are a product
+    (matmul, outer product, batched forms). ``accum`` picks the reduction.
+    """
+    m = _EINSUM_SPEC.match(spec)
+    if not m:
+        raise InvalidProgramError(f"bad einsum spec {spec!r}")
+    ins = [m.group(1)] + [s.strip() for s in m.group(2).split(",")[1:]]
+    out = m.group(3)
+    if len(ins) != len(operands):
+        raise InvalidProgramError(f"einsum {spec!r} names {len(ins)} operands, got {len(operands)}")
+    if len(operands) not in (1, 2):
+        raise InvalidProgramError("einsum takes one or two operands")
+    extents: dict[str, int] = {}
+    for letters, x in zip(ins + [out], [*operands, into]):
+        shape = operand_node(x).shape
+        if len(letters) != len(shape):
+            raise ShapeMismatchError(
+                f"einsum {spec!r}: {letters!r} has {len(letters)} axes but "
+                f"{operand_node(x).label} has shape {shape}"
+            )
+        for ch, n in zip(letters, shape):
+            if extents.setdefault(ch, n) != n:
+                raise ShapeMismatchError(
+                    f"einsum {spec!r}: axis {ch!r} has sizes {extents[ch]} and {n}"
+                )
+    for ch in out:
+        if not any(ch in s for s in ins):
+            raise InvalidProgramError(f"einsum {spec!r}: output axis {ch!r} is in no operand")
+    order = list(dict.fromkeys(out + "".join(ins)))
+    sym = {ch: Symbol(ch) for ch in order}
+    space = tuple((sym[ch], extents[ch]) for ch in order)
+    pr = Projections(
+        space,
+        tuple(as_affine(sym[ch]) for ch in out),
+        tuple(tuple(as_affine(sym[ch]) for ch in s) for s in ins),
+    )
+    op = Op.ID if len(operands) == 1 else Op.MUL
+    return Accum(into, accum, op, tuple(operands), pr, init_neutral)
+
+
+def fill(node: Node, value: Scalar) -> Fetch:
+    return Fetch(node, Fill(value))
+
+
+def arange(node: Node) -> Fetch:
+    return Fetch(node, Range())
+
+
+def constant(node: Node, values: Any) -> Fetch:
+    return Fetch(node, Constant(np.ascontiguousarray(values, dtype=node.dtype.np)))
+
+
+def slice_at(node: Node, source: Node, index: Index) -> Fetch:
+    return Fetch(node, Slice(source, as_affine(index)))

@@ -1,0 +1,589 @@
+"""Lowering: assignments -> loop IR.
+
+Steps, for a batch of computations:
+1. memory-mode inference: which written nodes are inlined (VIRTUAL), which are
+   scratch inside the batch (LOCAL) and which persist in the context;
+2. each remaining Accum/Fetch becomes one or two kernels: a parallel nest over
+   the cells it writes, around a Store, a Reduce (a per-cell accumulator over
+   the reduction symbols) or serial loops; a zero-fill kernel goes first when
+   the accumulation is not injective and surjective;
+3. VIRTUAL nodes are inlined into their readers (this fuses elementwise chains);
+4. simplification: size-1 loops vanish, adjacent loops that walk memory
+   contiguously merge into one.
+
+Each kernel reports its inputs and outputs *after* inlining.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Union
+
+import attrs
+import numpy as np
+
+from polyjit.core import dtypes, ir
+from polyjit.core.dtypes import DType
+from polyjit.core.errors import InvalidProgramError
+from polyjit.core.ir import Affine, MemoryMode, Node, Symbol
+
+# ---------------------------------------------------------------------------
+# Loop IR: expressions
+
+
+@attrs.frozen
+class Load:
+    node: Node
+    index: Affine  # flat, row-major, in elements
+    merge: bool = False  # read from the device's merge buffer
+
+    @property
+    def dtype(self) -> DType:
+        return self.node.dtype
+
+
+@attrs.frozen
+class Const:
+    value: int | float | bool
+    dtype: DType
+
+
+@attrs.frozen
+class IndexValue:
+    """An index expression used as a value (``Range``)."""
+
+    index: Affine
+    dtype: DType = dtypes.int64
+
+
+@attrs.frozen
+class Call:
+    op: ir.Op
+    args: tuple[Expr, ...]
+    dtype: DType  # the result dtype (for CAST: the target)
+
+
+Expr = Union[Load, Const, IndexValue, Call]
+
+# ---------------------------------------------------------------------------
+# Loop IR: statements
+
+
+@attrs.frozen
+class Store:
+    """``node[index] = value``, or ``node[index] = accum(node[index], value)``."""
+
+    node: Node
+    index: Affine
+    value: Expr
+    accum: ir.AccumOp | None = None
+
+
+@attrs.frozen
+class Reduce:
+    """One output cell: ``acc = init (or the cell); for loops: acc = accum(acc, value); cell = acc``."""
+
+    node: Node
+    index: Affine
+    accum: ir.AccumOp
+    init: Expr | None  # None: start from what the cell holds
+    loops: tuple[tuple[Symbol, int], ...]
+    value: Expr
+
+
+@attrs.frozen
+class Loop:
+    """A serial loop."""
+
+    sym: Symbol
+    extent: int
+    body: Stmt
+
+
+Stmt = Union[Store, Reduce, Loop]
+
+
+@attrs.frozen
+class Kernel:
+    """One kernel: a nest of parallel loops around a body."""
+
+    name: str
+    parallel: tuple[tuple[Symbol, int], ...]
+    body: Stmt
+    comment: str = ""
+
+    @property
+    def stores(self) -> list[Store | Reduce]:
+        return [s for s in walk_stmts(self.body) if isinstance(s, (Store, Reduce))]
+
+    @property
+    def loads(self) -> list[Load]:
+        return [e for e in walk_exprs(self.body) if isinstance(e, Load)]
+
+    @property
+    def outputs(self) -> tuple[Node, ...]:
+        return tuple(dict.fromkeys(s.node for s in self.stores))
+
+    @property
+    def inputs(self) -> tuple[Node, ...]:
+        """Nodes read from their own buffers (in-place accumulation reads the lhs too)."""
+        nodes = [ld.node for ld in self.loads if not ld.merge]
+        nodes += [s.node for s in self.stores if isinstance(s, Store) and s.accum is not None]
+        nodes += [s.node for s in self.stores if isinstance(s, Reduce) and s.init is None]
+        return tuple(dict.fromkeys(nodes))
+
+    @property
+    def buffers(self) -> tuple[Node, ...]:
+        """The kernel's buffer parameters, in order: outputs first, then inputs."""
+        return tuple(dict.fromkeys(self.outputs + self.inputs))
+
+    @property
+    def merge_input(self) -> Node | None:
+        merged = [ld.node for ld in self.loads if ld.merge]
+        return merged[0] if merged else None
+
+    @property
+    def statics(self) -> tuple[ir.StaticSymbol, ...]:
+        found = {v for a in affines_of(self) for v in a.vars if isinstance(v, ir.StaticSymbol)}
+        return tuple(sorted(found, key=lambda s: s.name))
+
+    @property
+    def work(self) -> int:
+        """Iterations of the parallel nest (the dialects' launch size)."""
+        return int(np.prod([n for _, n in self.parallel], dtype=np.int64))
+
+
+def walk_stmts(s: Stmt) -> Iterator[Stmt]:
+    yield s
+    if isinstance(s, Loop):
+        yield from walk_stmts(s.body)
+
+
+def _expr_children(e: Expr) -> tuple[Expr, ...]:
+    return e.args if isinstance(e, Call) else ()
+
+
+def _walk_expr(e: Expr) -> Iterator[Expr]:
+    yield e
+    for c in _expr_children(e):
+        yield from _walk_expr(c)
+
+
+def walk_exprs(s: Stmt) -> Iterator[Expr]:
+    for st in walk_stmts(s):
+        if isinstance(st, Store):
+            yield from _walk_expr(st.value)
+        elif isinstance(st, Reduce):
+            if st.init is not None:
+                yield from _walk_expr(st.init)
+            yield from _walk_expr(st.value)
+
+
+def affines_of(k: Kernel) -> Iterator[Affine]:
+    for st in walk_stmts(k.body):
+        if isinstance(st, (Store, Reduce)):
+            yield st.index
+    for e in walk_exprs(k.body):
+        if isinstance(e, (Load, IndexValue)):
+            yield e.index
+
+
+# ---------------------------------------------------------------------------
+# Mapping affines (substitution, loop merging)
+
+
+def _map_expr(e: Expr, f: Callable[[Affine], Affine]) -> Expr:
+    if isinstance(e, Load):
+        return attrs.evolve(e, index=f(e.index))
+    if isinstance(e, IndexValue):
+        return attrs.evolve(e, index=f(e.index))
+    if isinstance(e, Call):
+        return attrs.evolve(e, args=tuple(_map_expr(a, f) for a in e.args))
+    return e
+
+
+def _map_stmt(s: Stmt, f: Callable[[Affine], Affine], loops: Callable[[Symbol, int], tuple[Symbol, int]] | None = None) -> Stmt:
+    if isinstance(s, Store):
+        return attrs.evolve(s, index=f(s.index), value=_map_expr(s.value, f))
+    if isinstance(s, Reduce):
+        init = None if s.init is None else _map_expr(s.init, f)
+        new_loops = tuple(loops(*lp) for lp in s.loops) if loops else s.loops
+        return attrs.evolve(s, index=f(s.index), init=init, loops=new_loops, value=_map_expr(s.value, f))
+    sym, ext = loops(s.sym, s.extent) if loops else (s.sym, s.extent)
+    return Loop(sym, ext, _map_stmt(s.body, f, loops))
+
+
+# ---------------------------------------------------------------------------
+# Memory-mode inference
+
+
+def _is_bijective_write(a: ir.Accum) -> bool:
+    """The lhs index is a permutation of the whole product space onto the whole node."""
+    pr = a.projections
+    if len(pr.lhs) != len(pr.product_space):
+        return False
+    seen: set[Symbol] = set()
+    for e, n in zip(pr.lhs, a.lhs.shape):
+        if e.const != 0 or len(e.terms) != 1:
+            return False
+        v, c = e.terms[0]
+        if c != 1 or not isinstance(v, Symbol) or v in seen or pr.extent(v) != n:
+            return False
+        seen.add(v)
+    return True
+
+
+def _is_elementwise_writer(leaf: ir.Accum | ir.Fetch) -> bool:
+    if isinstance(leaf, ir.Fetch):
+        return not isinstance(leaf.value, ir.Constant)
+    return leaf.accum is None and _is_bijective_write(leaf)
+
+
+def _read_covers_space(reader: ir.Accum, node: Node) -> bool:
+    """Every loop symbol of the reader appears in its read of node: each element is computed once."""
+    for x, idx in zip(reader.tensor_operands, reader.projections.rhs):
+        if x is node:
+            used = {v for e in idx for v in e.vars}
+            return all(s in used for s in reader.projections.symbols)
+    return False
+
+
+@attrs.frozen
+class Inference:
+    modes: dict[Node, MemoryMode]
+    writer: dict[Node, ir.Accum | ir.Fetch]  # the unique writer of each VIRTUAL node
+
+
+def infer_modes(comps: Sequence[ir.Comp]) -> Inference:
+    """Decide the memory mode of every node the batch writes (see the module docstring)."""
+    leaves: list[tuple[int, ir.Accum | ir.Fetch]] = [
+        (ci, leaf) for ci, c in enumerate(comps) for leaf in c.leaves()
+    ]
+    embedded = frozenset().union(*(c.embedded for c in comps))
+    writers: dict[Node, list[int]] = {}
+    readers: dict[Node, list[int]] = {}
+    for pos, (_, leaf) in enumerate(leaves):
+        for x in ir.reads(leaf):
+            if isinstance(x, Node):
+                readers.setdefault(x, []).append(pos)
+        writers.setdefault(ir.writes(leaf), []).append(pos)
+
+    modes: dict[Node, MemoryMode] = {}
+    writer_of: dict[Node, ir.Accum | ir.Fetch] = {}
+    for node, wpos in writers.items():
+        explicit = node.mode
+        if node in embedded or explicit in (MemoryMode.ON_DEVICE, MemoryMode.MATERIALIZED):
+            modes[node] = explicit or MemoryMode.MATERIALIZED
+            if explicit in (MemoryMode.VIRTUAL, MemoryMode.LOCAL):
+                raise InvalidProgramError(
+                    f"{node.label} is {explicit.value} but is embedded (a result of the computation)"
+                )
+            continue
+        why_not = _why_not_inlinable(node, wpos, readers.get(node, []), leaves)
+        if why_not is None and explicit in (None, MemoryMode.VIRTUAL):
+            modes[node] = MemoryMode.VIRTUAL
+            writer_of[node] = leaves[wpos[0]][1]
+        elif explicit is MemoryMode.VIRTUAL:
+            raise InvalidProgramError(f"{node.label} is marked VIRTUAL but cannot be inlined: {why_not}")
+        else:
+            modes[node] = MemoryMode.LOCAL
+    return Inference(modes, writer_of)
+
+
+def _why_not_inlinable(
+    node: Node, wpos: list[int], rpos: list[int], leaves: list[tuple[int, ir.Accum | ir.Fetch]]
+) -> str | None:
+    if len(wpos) != 1:
+        return "it is written more than once"
+    w = wpos[0]
+    comp, writer = leaves[w]
+    if not _is_elementwise_writer(writer):
+        return "its writer is not elementwise (a reduction, a partial or strided write)"
+    if len(rpos) != 1:
+        return f"it is read {len(rpos)} times, not once"
+    r = rpos[0]
+    rcomp, reader = leaves[r]
+    if r <= w:
+        return "it is read before it is written"
+    if rcomp != comp:
+        return "its reader is in another computation of the batch"
+    if isinstance(reader, ir.Accum) and isinstance(writer, ir.Accum) and not _read_covers_space(reader, node):
+        return "its reader reads each element several times (broadcast or contraction)"
+    if any(isinstance(x, ir.MergeRead) for x in ir.reads(writer)):
+        return "its writer reads the merge buffer"
+    sources = {ir.operand_node(x) for x in ir.reads(writer)}
+    for _, between in leaves[w + 1 : r]:
+        if ir.writes(between) in sources:
+            return f"{ir.writes(between).label}, which its writer reads, changes before the read"
+    return None
+
+
+# ---------------------------------------------------------------------------
+# Lowering of one leaf
+
+
+def strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out = [1] * len(shape)
+    for k in range(len(shape) - 2, -1, -1):
+        out[k] = out[k + 1] * shape[k + 1]
+    return tuple(out)
+
+
+def flat_index(node: Node, index: Sequence[Affine]) -> Affine:
+    out = Affine()
+    for e, st in zip(index, strides(node.shape)):
+        out = out + e.scale(st)
+    return out
+
+
+class _Lowerer:
+    def __init__(self, inference: Inference) -> None:
+        self.inference = inference
+        self._fresh = 0
+
+    def fresh_symbols(self, n: int) -> list[Symbol]:
+        out = [Symbol(f"_c{self._fresh + k}") for k in range(n)]
+        self._fresh += n
+        return out
+
+    # -- expressions -------------------------------------------------------
+
+    def read(self, x: Node | ir.MergeRead, index: Sequence[Affine]) -> Expr:
+        if isinstance(x, ir.MergeRead):
+            return Load(x.node, flat_index(x.node, index), merge=True)
+        if self.inference.modes.get(x) is MemoryMode.VIRTUAL:
+            return self.inline(self.inference.writer[x], index)
+        return Load(x, flat_index(x, index))
+
+    def inline(self, writer: ir.Accum | ir.Fetch, index: Sequence[Affine]) -> Expr:
+        """The writer's value at ``index`` (its cell symbols replaced by the reader's indices)."""
+        if isinstance(writer, ir.Fetch):
+            return self.fetch_value(writer, index)
+        env = {e.terms[0][0]: idx for e, idx in zip(writer.projections.lhs, index)}
+        return self.value(writer, lambda a: a.substitute(env))
+
+    def value(self, a: ir.Accum, remap: Callable[[Affine], Affine] = lambda x: x) -> Expr:
+        operand_dtypes = ir.accum_operand_dtypes(a)
+        out_dtype = ir.result_dtype(a.op, operand_dtypes, a.lhs.dtype)
+        args: list[Expr] = []
+        tensor_k = 0
+        for x, dt in zip(a.rhs, operand_dtypes):
+            if isinstance(x, (Node, ir.MergeRead)):
+                idx = [remap(e) for e in a.projections.rhs[tensor_k]]
+                tensor_k += 1
+                args.append(self.read(x, idx))
+            else:
+                args.append(Const(x, dt))
+        if a.op is ir.Op.ID:
+            return args[0]
+        return Call(a.op, tuple(args), out_dtype)
+
+    def fetch_value(self, f: ir.Fetch, cell: Sequence[Affine]) -> Expr:
+        v = f.value
+        if isinstance(v, ir.Fill):
+            return Const(v.value, f.node.dtype)
+        if isinstance(v, ir.Range):
+            return Call(ir.Op.CAST, (IndexValue(flat_index(f.node, cell)),), f.node.dtype)
+        if isinstance(v, ir.Slice):
+            return self.read(v.source, (v.index, *cell))
+        raise InvalidProgramError(f"a constant cannot be inlined: {f.node.label}")
+
+    # -- kernels -------------------------------------------------------------
+
+    def cell_nest(self, node: Node) -> tuple[tuple[tuple[Symbol, int], ...], tuple[Affine, ...]]:
+        syms = self.fresh_symbols(len(node.shape))
+        return tuple(zip(syms, node.shape)), tuple(ir.as_affine(s) for s in syms)
+
+    def fill_kernel(self, name: str, node: Node, value: Expr, comment: str) -> Kernel:
+        nest, cell = self.cell_nest(node)
+        return Kernel(name, nest, Store(node, flat_index(node, cell), value), comment)
+
+    def lower_fetch(self, name: str, f: ir.Fetch) -> list[Kernel]:
+        if isinstance(f.value, ir.Constant):
+            return []  # constants are uploaded at link time, not computed
+        nest, cell = self.cell_nest(f.node)
+        body = Store(f.node, flat_index(f.node, cell), self.fetch_value(f, cell))
+        return [Kernel(name, nest, body, f"fetch {type(f.value).__name__.lower()} {f.node.label}")]
+
+    def lower_accum(self, name: str, a: ir.Accum) -> list[Kernel]:
+        pr = a.projections
+        lhs_index = flat_index(a.lhs, pr.lhs)
+        value = self.value(a)
+        cells = _cell_symbols(a)  # None when two iterations may write one cell
+        comment = f"{a.lhs.label} {'=' if a.accum is None else a.accum.value + '='} {a.op.value}"
+        kernels: list[Kernel] = []
+        surjective = cells is not None and _is_surjective(a)
+        if a.accum is not None and a.init_neutral and not surjective:
+            zero = Const(a.accum.neutral(a.lhs.dtype), a.lhs.dtype)
+            kernels.append(self.fill_kernel(f"{name}_init", a.lhs, zero, f"{a.lhs.label} = neutral"))
+        start_from_neutral = a.init_neutral and surjective
+        if cells is None:  # serial: iterations may hit the same cell
+            body: Stmt = Store(a.lhs, lhs_index, value, a.accum)
+            for s, n in reversed(pr.product_space):
+                body = Loop(s, n, body)
+            kernels.append(Kernel(name, (), body, comment + " (serial)"))
+            return kernels
+        parallel = tuple((s, pr.extent(s)) for s in cells)
+        rest = tuple((s, n) for s, n in pr.product_space if s not in cells)
+        if a.accum is None or not rest:
+            accum = None if (a.accum is None or start_from_neutral) else a.accum
+            body = Store(a.lhs, lhs_index, value, accum)
+            for s, n in reversed(rest):  # an assignment over extra symbols: the last write wins
+                body = Loop(s, n, body)
+        else:
+            init = Const(a.accum.neutral(a.lhs.dtype), a.lhs.dtype) if start_from_neutral else None
+            body = Reduce(a.lhs, lhs_index, a.accum, init, rest, value)
+        kernels.append(Kernel(name, parallel, body, comment))
+        return kernels
+
+
+def _cell_symbols(a: ir.Accum) -> tuple[Symbol, ...] | None:
+    """The symbols that pick the lhs cell, in lhs axis order, if distinct iterations of them
+    write distinct cells (each lhs index uses at most one symbol, each symbol at most once)."""
+    out: list[Symbol] = []
+    for e in a.projections.lhs:
+        loop_vars = [v for v in e.vars if isinstance(v, Symbol)]
+        if len(loop_vars) > 1:
+            return None
+        if loop_vars:
+            if loop_vars[0] in out:
+                return None
+            out.append(loop_vars[0])
+    return tuple(out)
+
+
+def _is_surjective(a: ir.Accum) -> bool:
+    """Every cell of the lhs is written."""
+    for e, n in zip(a.projections.lhs, a.lhs.shape):
+        if n == 1:
+            continue
+        if e.const != 0 or len(e.terms) != 1:
+            return False
+        v, c = e.terms[0]
+        if c != 1 or not isinstance(v, Symbol) or a.projections.extent(v) != n:
+            return False
+    return True
+
+
+# ---------------------------------------------------------------------------
+# Simplification
+
+
+def _drop_unit_loops(k: Kernel) -> Kernel:
+    units = {s: Affine() for s, n in k.parallel if n == 1}
+    units.update({st.sym: Affine() for st in walk_stmts(k.body) if isinstance(st, Loop) and st.extent == 1})
+    for st in walk_stmts(k.body):
+        if isinstance(st, Reduce):
+            units.update({s: Affine() for s, n in st.loops if n == 1})
+    if not units:
+        return k
+    body = _strip_loops(k.body, set(units))
+    body = _map_stmt(body, lambda a: a.substitute(units))
+    return attrs.evolve(k, parallel=tuple((s, n) for s, n in k.parallel if s not in units), body=body)
+
+
+def _strip_loops(s: Stmt, drop: set[Symbol]) -> Stmt:
+    if isinstance(s, Loop):
+        inner = _strip_loops(s.body, drop)
+        return inner if s.sym in drop else Loop(s.sym, s.extent, inner)
+    if isinstance(s, Reduce):
+        return attrs.evolve(s, loops=tuple((v, n) for v, n in s.loops if v not in drop))
+    return s
+
+
+def _merge_parallel(k: Kernel) -> Kernel:
+    """Merge adjacent parallel loops (outer, inner) when every index has coeff(outer) ==
+    extent(inner) * coeff(inner): the pair then walks memory like one loop."""
+    changed = True
+    while changed and len(k.parallel) > 1:
+        changed = False
+        affs = list(affines_of(k))
+        for pos in range(len(k.parallel) - 1):
+            (so, no), (si, ni) = k.parallel[pos], k.parallel[pos + 1]
+            if all(a.coeff(so) == ni * a.coeff(si) for a in affs):
+                drop = {so: Affine()}
+                body = _map_stmt(k.body, lambda a, drop=drop: a.substitute(drop))
+                parallel = k.parallel[:pos] + ((si, no * ni),) + k.parallel[pos + 2 :]
+                k = attrs.evolve(k, parallel=parallel, body=body)
+                changed = True
+                break
+    return k
+
+
+def simplify(k: Kernel) -> Kernel:
+    return _merge_parallel(_drop_unit_loops(k))
+
+
+# ---------------------------------------------------------------------------
+# The batch
+
+
+@attrs.frozen
+class LoweredComp:
+    name: str
+    kernels: tuple[Kernel, ...]
+    inputs: tuple[Node, ...]  # read before written: must be in the context at link time
+    outputs: tuple[Node, ...]  # persist in the context (embedded)
+    scratch: tuple[Node, ...]  # LOCAL: stored only inside the batch
+    constants: tuple[tuple[Node, np.ndarray], ...]
+    merge_input: Node | None
+
+    @property
+    def statics(self) -> tuple[ir.StaticSymbol, ...]:
+        found = {s for k in self.kernels for s in k.statics}
+        return tuple(sorted(found, key=lambda s: s.name))
+
+
+@attrs.frozen
+class LoweredBatch:
+    comps: tuple[LoweredComp, ...]
+    modes: dict[Node, MemoryMode]
+
+    @property
+    def kernels(self) -> list[Kernel]:
+        return [k for c in self.comps for k in c.kernels]
+
+
+def lower(comps: Sequence[ir.Comp], names: Sequence[str]) -> LoweredBatch:
+    """Lower a batch of computations into kernels (the names must be C identifiers)."""
+    inference = infer_modes(comps)
+    lowerer = _Lowerer(inference)
+    out: list[LoweredComp] = []
+    for comp, name in zip(comps, names):
+        kernels: list[Kernel] = []
+        written: set[Node] = set()
+        inputs: dict[Node, None] = {}
+        constants: list[tuple[Node, np.ndarray]] = []
+        merges: set[Node] = set()
+        for k, leaf in enumerate(comp.leaves()):
+            target = ir.writes(leaf)
+            for x in ir.reads(leaf):
+                if isinstance(x, ir.MergeRead):
+                    merges.add(x.node)
+                elif x not in written and inference.modes.get(x) is not MemoryMode.VIRTUAL:
+                    inputs[x] = None
+            if isinstance(leaf, ir.Accum) and leaf.accum is not None and not leaf.init_neutral:
+                if target not in written:
+                    inputs[target] = None  # accumulates onto what the context holds
+            written.add(target)
+            if inference.modes[target] is MemoryMode.VIRTUAL:
+                continue
+            if isinstance(leaf, ir.Fetch) and isinstance(leaf.value, ir.Constant):
+                constants.append((target, leaf.value.values))
+                continue
+            kname = f"{name}_{k}"
+            raw = lowerer.lower_fetch(kname, leaf) if isinstance(leaf, ir.Fetch) else lowerer.lower_accum(kname, leaf)
+            kernels.extend(simplify(kern) for kern in raw)
+        if len(merges) > 1:
+            labels = ", ".join(sorted(m.label for m in merges))
+            raise InvalidProgramError(f"computation {name} reads several merge-buffer nodes: {labels}")
+        modes = inference.modes
+        outputs = tuple(n for n in dict.fromkeys(ir.writes(leaf) for leaf in comp.leaves())
+                        if modes[n] in (MemoryMode.ON_DEVICE, MemoryMode.MATERIALIZED))
+        scratch = tuple(n for n in dict.fromkeys(ir.writes(leaf) for leaf in comp.leaves())
+                        if modes[n] is MemoryMode.LOCAL)
+        out.append(
+            LoweredComp(name, tuple(kernels), tuple(inputs), outputs, scratch, tuple(constants),
+                        next(iter(merges), None))
+        )
+    return LoweredBatch(tuple(out), inference.modes)
