@@ -1,0 +1,63 @@
+"""polyjit: a multi-backend device layer.
+
+Write a program once as assignments over tensor nodes (``polyjit.ir``), compile
+it for a backend (``cpu``, ``opencl``, ``cuda``), link it into a context on the
+device you choose, and run it; move data between devices with
+``device_to_device`` and merge buffers.
+"""
+
+from polyjit.backends import available_backends, backends, get_backend, register_backend
+from polyjit.core import ir
+from polyjit.core.errors import (
+    BackendUnavailableError,
+    BindingError,
+    CompileError,
+    DTypeMismatchError,
+    FinalizedError,
+    InvalidProgramError,
+    MergeBufferMismatchError,
+    NodeNotInContextError,
+    PolyjitError,
+    PoolExhaustedError,
+    ShapeMismatchError,
+    UnknownBackendError,
+    UnknownDeviceError,
+    UnsupportedError,
+)
+from polyjit.core.ir import AccumOp, Comp, MemoryMode, Node, Op, StaticSymbol, Symbol
+from polyjit.core.protocol import MergeBuffer
+from polyjit.core.runtime import device_to_device, init_from_device
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AccumOp",
+    "BackendUnavailableError",
+    "BindingError",
+    "Comp",
+    "CompileError",
+    "DTypeMismatchError",
+    "FinalizedError",
+    "InvalidProgramError",
+    "MemoryMode",
+    "MergeBuffer",
+    "MergeBufferMismatchError",
+    "Node",
+    "NodeNotInContextError",
+    "Op",
+    "PolyjitError",
+    "PoolExhaustedError",
+    "ShapeMismatchError",
+    "StaticSymbol",
+    "Symbol",
+    "UnknownBackendError",
+    "UnknownDeviceError",
+    "UnsupportedError",
+    "available_backends",
+    "backends",
+    "device_to_device",
+    "get_backend",
+    "init_from_device",
+    "ir",
+    "register_backend",
+]

@@ -24,7 +24,8 @@ import numpy as np
 
 from polyjit.backends.cc import build_shared
 from polyjit.backends.cpu_native import NativeRuntime, load_runtime
-from polyjit.core.codegen import Dialect, KernelSpec, Source
+from polyjit.backends.cpu_dialect import CpuDialect
+from polyjit.core.codegen import KernelSpec, Source
 from polyjit.core.protocol import DeviceInfo
 from polyjit.core.runtime import Backend
 
@@ -96,7 +97,7 @@ class CpuDriver:
             num_devices = int(os.environ.get("POLYJIT_CPU_DEVICES", "1") or 1)
         if num_devices < 1:
             raise ValueError(f"POLYJIT_CPU_DEVICES must be at least 1, got {num_devices}")
-        self.dialect = Dialect()
+        self.dialect = CpuDialect()
         self._cores = split_cores(sorted(os.sched_getaffinity(0)), num_devices)
         self._memory = _total_memory() // num_devices
         self._rt: NativeRuntime | None = None

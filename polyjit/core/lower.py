@@ -587,3 +587,52 @@ def lower(comps: Sequence[ir.Comp], names: Sequence[str]) -> LoweredBatch:
                         next(iter(merges), None))
         )
     return LoweredBatch(tuple(out), inference.modes)
+
+
+# ---------------------------------------------------------------------------
+# Pattern: matmul-shaped kernels, which every dialect may emit with tiles
+
+
+@attrs.frozen
+class Contraction:
+    """``out[.., i, j] (+)= sum_k x[.., i, k] * y[.., k, j]`` with j contiguous in out and y.
+
+    ``x``/``y`` are the two loads (their indices are the general affine forms);
+    batch symbols are the parallel symbols outside i and j.
+    """
+
+    kernel: Kernel
+    reduce: Reduce
+    x: Load
+    y: Load
+    batch: tuple[tuple[Symbol, int], ...]
+    i: Symbol
+    m: int
+    j: Symbol
+    n: int
+    k: Symbol
+    kk: int
+
+
+def match_contraction(k: Kernel) -> Contraction | None:
+    r = k.body
+    if not isinstance(r, Reduce) or r.accum is not ir.AccumOp.ADD or len(r.loops) != 1:
+        return None
+    if len(k.parallel) < 2 or not r.node.dtype.is_float:
+        return None
+    v = r.value
+    if not (isinstance(v, Call) and v.op is ir.Op.MUL and len(v.args) == 2
+            and all(isinstance(a, Load) for a in v.args)):
+        return None
+    (i, m), (j, n) = k.parallel[-2:]
+    ks, kk = r.loops[0]
+    x, y = v.args
+    assert isinstance(x, Load) and isinstance(y, Load)
+    if y.index.coeff(j) != 1:
+        x, y = y, x
+    contiguous = r.index.coeff(j) == 1 and y.index.coeff(j) == 1
+    if not contiguous or x.index.coeff(j) != 0 or y.index.coeff(i) != 0:
+        return None
+    if x.index.coeff(i) == 0 or x.index.coeff(ks) == 0 or y.index.coeff(ks) == 0:
+        return None
+    return Contraction(k, r, x, y, k.parallel[:-2], i, m, j, n, ks, kk)

@@ -1,0 +1,110 @@
+"""The ``polyjit`` command: devices, selftest, demo, bench."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from polyjit.backends import backends, get_backend
+from polyjit.core.errors import PolyjitError
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def cmd_devices(args: argparse.Namespace) -> int:
+    rows = [("backend", "device", "name", "memory", "compute units", "details")]
+    notes = []
+    for name in backends():
+        try:
+            be = get_backend(name)
+            n = be.num_devices()
+        except PolyjitError as e:
+            notes.append(f"{name}: unavailable ({e})")
+            continue
+        if n == 0:
+            reason = getattr(be.driver, "unavailable_reason", "") or "no devices"
+            notes.append(f"{name}: 0 devices ({reason})")
+        for k in range(n):
+            dev = be.get_device(k)
+            skip = {"memory_bytes", "compute_units"}
+            details = ", ".join(f"{key}={val}" for key, val in dev.properties.items() if key not in skip)
+            rows.append((name, str(k), dev.name, _fmt_bytes(dev.info.memory_bytes),
+                         str(dev.info.compute_units), details))
+    widths = [max(len(r[c]) for r in rows) for c in range(5)]
+    for r in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(r[:5], widths)) + "  " + r[5])
+    for note in notes:
+        print(note)
+    return 0
+
+
+def cmd_selftest(args: argparse.Namespace) -> int:
+    from polyjit.testing import run_selftest
+
+    failures = run_selftest(args.backend, verbose=args.verbose)
+    return 1 if failures else 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from polyjit.demo import main as demo_main
+
+    return demo_main(args)
+
+
+def _bench_dir() -> Path:
+    return Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    path = _bench_dir() / f"bench_{args.suite}.py"
+    if not path.exists():
+        print(f"no benchmark suite {args.suite!r} at {path} (benchmarks live in the source checkout)",
+              file=sys.stderr)
+        return 2
+    spec = importlib.util.spec_from_file_location(f"polyjit_bench_{args.suite}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return int(module.main(args.rest) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="polyjit", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("devices", help="list backends and their devices")
+    d.set_defaults(func=cmd_devices)
+    s = sub.add_parser("selftest", help="run the conformance kit on a backend")
+    s.add_argument("--backend", default="cpu")
+    s.add_argument("-v", "--verbose", action="store_true")
+    s.set_defaults(func=cmd_selftest)
+    m = sub.add_parser("demo", help="run the demo on the default CPU backend")
+    m.add_argument("--backend", default="cpu")
+    m.add_argument("--size", type=int, default=1 << 20, help="elements of the fused chain")
+    m.set_defaults(func=cmd_demo)
+    b = sub.add_parser("bench", help="run a benchmark suite: cpu, opencl, cuda, ...")
+    b.add_argument("suite", nargs="?", default="cpu")
+    b.add_argument("rest", nargs=argparse.REMAINDER)
+    b.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except PolyjitError as e:
+        print(f"polyjit: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

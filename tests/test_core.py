@@ -1,0 +1,171 @@
+"""Lowering, memory modes, the slab planner, the compile cache and IR validation."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from polyjit.alloc import slab
+from polyjit.backends import get_backend
+from polyjit.backends.cc import build_shared
+from polyjit.core import codegen, ir, lower
+from polyjit.core.errors import CompileError, DTypeMismatchError, InvalidProgramError, ShapeMismatchError
+from polyjit.core.ir import MemoryMode
+from polyjit.demo import chain_program
+
+
+def test_fused_chain_is_one_kernel_without_intermediates() -> None:
+    comp, inputs, out = chain_program(1000)
+    batch = lower.lower([comp], ["chain"])
+    (lc,) = batch.comps
+    assert len(lc.kernels) == 1
+    kernel = lc.kernels[0]
+    assert set(kernel.inputs) == set(inputs)
+    assert kernel.outputs == (out,)
+    virtual = [n for n, m in batch.modes.items() if m is MemoryMode.VIRTUAL]
+    assert sorted(n.name for n in virtual) == ["ab", "cd", "s"]
+    assert lc.outputs == (out,)
+
+
+def test_fused_chain_runs_and_leaves_intermediates_out_of_the_context() -> None:
+    backend = get_backend("cpu")
+    comp, inputs, out = chain_program(4096)
+    rng = np.random.default_rng(1)
+    ctx = backend.get_device(0).make_context()
+    host = {n: rng.standard_normal(n.shape).astype(np.float32) for n in inputs}
+    for n, v in host.items():
+        ctx = ctx.init_from_host(n, v)
+    routine = ctx.link(backend.compile(comp, name="chain"))
+    routine.run()
+    a, b, c, d, e = (host[n] for n in inputs)
+    np.testing.assert_allclose(routine.context.read(out), a * b + c * d - e, rtol=1e-5, atol=1e-5)
+    names = {n.name for n in routine.context.buffers}
+    assert not names & {"ab", "cd", "s"}
+
+
+def test_a_node_read_twice_is_stored_as_scratch() -> None:
+    a, t, out = ir.Node("a", (8,)), ir.Node("t", (8,)), ir.Node("out", (8,))
+    comp = ir.Comp.of(ir.apply(ir.Op.EXP, a, into=t), ir.apply(ir.Op.MUL, t, t, into=out))
+    batch = lower.lower([comp], ["f"])
+    assert batch.modes[t] is MemoryMode.LOCAL
+    assert batch.comps[0].scratch == (t,)
+
+
+def test_explicit_virtual_that_cannot_inline_is_an_error() -> None:
+    a = ir.Node("a", (4, 4))
+    s = ir.Node("s", (4,), mode=MemoryMode.VIRTUAL)
+    out = ir.Node("out", (4,))
+    comp = ir.Comp.of(ir.einsum("ij->i", a, into=s), ir.apply(ir.Op.NEG, s, into=out))
+    with pytest.raises(InvalidProgramError, match="cannot be inlined"):
+        lower.lower([comp], ["f"])
+
+
+def test_elementwise_2d_loops_merge_into_one() -> None:
+    a, out = ir.Node("a", (64, 32)), ir.Node("out", (64, 32))
+    batch = lower.lower([ir.Comp.of(ir.apply(ir.Op.EXP, a, into=out))], ["f"])
+    (kernel,) = batch.kernels
+    assert [n for _, n in kernel.parallel] == [64 * 32]
+
+
+def test_matmul_is_recognised_as_a_contraction() -> None:
+    a, b, c = ir.Node("a", (8, 4)), ir.Node("b", (4, 6)), ir.Node("c", (8, 6))
+    (kernel,) = lower.lower([ir.Comp.of(ir.einsum("ik,kj->ij", a, b, into=c))], ["mm"]).kernels
+    match = lower.match_contraction(kernel)
+    assert match is not None and (match.m, match.n, match.kk) == (8, 6, 4)
+
+
+def test_non_surjective_accumulation_zero_fills_first() -> None:
+    a, out = ir.Node("a", (4,)), ir.Node("out", (8,))
+    i = ir.Symbol("i")
+    acc = ir.Accum(out, ir.AccumOp.ADD, ir.Op.ID, (a,),
+                   ir.projections([(i, 4)], [ir.affine((2, i))], [i]))
+    kernels = lower.lower([ir.Comp.of(acc)], ["f"]).kernels
+    assert [k.name for k in kernels] == ["f_0_init", "f_0"]
+
+
+def test_planner_reuses_space_between_disjoint_lifetimes() -> None:
+    reqs = [slab.Request("a", 100, 4, 0, 1), slab.Request("b", 100, 4, 2, 3),
+            slab.Request("c", 50, 4, 0, 3)]
+    plan = slab.plan(reqs, 64)
+    assert plan.offsets["a"] == plan.offsets["b"]
+    assert plan.offsets["c"] >= 128 or plan.offsets["c"] + 50 <= plan.offsets["a"]
+    assert plan.nbytes == 192
+    for r in reqs:
+        assert plan.offsets[r.key] % 64 == 0
+
+
+def test_link_packs_scratch_nodes_into_less_space() -> None:
+    n = 1024
+    x = ir.Node("x", (n,))
+    t1, t2, t3, out = (ir.Node(f"t{k}", (n,)) for k in range(4))
+    # each scratch node is read twice, so none is inlined; t1 is dead once t2 exists
+    comp = ir.Comp.of(
+        ir.apply(ir.Op.MUL, x, x, into=t1),
+        ir.apply(ir.Op.ADD, t1, t1, into=t2),
+        ir.apply(ir.Op.MUL, t2, t2, into=t3),
+        ir.apply(ir.Op.ADD, t3, t3, into=out),
+    )
+    backend = get_backend("cpu")
+    dev = backend.get_device(0)
+    ctx = dev.make_context().init_from_host(x, np.full(n, 2, np.float32))
+    before = dev.used_memory()
+    r = ctx.link(backend.compile(comp, name="packed"))
+    grown = dev.used_memory() - before
+    assert grown < 4 * n * 4  # out + 3 scratch would be 4 buffers without reuse
+    r.run()
+    np.testing.assert_allclose(r.context.read(out), np.full(n, 2 * 64, np.float32))
+    r.context.finalize()
+    assert dev.used_memory() == before
+
+
+def test_ir_validation_errors_name_the_problem() -> None:
+    a, b = ir.Node("a", (3,)), ir.Node("b", (4,))
+    with pytest.raises(ShapeMismatchError, match="do not broadcast"):
+        ir.apply(ir.Op.ADD, a, b, into=ir.Node("c", (3,)))
+    with pytest.raises(DTypeMismatchError, match="cast first"):
+        ir.apply(ir.Op.ADD, a, ir.Node("i", (3,), "int32"), into=ir.Node("c", (3,)))
+    with pytest.raises(DTypeMismatchError, match="floating"):
+        ir.apply(ir.Op.EXP, ir.Node("i", (3,), "int32"), into=ir.Node("c", (3,), "int32"))
+    i = ir.Symbol("i")
+    with pytest.raises(ShapeMismatchError, match="axis has size 3"):
+        ir.Accum(a, None, ir.Op.ID, (b,), ir.projections([(i, 4)], [i], [i]))
+
+
+def test_compile_error_shows_log_and_source_lines() -> None:
+    src = "int ok(void) { return 1; }\nint broken(void) { return nope; }\n"
+    with pytest.raises(CompileError) as info:
+        build_shared(src)
+    msg = str(info.value)
+    assert "nope" in info.value.log
+    assert ">>     2 | int broken(void) { return nope; }" in msg
+
+
+def test_a_second_process_reuses_the_compiled_library(tmp_path: object) -> None:
+    script = textwrap.dedent("""
+        import sys
+        from polyjit.backends import get_backend
+        from polyjit.backends.cc import SHARED_CACHE
+        from polyjit.demo import chain_program
+        comp, _, _ = chain_program(777)
+        get_backend("cpu").compile(comp, name="cached_chain")
+        print(SHARED_CACHE.compiles)
+    """)
+    env = {**os.environ, "POLYJIT_CACHE_DIR": str(tmp_path)}
+    first = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    second = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    assert int(first.stdout.split()[-1]) >= 1
+    assert int(second.stdout.split()[-1]) == 0
+
+
+def test_source_of_a_batch_is_one_file_with_every_kernel() -> None:
+    comp, _, _ = chain_program(64)
+    a, b, c = ir.Node("a", (8, 4)), ir.Node("b", (4, 6)), ir.Node("c", (8, 6))
+    batch = lower.lower([comp, ir.Comp.of(ir.einsum("ik,kj->ij", a, b, into=c))], ["chain", "mm"])
+    src = codegen.generate(batch, codegen.Dialect())
+    assert src.text.count("void chain_3(") == 1 and src.text.count("void mm_0(") == 1
+    assert [len(k) for k in src.kernels] == [1, 1]
