@@ -670,11 +670,14 @@ def _plan_requests(
                 last[n] = pos
             pos += 1
     end = max(pos - 1, 0)
+    # Constants (written by no kernel) live in the device's constant table, not in the pool.
+    computed = {n for comp in comps for k in comp.kernels for n in k.outputs}
+    constants = {n for comp in comps for n, _ in comp.constants if n not in computed}
     new: list[Node] = []
     requests: list[slab.Request] = []
     for comp in comps:
         for n in (*comp.outputs, *comp.scratch):
-            if n in existing or n in new:
+            if n in existing or n in new or n in constants:
                 continue
             new.append(n)
             scratch = n in comp.scratch

@@ -1,0 +1,190 @@
+"""CPU backend benchmarks (``polyjit bench cpu``): every ratio is measured in one run.
+
+- fused chain ``a*b + c*d - e`` on 2^24 float32: vs numpy, and vs this machine's copy bandwidth
+- ``routine.run()`` + wait for a tiny kernel vs a bare ctypes call of the same function
+- float32 matmul 1024^3 through ``ir.einsum`` vs numpy's GFLOP/s
+- a cached compile of a batch
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from polyjit.backends import get_backend
+from polyjit.backends.cpu import cpu_model
+from polyjit.core import ir
+from polyjit.demo import chain_program
+
+
+def best_of(fn: Callable[[], Any], repeat: int = 10, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def median_ns(fn: Callable[[], Any], n: int = 20000) -> float:
+    for _ in range(2000):
+        fn()
+    samples = []
+    clock = time.perf_counter_ns
+    for _ in range(n):
+        t0 = clock()
+        fn()
+        samples.append(clock() - t0)
+    return float(statistics.median(samples))
+
+
+def bench_chain(n: int) -> dict[str, float]:
+    backend = get_backend("cpu")
+    dev = backend.get_device(0)
+    comp, inputs, out = chain_program(n)
+    rng = np.random.default_rng(0)
+    host = {node: rng.random(n, dtype=np.float32) for node in inputs}
+    ctx = dev.make_context()
+    for node, value in host.items():
+        ctx = ctx.init_from_host(node, value)
+    routine = ctx.link(backend.compile(comp, name="bench_chain"))
+    stream = routine.context.stream
+
+    # this machine's copy bandwidth: a polyjit copy kernel (all cores) and numpy's (one core)
+    src, dst = ir.Node("src", (n,)), ir.Node("dst", (n,))
+    copy_ctx = dev.make_context().init_from_host(src, host[inputs[0]])
+    copy = copy_ctx.link(backend.compile(ir.Comp.of(ir.apply(ir.Op.ID, src, into=dst)), name="bench_copy"))
+    t_copy_pj = best_of(lambda: (copy.run(), copy.context.stream.synchronize()))
+    a, b, c, d, e = (host[node] for node in inputs)
+    y = np.empty_like(a)
+    t_copy_np = best_of(lambda: np.copyto(y, a))
+    copy_bw = 2 * a.nbytes / min(t_copy_pj, t_copy_np)
+
+    t_pj = best_of(lambda: (routine.run(), stream.synchronize()))
+    tmp = np.empty_like(a)
+
+    def numpy_chain() -> None:
+        np.multiply(a, b, out=y)
+        np.multiply(c, d, out=tmp)
+        np.add(y, tmp, out=y)
+        np.subtract(y, e, out=y)
+
+    t_np = best_of(numpy_chain)
+    chain_bw = 6 * a.nbytes / t_pj
+    copy.context.finalize()
+    routine.context.finalize()
+    return {
+        "chain_ms": t_pj * 1e3,
+        "numpy_chain_ms": t_np * 1e3,
+        "speedup_vs_numpy": t_np / t_pj,
+        "chain_GBps": chain_bw / 1e9,
+        "copy_GBps": copy_bw / 1e9,
+        "fraction_of_copy_bw": chain_bw / copy_bw,
+    }
+
+
+def bench_launch() -> dict[str, float]:
+    backend = get_backend("cpu")
+    x, y = ir.Node("x", (4,)), ir.Node("y", (4,))
+    code = backend.compile(ir.Comp.of(ir.apply(ir.Op.ADD, x, 1.0, into=y)), name="bench_tiny")
+    ctx = backend.get_device(0).make_context().init_from_host(x, np.ones(4, np.float32))
+    routine = ctx.link(code)
+    stream = routine.context.stream
+    lib = ctypes.CDLL(str(code.batch.binary))
+    fn = lib.bench_tiny_0
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    fn.restype = None
+    bufs = routine._prepared.keep[0]  # the very buffers the routine passes
+    bare = median_ns(lambda: fn(bufs, None))
+
+    def run_and_wait() -> None:
+        routine.run()
+        stream.synchronize()
+
+    full = median_ns(run_and_wait)
+    enqueue = median_ns(routine.run, 5000)
+    stream.synchronize()
+    routine.context.finalize()
+    return {"bare_ctypes_us": bare / 1e3, "run_and_wait_us": full / 1e3,
+            "overhead_us": (full - bare) / 1e3, "run_enqueue_only_us": enqueue / 1e3}
+
+
+def bench_matmul(m: int) -> dict[str, float]:
+    backend = get_backend("cpu")
+    a, b, c = ir.Node("a", (m, m)), ir.Node("b", (m, m)), ir.Node("c", (m, m))
+    code = backend.compile(ir.Comp.of(ir.einsum("ik,kj->ij", a, b, into=c)), name="bench_matmul")
+    rng = np.random.default_rng(0)
+    xa, xb = rng.random((m, m), dtype=np.float32), rng.random((m, m), dtype=np.float32)
+    ctx = backend.get_device(0).make_context().init_from_host(a, xa).init_from_host(b, xb)
+    routine = ctx.link(code)
+    stream = routine.context.stream
+    t_pj = best_of(lambda: (routine.run(), stream.synchronize()), repeat=5)
+    t_np = best_of(lambda: xa @ xb, repeat=5)
+    err = float(np.abs(routine.context.read(c) - xa @ xb).max() / np.abs(xa @ xb).max())
+    routine.context.finalize()
+    flops = 2 * m**3
+    return {"polyjit_GFLOPs": flops / t_pj / 1e9, "numpy_GFLOPs": flops / t_np / 1e9,
+            "fraction_of_numpy": t_np / t_pj, "rel_error": err}
+
+
+def bench_cached_compile() -> dict[str, float]:
+    backend = get_backend("cpu")
+    chain, _, _ = chain_program(4096)
+    a, b, c = ir.Node("a", (64, 64)), ir.Node("b", (64, 64)), ir.Node("c", (64, 64))
+    s = ir.Node("s", (64,))
+    comps = [chain, ir.Comp.of(ir.einsum("ik,kj->ij", a, b, into=c)),
+             ir.Comp.of(ir.einsum("ij->i", a, into=s, accum=ir.AccumOp.MAX))]
+    backend.compile_batch(comps, names=["chain", "mm", "rowmax"])  # compiles once (or hits disk)
+    t = best_of(lambda: backend.compile_batch(comps, names=["chain", "mm", "rowmax"]), repeat=20)
+    return {"cached_compile_ms": t * 1e3}
+
+
+TARGETS = [
+    ("chain", "speedup_vs_numpy", ">=", 2.0),
+    ("chain", "fraction_of_copy_bw", ">=", 0.75),
+    ("launch", "overhead_us", "<=", 5.0),
+    ("matmul", "fraction_of_numpy", ">=", 0.25),
+    ("compile", "cached_compile_ms", "<=", 5.0),
+]
+
+
+def main(argv: Sequence[str] = ()) -> int:
+    p = argparse.ArgumentParser(prog="polyjit bench cpu")
+    p.add_argument("--size", type=int, default=1 << 24)
+    p.add_argument("--matmul", type=int, default=1024)
+    p.add_argument("--json", help="write the results to this file")
+    args = p.parse_args(list(argv))
+    results = {
+        "machine": {"cpu": cpu_model(), "python": platform.python_version(),
+                    "numpy": np.__version__, "devices": get_backend("cpu").num_devices()},
+        "chain": bench_chain(args.size),
+        "launch": bench_launch(),
+        "matmul": bench_matmul(args.matmul),
+        "compile": bench_cached_compile(),
+    }
+    print(f"machine: {results['machine']}")
+    for group in ("chain", "launch", "matmul", "compile"):
+        print(f"[{group}]")
+        for key, val in results[group].items():
+            print(f"  {key:24s} {val:10.3f}")
+    print("[targets]")
+    ok = True
+    for group, key, cmp, bound in TARGETS:
+        val = results[group][key]
+        met = val >= bound if cmp == ">=" else val <= bound
+        ok &= met
+        print(f"  {group}.{key} = {val:.3f} (target {cmp} {bound}): {'met' if met else 'MISSED'}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0

@@ -1,0 +1,119 @@
+"""Launch overhead of the native CPU stream runtime.
+
+Compares, for a tiny kernel (a few floats), the median time of
+(a) a bare ctypes call of the kernel and (b) ``launch_seq`` + ``sync`` through
+a stream: (b) - (a) is what a stream costs per kernel run.
+
+    python benchmarks/bench_cpu_stream.py
+"""
+
+from __future__ import annotations
+
+import ctypes
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from polyjit.backends.cc import build_shared
+from polyjit.backends.cpu_native import load_runtime
+
+KERNEL_SOURCE = r"""
+#include <stdint.h>
+void tiny(void* const* b, const int64_t* s) {
+    float* x = (float*)b[0];
+    for (int64_t i = 0; i < 4; i++) x[i] += (float)s[0];
+}
+"""
+
+
+def _median_us(fn: Callable[[], object], *, reps: int, rounds: int) -> float:
+    """Median over rounds of the mean time of one call in a round of ``reps`` calls."""
+    samples: list[float] = []
+    for _ in range(rounds):
+        t0 = time.perf_counter_ns()
+        for _ in range(reps):
+            fn()
+        samples.append((time.perf_counter_ns() - t0) / reps / 1e3)
+    return statistics.median(samples)
+
+
+def _median_single_us(fn: Callable[[], object], *, reps: int) -> float:
+    """Median of individually timed calls (shows latency, not throughput)."""
+    samples = []
+    clock = time.perf_counter_ns
+    for _ in range(reps):
+        t0 = clock()
+        fn()
+        samples.append(clock() - t0)
+    return statistics.median(samples) / 1e3
+
+
+def measure_launch_overhead(reps: int = 2000, rounds: int = 15) -> dict[str, float]:
+    """Median microseconds of a bare kernel call and of launch + sync through a stream."""
+    rt = load_runtime()
+    lib = ctypes.CDLL(str(build_shared(KERNEL_SOURCE)))
+    kernel = lib.tiny
+    kernel.restype = None
+    kernel.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    fn_addr = ctypes.cast(kernel, ctypes.c_void_p).value
+    assert fn_addr is not None
+
+    x = np.zeros(4, dtype=np.float32)
+    bufs = rt.make_ptr_array([x.ctypes.data])
+    descs = rt.make_descs([(fn_addr, ctypes.addressof(bufs))])
+    statics = rt.make_statics()
+    statics[0] = 1
+    stream = rt.stream_create(1, None)
+    launch_seq, launch_seq_raw, sync = rt.launch_seq, rt.launch_seq_raw, rt.sync
+    handle = rt.stream_handle(stream)
+
+    def bare() -> None:
+        kernel(bufs, statics)
+
+    def streamed() -> None:
+        sync(stream, launch_seq(stream, descs, 1, statics, 1))
+
+    def streamed_raw() -> None:
+        sync(stream, launch_seq_raw(handle, descs, 1, statics, 1))
+
+    def enqueue_only() -> None:
+        launch_seq(stream, descs, 1, statics, 1)
+
+    try:
+        for f in (bare, streamed, streamed_raw):  # warm up caches, the worker, predictors
+            _median_us(f, reps=reps, rounds=2)
+        bare_us = _median_us(bare, reps=reps, rounds=rounds)
+        stream_us = _median_us(streamed, reps=reps, rounds=rounds)
+        raw_us = _median_us(streamed_raw, reps=reps, rounds=rounds)
+        bare_single = _median_single_us(bare, reps=reps * 5)
+        stream_single = _median_single_us(streamed, reps=reps * 5)
+        enq_us = _median_us(enqueue_only, reps=min(reps, 1000), rounds=rounds)
+        sync(stream, rt.last_ticket(stream))
+        # One launch after the worker has fallen asleep: the cold wake-up path.
+        cold: list[float] = []
+        for _ in range(20):
+            time.sleep(0.002)
+            t0 = time.perf_counter_ns()
+            streamed()
+            cold.append((time.perf_counter_ns() - t0) / 1e3)
+    finally:
+        rt.stream_destroy(stream)
+    return {
+        "bare_call_us": bare_us,
+        "launch_sync_us": stream_us,
+        "overhead_us": stream_us - bare_us,
+        "launch_raw_sync_us": raw_us,
+        "overhead_raw_us": raw_us - bare_us,
+        "bare_call_single_us": bare_single,
+        "launch_sync_single_us": stream_single,
+        "overhead_single_us": stream_single - bare_single,
+        "enqueue_only_us": enq_us,
+        "cold_launch_sync_us": statistics.median(cold),
+    }
+
+
+if __name__ == "__main__":
+    for name, value in measure_launch_overhead().items():
+        print(f"{name:24s} {value:8.2f}")

@@ -1,0 +1,119 @@
+"""The system C compiler: content-addressed shared libraries built with ``$CC`` (else ``cc``).
+
+Binaries are keyed by the source, the compiler's identity (path and version
+line) and the flags, and kept on disk by :class:`BinaryCache`, so a second
+process that builds the same source loads the ``.so`` without compiling.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shlex
+import shutil
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+
+from polyjit.core.cache import BinaryCache, content_key
+from polyjit.core.compiler import source_excerpt
+from polyjit.core.errors import BackendUnavailableError, CompileError
+
+__all__ = [
+    "CPU_FLAGS",
+    "SHARED_CACHE",
+    "build_shared",
+    "c_compiler",
+    "compiler_identity",
+]
+
+CPU_FLAGS: tuple[str, ...] = (
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-fPIC",
+    "-shared",
+    "-std=gnu11",
+    "-fno-math-errno",
+)
+
+# Default cache for every shared library built here (kernels and the stream runtime).
+SHARED_CACHE = BinaryCache("cpu", ".so")
+
+_LOG_LIMIT = 4000  # characters of compiler log kept in a CompileError message
+
+
+def c_compiler() -> str:
+    """``$CC`` if set (it may carry arguments, e.g. ``"ccache gcc"``), else ``cc``."""
+    return os.environ.get("CC") or "cc"
+
+
+def _argv(cc: str) -> list[str]:
+    return shlex.split(cc)
+
+
+@functools.cache
+def _identity(cc: str) -> str:
+    argv = _argv(cc)
+    path = shutil.which(argv[0]) if argv else None
+    if path is None:
+        return f"{cc} (not found)"
+    # Resolve symlinks (cc -> gcc-12) so two spellings of one compiler share binaries.
+    real = os.path.realpath(path)
+    try:
+        out = subprocess.run(
+            [path, *argv[1:], "--version"], capture_output=True, text=True, timeout=60
+        )
+        first = (out.stdout or out.stderr).splitlines()[0] if (out.stdout or out.stderr) else ""
+    except (OSError, subprocess.SubprocessError):
+        first = "(version unknown)"
+    return f"{first} @ {real} {' '.join(argv[1:])}".rstrip()
+
+
+def compiler_identity() -> str:
+    """First line of ``<cc> --version`` plus the compiler's path; part of every cache key."""
+    return _identity(c_compiler())
+
+
+def build_shared(
+    source: str,
+    *,
+    flags: Sequence[str] = CPU_FLAGS,
+    extra_libs: Sequence[str] = ("-lm",),
+    cache: BinaryCache | None = None,
+) -> Path:
+    """Compile ``source`` to a shared library and return its path (cached by content).
+
+    Raises :class:`CompileError` (with the compiler log and the numbered source
+    lines it points at) when the compiler rejects the source.
+    """
+    cache = SHARED_CACHE if cache is None else cache
+    cc = c_compiler()
+    key = content_key(source, compiler_identity(), " ".join(flags), " ".join(extra_libs))
+
+    def build(out: Path) -> None:
+        argv = _argv(cc)
+        if not argv or shutil.which(argv[0]) is None:
+            raise BackendUnavailableError(
+                f"no C compiler: {cc!r} not found (set $CC to a C compiler)"
+            )
+        # The .c file sits next to the output so the log names a path inside the cache dir.
+        src = out.with_suffix(".c")
+        src.write_text(source)
+        cmd = [*argv, *flags, "-o", str(out), str(src), *extra_libs]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+        finally:
+            src.unlink(missing_ok=True)
+        if proc.returncode != 0:
+            log = (proc.stderr + proc.stdout).strip()
+            shown = log if len(log) <= _LOG_LIMIT else log[:_LOG_LIMIT] + "\n... (log truncated)"
+            message = (
+                f"C compiler failed (exit {proc.returncode}): {shlex.join(cmd)}\n"
+                f"{shown}\n"
+                "generated source around the fault:\n"
+                f"{source_excerpt(source, log)}"
+            )
+            raise CompileError(message, source=source, log=log)
+
+    return cache.get_or_build(key, build)

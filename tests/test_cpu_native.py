@@ -1,0 +1,536 @@
+"""The native CPU stream runtime (cpu_runtime.c through cpu_native.py) and the C compiler helper."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from polyjit.backends import cc
+from polyjit.backends.cc import build_shared, compiler_identity
+from polyjit.backends.cpu_native import MAX_STATICS, RING_CAPACITY, NativeRuntime, load_runtime
+from polyjit.core.cache import BinaryCache
+from polyjit.core.errors import CompileError
+
+KERNELS = r"""
+#include <stdint.h>
+#include <time.h>
+#include <omp.h>
+#define _GNU_SOURCE
+#include <sched.h>
+
+/* b[0]: float array; s[0]: value to add; s[1]: length */
+void add1(void* const* b, const int64_t* s) {
+    float* x = (float*)b[0];
+    for (int64_t i = 0; i < s[1]; i++) x[i] += (float)s[0];
+}
+
+/* b[0]: float array; s[0]: factor; s[1]: length */
+void scale(void* const* b, const int64_t* s) {
+    float* x = (float*)b[0];
+    for (int64_t i = 0; i < s[1]; i++) x[i] *= (float)s[0];
+}
+
+/* Append s[0] to a log: b[0] = int64 [count, v1, v2, ...]. */
+void record(void* const* b, const int64_t* s) {
+    int64_t* log = (int64_t*)b[0];
+    log[1 + log[0]] = s[0];
+    log[0] += 1;
+}
+
+/* Copy all 16 statics into b[0] (int64[16]). */
+void dump_statics(void* const* b, const int64_t* s) {
+    int64_t* out = (int64_t*)b[0];
+    for (int i = 0; i < 16; i++) out[i] = s[i];
+}
+
+/* Busy for s[0] microseconds, then write s[1] into the int64 at b[0]. */
+void slow_write(void* const* b, const int64_t* s) {
+    struct timespec t0, t;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    do {
+        clock_gettime(CLOCK_MONOTONIC, &t);
+    } while ((t.tv_sec - t0.tv_sec) * 1000000000LL + (t.tv_nsec - t0.tv_nsec) < s[0] * 1000LL);
+    *(volatile int64_t*)b[0] = s[1];
+}
+
+/* b[1][0] = b[0][0]: a reader of what another kernel wrote. */
+void copy_one(void* const* b, const int64_t* s) {
+    (void)s;
+    ((int64_t*)b[1])[0] = ((volatile int64_t*)b[0])[0];
+}
+
+/* b[0] int64[2]: the OpenMP team size of a parallel region, and the CPU it ran on. */
+void team_info(void* const* b, const int64_t* s) {
+    (void)s;
+    int64_t* out = (int64_t*)b[0];
+    #pragma omp parallel
+    {
+        #pragma omp single
+        out[0] = omp_get_num_threads();
+    }
+    out[1] = sched_getcpu();
+}
+"""
+
+
+class Kernels:
+    """The test kernels: function addresses plus helpers to launch them on a stream."""
+
+    def __init__(self, rt: NativeRuntime) -> None:
+        self.rt = rt
+        self.lib = ctypes.CDLL(str(build_shared(KERNELS)))
+        self._keep: list[object] = []  # pointer arrays must outlive the tasks reading them
+
+    def addr(self, name: str) -> int:
+        value = ctypes.cast(getattr(self.lib, name), ctypes.c_void_p).value
+        assert value is not None
+        return value
+
+    def launch(
+        self, stream: int, name: str, buffers: list[int], statics: list[int] | None = None
+    ) -> int:
+        bufs = self.rt.make_ptr_array(buffers)
+        descs = self.rt.make_descs([(self.addr(name), ctypes.addressof(bufs))])
+        self._keep.append(bufs)
+        values = statics or []
+        st = (ctypes.c_int64 * max(1, len(values)))(*values)
+        return self.rt.launch_seq(stream, descs, 1, st, len(values))
+
+
+@pytest.fixture(scope="module")
+def rt() -> NativeRuntime:
+    return load_runtime()
+
+
+@pytest.fixture(scope="module")
+def kernels(rt: NativeRuntime) -> Kernels:
+    return Kernels(rt)
+
+
+@pytest.fixture
+def stream(rt: NativeRuntime) -> Iterator[int]:
+    s = rt.stream_create(1, None)
+    yield s
+    rt.stream_destroy(s)
+
+
+def ptr(a: np.ndarray) -> int:
+    return int(a.ctypes.data)
+
+
+# -- launches ---------------------------------------------------------------------------------
+
+
+def test_launch_runs_kernel(rt: NativeRuntime, kernels: Kernels, stream: int) -> None:
+    x = np.arange(8, dtype=np.float32)
+    t = kernels.launch(stream, "add1", [ptr(x)], [5, 8])
+    assert t == 1
+    rt.sync(stream, t)
+    np.testing.assert_array_equal(x, np.arange(8, dtype=np.float32) + 5)
+    assert rt.done(stream) == 1 and rt.last_ticket(stream) == 1
+
+
+def test_launch_seq_runs_several_descriptors_in_order(
+    rt: NativeRuntime, kernels: Kernels, stream: int
+) -> None:
+    x = np.ones(16, dtype=np.float32)
+    bufs = rt.make_ptr_array([ptr(x)])
+    a = ctypes.addressof(bufs)
+    # (x + 3) * 3 + 3: the order of the descriptors matters.
+    descs = rt.make_descs([(kernels.addr("add1"), a), (kernels.addr("scale"), a)] * 1)
+    descs3 = rt.make_descs([(kernels.addr("add1"), a)])
+    st = (ctypes.c_int64 * 2)(3, 16)
+    t1 = rt.launch_seq(stream, descs, 2, st, 2)
+    t2 = rt.launch_seq(stream, descs3, 1, st, 2)
+    assert (t1, t2) == (2, 3)
+    rt.sync(stream, t2)
+    np.testing.assert_array_equal(x, np.full(16, (1 + 3) * 3 + 3, dtype=np.float32))
+
+
+def test_many_tasks_execute_in_order(rt: NativeRuntime, kernels: Kernels, stream: int) -> None:
+    n = 3 * RING_CAPACITY + 17  # wraps the ring several times: producers wait for space
+    log = np.zeros(n + 1, dtype=np.int64)
+    bufs = rt.make_ptr_array([ptr(log)])
+    descs = rt.make_descs([(kernels.addr("record"), ctypes.addressof(bufs))])
+    st = (ctypes.c_int64 * 1)()
+    last = 0
+    for i in range(n):
+        st[0] = i
+        last = rt.launch_seq(stream, descs, 1, st, 1)
+    assert last == n
+    rt.sync(stream, last)
+    assert log[0] == n
+    np.testing.assert_array_equal(log[1:], np.arange(n))
+
+
+def test_statics_are_captured_at_enqueue_time(
+    rt: NativeRuntime, kernels: Kernels, stream: int
+) -> None:
+    gate = np.zeros(1, dtype=np.int64)
+    out = np.zeros(MAX_STATICS, dtype=np.int64)
+    # A slow kernel first, so the dump runs well after the Python array changed.
+    kernels.launch(stream, "slow_write", [ptr(gate)], [50_000, 1])
+    bufs = rt.make_ptr_array([ptr(out)])
+    descs = rt.make_descs([(kernels.addr("dump_statics"), ctypes.addressof(bufs))])
+    st = (ctypes.c_int64 * MAX_STATICS)(*range(100, 100 + MAX_STATICS))
+    t = rt.launch_seq(stream, descs, 1, st, MAX_STATICS)
+    for i in range(MAX_STATICS):
+        st[i] = -1
+    assert rt.done(stream) < t  # still queued behind the slow kernel
+    rt.sync(stream, t)
+    np.testing.assert_array_equal(out, np.arange(100, 100 + MAX_STATICS))
+
+
+def test_too_many_statics_is_rejected(rt: NativeRuntime, kernels: Kernels, stream: int) -> None:
+    out = np.zeros(MAX_STATICS, dtype=np.int64)
+    st = (ctypes.c_int64 * (MAX_STATICS + 1))()
+    bufs = rt.make_ptr_array([ptr(out)])
+    descs = rt.make_descs([(kernels.addr("dump_statics"), ctypes.addressof(bufs))])
+    assert rt.launch_seq(stream, descs, 1, st, MAX_STATICS + 1) == 0
+    assert rt.last_ticket(stream) == 0
+
+
+def test_launch_seq_raw_matches_typed(rt: NativeRuntime, kernels: Kernels, stream: int) -> None:
+    x = np.zeros(4, dtype=np.float32)
+    bufs = rt.make_ptr_array([ptr(x)])
+    descs = rt.make_descs([(kernels.addr("add1"), ctypes.addressof(bufs))])
+    st = (ctypes.c_int64 * 2)(2, 4)
+    t = rt.launch_seq_raw(rt.stream_handle(stream), descs, 1, st, 2)
+    assert t == 1
+    rt.sync(stream, t)
+    np.testing.assert_array_equal(x, np.full(4, 2, dtype=np.float32))
+
+
+# -- memory -----------------------------------------------------------------------------------
+
+
+def test_memcpy_and_memset(rt: NativeRuntime, stream: int) -> None:
+    src = np.arange(1000, dtype=np.float32)
+    n = src.nbytes
+    dev = rt.alloc(n, 64)
+    assert dev and dev % 64 == 0
+    try:
+        out = np.empty_like(src)
+        rt.memcpy(stream, dev, ptr(src), n)
+        rt.memset(stream, dev, 0, 40 * 4)  # zero the first 40 floats on the device
+        t = rt.memcpy(stream, ptr(out), dev, n)
+        rt.sync(stream, t)
+        expected = src.copy()
+        expected[:40] = 0
+        np.testing.assert_array_equal(out, expected)
+        # A byte value other than zero.
+        t = rt.memset(stream, ptr(out), 0x7F, n)
+        rt.sync(stream, t)
+        assert (out.view(np.uint8) == 0x7F).all()
+    finally:
+        rt.free(dev)
+
+
+def test_large_memcpy_and_memset_use_team(rt: NativeRuntime) -> None:
+    s = rt.stream_create(2, None)
+    try:
+        src = np.random.default_rng(0).integers(0, 255, 9 << 20, dtype=np.uint8)
+        dst = np.zeros_like(src)
+        rt.sync(s, rt.memcpy(s, ptr(dst), ptr(src), src.nbytes))
+        np.testing.assert_array_equal(dst, src)
+        rt.sync(s, rt.memset(s, ptr(dst), 3, dst.nbytes - 5))
+        assert (dst[:-5] == 3).all()
+        np.testing.assert_array_equal(dst[-5:], src[-5:])
+    finally:
+        rt.stream_destroy(s)
+
+
+def test_alloc_failure_returns_zero(rt: NativeRuntime) -> None:
+    assert rt.alloc(1 << 62, 64) == 0
+    assert rt.alloc(64, 3) == 0  # not a power of two
+    rt.free(0)  # freeing nothing is fine
+
+
+def test_host_memcpy(rt: NativeRuntime) -> None:
+    a = np.arange(10, dtype=np.int32)
+    b = np.zeros_like(a)
+    rt.host_memcpy(ptr(b), ptr(a), a.nbytes)
+    np.testing.assert_array_equal(a, b)
+
+
+# -- events, done, sync -----------------------------------------------------------------------
+
+
+def test_done_and_sync(rt: NativeRuntime, kernels: Kernels, stream: int) -> None:
+    flag = np.zeros(1, dtype=np.int64)
+    assert rt.done(stream) == 0 and rt.last_ticket(stream) == 0
+    rt.sync(stream, 0)  # the empty event is done
+    t = kernels.launch(stream, "slow_write", [ptr(flag)], [100_000, 7])
+    assert rt.last_ticket(stream) == t
+    assert not rt.is_done(stream, t)
+    assert flag[0] == 0
+    rt.sync(stream, t)
+    assert rt.is_done(stream, t) and rt.done(stream) == t
+    assert flag[0] == 7
+
+
+def test_sync_sleeps_past_the_spin(rt: NativeRuntime, kernels: Kernels, stream: int) -> None:
+    # Longer than any spin budget: the waiter must park and be woken.
+    flag = np.zeros(1, dtype=np.int64)
+    t0 = time.perf_counter()
+    t = kernels.launch(stream, "slow_write", [ptr(flag)], [300_000, 1])
+    rt.sync(stream, t)
+    assert flag[0] == 1
+    assert time.perf_counter() - t0 >= 0.29
+
+
+def test_worker_wakes_after_sleeping(rt: NativeRuntime, kernels: Kernels, stream: int) -> None:
+    x = np.zeros(4, dtype=np.float32)
+    for _ in range(5):
+        time.sleep(0.01)  # long past the worker's spin: it sleeps
+        rt.sync(stream, kernels.launch(stream, "add1", [ptr(x)], [1, 4]))
+    np.testing.assert_array_equal(x, np.full(4, 5, dtype=np.float32))
+
+
+def test_sync_does_not_hold_the_gil(rt: NativeRuntime, kernels: Kernels, stream: int) -> None:
+    flag = np.zeros(1, dtype=np.int64)
+    t = kernels.launch(stream, "slow_write", [ptr(flag)], [300_000, 1])
+    ticks = 0
+    waiter = threading.Thread(target=rt.sync, args=(stream, t))
+    waiter.start()
+    while waiter.is_alive():
+        ticks += 1
+        time.sleep(0.001)
+    assert ticks > 50  # this thread ran while the other was blocked in sync
+
+
+def test_cross_stream_wait(rt: NativeRuntime, kernels: Kernels) -> None:
+    a = rt.stream_create(1, None)
+    b = rt.stream_create(1, None)
+    try:
+        written = np.zeros(1, dtype=np.int64)
+        seen = np.zeros(1, dtype=np.int64)
+        ta = kernels.launch(a, "slow_write", [ptr(written)], [200_000, 42])
+        tw = rt.wait(b, a, ta)
+        assert tw == 1  # a real WAIT task on b
+        tb = kernels.launch(b, "copy_one", [ptr(written), ptr(seen)])
+        rt.sync(b, tb)
+        assert seen[0] == 42
+        assert rt.done(a) >= ta
+    finally:
+        rt.stream_destroy(a)
+        rt.stream_destroy(b)
+
+
+def test_wait_on_done_or_same_stream_enqueues_nothing(rt: NativeRuntime, kernels: Kernels) -> None:
+    a = rt.stream_create(1, None)
+    b = rt.stream_create(1, None)
+    try:
+        x = np.zeros(1, dtype=np.float32)
+        ta = kernels.launch(a, "add1", [ptr(x)], [1, 1])
+        rt.sync(a, ta)
+        assert rt.wait(b, a, ta) == 0  # already done: b stays empty
+        assert rt.last_ticket(b) == 0
+        assert rt.wait(a, a, ta) == rt.last_ticket(a)  # same stream: implied by order
+    finally:
+        rt.stream_destroy(a)
+        rt.stream_destroy(b)
+
+
+def test_concurrent_producers(rt: NativeRuntime, kernels: Kernels, stream: int) -> None:
+    per_thread, nthreads = 2000, 4
+    log = np.zeros(per_thread * nthreads + 1, dtype=np.int64)
+    bufs = rt.make_ptr_array([ptr(log)])
+    descs = rt.make_descs([(kernels.addr("record"), ctypes.addressof(bufs))])
+
+    def produce(k: int) -> None:
+        st = (ctypes.c_int64 * 1)()
+        for i in range(per_thread):
+            st[0] = k * per_thread + i
+            rt.launch_seq(stream, descs, 1, st, 1)
+
+    threads = [threading.Thread(target=produce, args=(k,)) for k in range(nthreads)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert rt.last_ticket(stream) == per_thread * nthreads
+    rt.sync(stream, rt.last_ticket(stream))
+    values = log[1:]
+    assert log[0] == per_thread * nthreads
+    np.testing.assert_array_equal(np.sort(values), np.arange(per_thread * nthreads))
+    for k in range(nthreads):  # each producer's own tasks stay in its order
+        mine = values[(values >= k * per_thread) & (values < (k + 1) * per_thread)]
+        assert (np.diff(mine) > 0).all()
+
+
+def test_destroy_drains_the_queue(rt: NativeRuntime, kernels: Kernels) -> None:
+    s = rt.stream_create(1, None)
+    flag = np.zeros(1, dtype=np.int64)
+    kernels.launch(s, "slow_write", [ptr(flag)], [100_000, 9])
+    rt.stream_destroy(s)
+    assert flag[0] == 9
+    assert s not in rt.live_streams()
+    rt.stream_destroy(s)  # a second destroy is a no-op
+
+
+# -- threads and pinning ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_num_threads_sets_the_team_size(
+    rt: NativeRuntime, kernels: Kernels, num_threads: int
+) -> None:
+    s = rt.stream_create(num_threads, None)
+    try:
+        out = np.zeros(2, dtype=np.int64)
+        rt.sync(s, kernels.launch(s, "team_info", [ptr(out)]))
+        assert out[0] == num_threads
+    finally:
+        rt.stream_destroy(s)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no affinity API")
+def test_pinning(rt: NativeRuntime, kernels: Kernels) -> None:
+    cpu = max(os.sched_getaffinity(0))
+    s = rt.stream_create(1, [cpu])
+    try:
+        out = np.zeros(2, dtype=np.int64)
+        for _ in range(3):
+            rt.sync(s, kernels.launch(s, "team_info", [ptr(out)]))
+            assert out[1] == cpu
+    finally:
+        rt.stream_destroy(s)
+
+
+def test_bad_cpu_raises(rt: NativeRuntime) -> None:
+    with pytest.raises(RuntimeError, match="cannot start"):
+        rt.stream_create(1, [1 << 20])
+
+
+# -- exit -------------------------------------------------------------------------------------
+
+
+def test_process_exits_cleanly_with_live_streams(tmp_path: Path) -> None:
+    script = """
+import atexit
+import numpy as np
+from polyjit.backends.cpu_native import load_runtime
+state = {}
+# Registered before the runtime's hook, so it runs after it (atexit is LIFO).
+atexit.register(lambda: print("live after shutdown:", state["rt"].live_streams(), flush=True))
+rt = load_runtime()
+state["rt"] = rt
+s = rt.stream_create(2, None)
+a = np.arange(1 << 20, dtype=np.uint8)
+b = np.zeros_like(a)
+for _ in range(100):
+    rt.memcpy(s, b.ctypes.data, a.ctypes.data, a.nbytes)
+print("queued", rt.last_ticket(s))
+"""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "queued 100" in proc.stdout
+    assert "live after shutdown: []" in proc.stdout
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork")
+def test_forked_child_exits_without_touching_parent_streams() -> None:
+    script = """
+import os, sys
+import numpy as np
+from polyjit.backends.cpu_native import load_runtime
+rt = load_runtime()
+s = rt.stream_create(1, None)
+a = np.zeros(64 << 20, dtype=np.uint8)
+for _ in range(20):  # still running at the fork: the child must not wait for it
+    rt.memset(s, a.ctypes.data, 1, a.nbytes)
+pid = os.fork()
+if pid == 0:
+    t = rt.stream_create(1, None)  # the child may make streams of its own
+    rt.sync(t, rt.memset(t, a.ctypes.data, 2, 16))
+    sys.exit(0 if a[0] == 2 else 3)  # a normal exit runs the atexit hook
+_, status = os.waitpid(pid, 0)
+print("child", os.waitstatus_to_exitcode(status))
+"""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    proc = subprocess.run(  # a hang (the child joining a worker it lacks) times out
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "child 0" in proc.stdout
+
+
+# -- the C compiler helper --------------------------------------------------------------------
+
+
+def test_compiler_identity_names_the_compiler() -> None:
+    ident = compiler_identity()
+    assert ident == compiler_identity()
+    assert "@" in ident and "/" in ident
+
+
+def test_build_shared_reuses_the_binary_on_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("POLYJIT_CACHE_DIR", str(tmp_path))
+    source = "int answer(void) { return 42; }\n"
+    first = BinaryCache("cpu", ".so")
+    path = build_shared(source, cache=first)
+    assert first.compiles == 1
+    assert path.is_relative_to(tmp_path) and path.exists()
+    assert ctypes.CDLL(str(path)).answer() == 42
+    assert build_shared(source, cache=first) == path
+    assert first.compiles == 1
+
+    # A second process: a fresh in-memory cache over the same directory.
+    calls: list[object] = []
+    real_run: Callable[..., subprocess.CompletedProcess[str]] = subprocess.run
+
+    def spy(*args: object, **kwargs: object) -> subprocess.CompletedProcess[str]:
+        calls.append(args)
+        return real_run(*args, **kwargs)
+
+    monkeypatch.setattr(cc.subprocess, "run", spy)
+    second = BinaryCache("cpu", ".so")
+    assert build_shared(source, cache=second) == path
+    assert second.compiles == 0 and calls == []
+
+    # Other flags: another binary.
+    other = build_shared(source, flags=("-O0", "-fPIC", "-shared"), cache=second)
+    assert other != path and second.compiles == 1
+    assert not list(tmp_path.rglob("*.c"))  # temp sources are cleaned up
+
+
+def test_compile_error_carries_log_and_source(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("POLYJIT_CACHE_DIR", str(tmp_path))
+    source = "\n".join(
+        [
+            "#include <stdint.h>",
+            "void k(void* const* b, const int64_t* s) {",
+            "    float* x = (float*)b[0];",
+            "    x[0] = undefined_name + 1;",
+            "}",
+        ]
+    )
+    cache = BinaryCache("cpu", ".so")
+    with pytest.raises(CompileError) as info:
+        build_shared(source, cache=cache)
+    err = info.value
+    msg = str(err)
+    first_line = msg.splitlines()[0]
+    assert first_line.startswith("C compiler failed (exit ")
+    assert "undefined_name" in err.log and err.log in msg
+    assert err.source == source
+    assert "generated source around the fault:" in msg
+    assert ">>     4 |     x[0] = undefined_name + 1;" in msg
+    assert not list(tmp_path.rglob("*.so"))  # nothing published on failure
