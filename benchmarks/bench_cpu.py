@@ -51,7 +51,7 @@ def median_ns(fn: Callable[[], Any], n: int = 20000) -> float:
 def bench_chain(n: int) -> dict[str, float]:
     backend = get_backend("cpu")
     dev = backend.get_device(0)
-    comp, inputs, out = chain_program(n)
+    comp, inputs, _ = chain_program(n)
     rng = np.random.default_rng(0)
     host = {node: rng.random(n, dtype=np.float32) for node in inputs}
     ctx = dev.make_context()

@@ -14,7 +14,12 @@ from polyjit.alloc import slab
 from polyjit.backends import get_backend
 from polyjit.backends.cc import build_shared
 from polyjit.core import codegen, ir, lower
-from polyjit.core.errors import CompileError, DTypeMismatchError, InvalidProgramError, ShapeMismatchError
+from polyjit.core.errors import (
+    CompileError,
+    DTypeMismatchError,
+    InvalidProgramError,
+    ShapeMismatchError,
+)
 from polyjit.core.ir import MemoryMode
 from polyjit.demo import chain_program
 

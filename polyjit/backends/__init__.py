@@ -30,7 +30,8 @@ _lock = threading.RLock()
 
 def _load_target(target: str) -> Callable[[], Any]:
     module, _, attr = target.partition(":")
-    return getattr(importlib.import_module(module), attr)  # type: ignore[no-any-return]
+    factory: Callable[[], Any] = getattr(importlib.import_module(module), attr)
+    return factory
 
 
 def register_backend(name: str, factory: Callable[[], Backend | Driver]) -> None:

@@ -23,8 +23,8 @@ import attrs
 import numpy as np
 
 from polyjit.backends.cc import build_shared
-from polyjit.backends.cpu_native import NativeRuntime, load_runtime
 from polyjit.backends.cpu_dialect import CpuDialect
+from polyjit.backends.cpu_native import NativeRuntime, load_runtime
 from polyjit.core.codegen import KernelSpec, Source
 from polyjit.core.protocol import DeviceInfo
 from polyjit.core.runtime import Backend

@@ -58,13 +58,12 @@ class CpuDialect(Dialect):
         init_zero = c.reduce.init is not None
         tiles_i, tiles_j = -(-c.m // mr), -(-c.n // nr)
         work = c.kernel.work * c.kk
-        loops = [*c.batch, ("pj_tj", tiles_j), ("pj_ti", tiles_i)]
+        loops = [(names.var(s), n) for s, n in c.batch] + [("pj_tj", tiles_j), ("pj_ti", tiles_i)]
         lines = [f"  typedef {t} pj_vec __attribute__((vector_size({self.vector_bytes})));"]
         if work >= self.omp_min_work:
             lines.append(f"  #pragma omp parallel for collapse({len(loops)}) schedule(static)")
         depth = 1
-        for sym, n in loops:
-            v = sym if isinstance(sym, str) else names.var(sym)
+        for v, n in loops:
             lines.append(f"{'  ' * depth}for (int64_t {v} = 0; {v} < {n}; ++{v}) {{")
             depth += 1
         p = "  " * depth

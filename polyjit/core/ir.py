@@ -14,7 +14,7 @@ import enum
 import itertools
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, Union
+from typing import Any, TypeGuard, Union
 
 import attrs
 import numpy as np
@@ -297,7 +297,7 @@ Scalar = Union[int, float, bool]
 Operand = Union[Node, MergeRead, Scalar]
 
 
-def _is_tensor_operand(x: object) -> bool:
+def _is_tensor_operand(x: object) -> TypeGuard[Node | MergeRead]:
     return isinstance(x, (Node, MergeRead))
 
 
@@ -354,7 +354,7 @@ class Accum:
 
     @property
     def tensor_operands(self) -> tuple[Node | MergeRead, ...]:
-        return tuple(x for x in self.rhs if _is_tensor_operand(x))  # type: ignore[misc]
+        return tuple(x for x in self.rhs if _is_tensor_operand(x))
 
 
 @attrs.frozen
@@ -483,6 +483,8 @@ def _check_index_bounds(
                 raise InvalidProgramError(f"{what}: symbol {v!r} is not in the product space")
             lo += min(0, c * top)
             hi += max(0, c * top)
+        if any(extent == 0 for extent in space.values()):
+            continue  # an empty product space makes no access at all
         if lo < 0 or hi >= n:
             raise ShapeMismatchError(
                 f"{what}: index {e!r} of {node.label} axis {dim} ranges over [{lo}, {hi}] "
@@ -493,12 +495,13 @@ def _check_index_bounds(
 def accum_operand_dtypes(a: Accum) -> list[DType]:
     """The dtype of each rhs operand; a Python scalar takes the dtype of the tensor values beside it."""
     value_positions = (1, 2) if a.op is Op.WHERE else range(len(a.rhs))
-    tensor_values = [operand_node(a.rhs[k]).dtype for k in value_positions if _is_tensor_operand(a.rhs[k])]
+    tensor_values = [operand_node(x).dtype for x in (a.rhs[k] for k in value_positions)
+                     if _is_tensor_operand(x)]
     scalar_dtype = tensor_values[0] if tensor_values else a.lhs.dtype
     out: list[DType] = []
     for k, x in enumerate(a.rhs):
         if _is_tensor_operand(x):
-            out.append(operand_node(x).dtype)  # type: ignore[arg-type]
+            out.append(operand_node(x).dtype)
         elif a.op is Op.WHERE and k == 0:
             out.append(dtypes.bool_)
         else:

@@ -16,6 +16,7 @@ Each kernel reports its inputs and outputs *after* inlining.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Union
 
@@ -359,7 +360,7 @@ class _Lowerer:
         """The writer's value at ``index`` (its cell symbols replaced by the reader's indices)."""
         if isinstance(writer, ir.Fetch):
             return self.fetch_value(writer, index)
-        env = {e.terms[0][0]: idx for e, idx in zip(writer.projections.lhs, index)}
+        env: dict[ir.Var, Affine] = {e.terms[0][0]: idx for e, idx in zip(writer.projections.lhs, index)}
         return self.value(writer, lambda a: a.substitute(env))
 
     def value(self, a: ir.Accum, remap: Callable[[Affine], Affine] = lambda x: x) -> Expr:
@@ -470,7 +471,7 @@ def _is_surjective(a: ir.Accum) -> bool:
 
 
 def _drop_unit_loops(k: Kernel) -> Kernel:
-    units = {s: Affine() for s, n in k.parallel if n == 1}
+    units: dict[ir.Var, Affine] = {s: Affine() for s, n in k.parallel if n == 1}
     units.update({st.sym: Affine() for st in walk_stmts(k.body) if isinstance(st, Loop) and st.extent == 1})
     for st in walk_stmts(k.body):
         if isinstance(st, Reduce):
@@ -482,7 +483,7 @@ def _drop_unit_loops(k: Kernel) -> Kernel:
     return attrs.evolve(k, parallel=tuple((s, n) for s, n in k.parallel if s not in units), body=body)
 
 
-def _strip_loops(s: Stmt, drop: set[Symbol]) -> Stmt:
+def _strip_loops(s: Stmt, drop: set[ir.Var]) -> Stmt:
     if isinstance(s, Loop):
         inner = _strip_loops(s.body, drop)
         return inner if s.sym in drop else Loop(s.sym, s.extent, inner)
@@ -501,8 +502,8 @@ def _merge_parallel(k: Kernel) -> Kernel:
         for pos in range(len(k.parallel) - 1):
             (so, no), (si, ni) = k.parallel[pos], k.parallel[pos + 1]
             if all(a.coeff(so) == ni * a.coeff(si) for a in affs):
-                drop = {so: Affine()}
-                body = _map_stmt(k.body, lambda a, drop=drop: a.substitute(drop))
+                drop: dict[ir.Var, Affine] = {so: Affine()}
+                body = _map_stmt(k.body, functools.partial(Affine.substitute, env=drop))
                 parallel = k.parallel[:pos] + ((si, no * ni),) + k.parallel[pos + 2 :]
                 k = attrs.evolve(k, parallel=parallel, body=body)
                 changed = True
@@ -562,9 +563,11 @@ def lower(comps: Sequence[ir.Comp], names: Sequence[str]) -> LoweredBatch:
                     merges.add(x.node)
                 elif x not in written and inference.modes.get(x) is not MemoryMode.VIRTUAL:
                     inputs[x] = None
-            if isinstance(leaf, ir.Accum) and leaf.accum is not None and not leaf.init_neutral:
-                if target not in written:
-                    inputs[target] = None  # accumulates onto what the context holds
+            accumulates_onto_context = (
+                isinstance(leaf, ir.Accum) and leaf.accum is not None and not leaf.init_neutral
+            )
+            if accumulates_onto_context and target not in written:
+                inputs[target] = None
             written.add(target)
             if inference.modes[target] is MemoryMode.VIRTUAL:
                 continue

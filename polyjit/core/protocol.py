@@ -50,7 +50,9 @@ class Driver(Protocol):
     takes a stream is enqueued on it and returns without waiting."""
 
     name: str
-    dialect: Dialect
+
+    @property
+    def dialect(self) -> Dialect: ...
 
     # devices
     def device_count(self) -> int: ...
