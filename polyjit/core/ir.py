@@ -382,7 +382,14 @@ class Slice:
     index: Affine = attrs.field(converter=as_affine)
 
 
-FetchValue = Union[Fill, Range, Constant, Slice]
+@attrs.frozen
+class Reshape:
+    """``node`` is ``source`` read in row-major order with node's shape (same number of elements)."""
+
+    source: Node
+
+
+FetchValue = Union[Fill, Range, Constant, Slice, Reshape]
 
 
 @attrs.frozen
@@ -428,7 +435,7 @@ def writes(a: Accum | Fetch) -> Node:
 def reads(a: Accum | Fetch) -> tuple[Node | MergeRead, ...]:
     if isinstance(a, Accum):
         return a.tensor_operands
-    if isinstance(a.value, Slice):
+    if isinstance(a.value, (Slice, Reshape)):
         return (a.value.source,)
     return ()
 
@@ -544,6 +551,15 @@ def _check_fetch(f: Fetch) -> None:
         if v.values.dtype != f.node.dtype.np:
             raise DTypeMismatchError(
                 f"constant of dtype {v.values.dtype} for {f.node.label} of dtype {f.node.dtype}"
+            )
+    elif isinstance(v, Reshape):
+        if v.source.size != f.node.size:
+            raise ShapeMismatchError(
+                f"cannot reshape {v.source.label} {v.source.shape} into {f.node.label} {f.node.shape}"
+            )
+        if v.source.dtype != f.node.dtype:
+            raise DTypeMismatchError(
+                f"reshape of {v.source.label} ({v.source.dtype}) into {f.node.label} ({f.node.dtype})"
             )
     elif isinstance(v, Slice):
         if v.source.shape[1:] != f.node.shape:
@@ -671,6 +687,10 @@ def arange(node: Node) -> Fetch:
 
 def constant(node: Node, values: Any) -> Fetch:
     return Fetch(node, Constant(np.ascontiguousarray(values, dtype=node.dtype.np)))
+
+
+def reshape(node: Node, source: Node) -> Fetch:
+    return Fetch(node, Reshape(source))
 
 
 def slice_at(node: Node, source: Node, index: Index) -> Fetch:

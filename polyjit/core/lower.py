@@ -306,6 +306,8 @@ def _why_not_inlinable(
     rcomp, reader = leaves[r]
     if r <= w:
         return "it is read before it is written"
+    if isinstance(reader, ir.Fetch) and isinstance(reader.value, ir.Reshape):
+        return "it is read through a reshape (a flat index)"
     if rcomp != comp:
         return "its reader is in another computation of the batch"
     if isinstance(reader, ir.Accum) and isinstance(writer, ir.Accum) and not _read_covers_space(reader, node):
@@ -387,6 +389,8 @@ class _Lowerer:
             return Call(ir.Op.CAST, (IndexValue(flat_index(f.node, cell)),), f.node.dtype)
         if isinstance(v, ir.Slice):
             return self.read(v.source, (v.index, *cell))
+        if isinstance(v, ir.Reshape):  # same row-major order: the flat index carries over
+            return Load(v.source, flat_index(f.node, cell))
         raise InvalidProgramError(f"a constant cannot be inlined: {f.node.label}")
 
     # -- kernels -------------------------------------------------------------
