@@ -1,10 +1,15 @@
-"""The CPU backend's C dialect: the generic C emitter, plus register-tiled matmul kernels.
+"""The CPU backend's C dialect: the generic C emitter, plus two specialisations.
 
 A matmul-shaped kernel (``lower.match_contraction``) is emitted as tiles of
 MR rows x NV vectors of the output held in registers while k runs, with GCC
 vector extensions (portable across x86 and Arm, sized to the host's widest
 vector unit). Tiles are shared among OpenMP threads j-panel by j-panel so a
 panel of the right operand stays in cache while its i-tiles run.
+
+A large contiguous elementwise kernel writes its output with non-temporal
+(streaming) stores where the host has AVX: the output is not read first
+(no write-allocate), which saves a sixth of the memory traffic of
+``a*b + c*d - e``.
 """
 
 from __future__ import annotations
@@ -12,8 +17,12 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+from polyjit.core import dtypes, ir
 from polyjit.core.codegen import Dialect, Emitter, KernelSpec, Names
-from polyjit.core.lower import Contraction, Kernel, match_contraction
+from polyjit.core.lower import Contraction, Kernel, Load, Store, match_contraction, walk_exprs
+
+# Streaming stores bypass the cache: only worth it for outputs far larger than it.
+STREAMING_MIN_BYTES = 8 << 20
 
 
 @functools.cache
@@ -41,11 +50,61 @@ class CpuDialect(Dialect):
     def __init__(self, vector_bytes: int | None = None) -> None:
         self.vector_bytes = vector_bytes or host_vector_bytes()
 
+    def prelude(self, batch_dtypes: set[dtypes.DType]) -> list[str]:
+        return ["#include <stdint.h>", "#include <math.h>", "#if defined(__AVX__)",
+                "#include <immintrin.h>", "#endif", ""]
+
     def emit_kernel(self, em: Emitter, kernel: Kernel, spec: KernelSpec, names: Names) -> list[str]:
         c = match_contraction(kernel)
-        if c is None:
-            return super().emit_kernel(em, kernel, spec, names)
-        return [*self.kernel_open(spec, names), *self._tiled(em, c, names), "}"]
+        if c is not None:
+            return [*self.kernel_open(spec, names), *self._tiled(em, c, names), "}"]
+        if self._streams(kernel):
+            return [*self.kernel_open(spec, names), *self._streaming(em, kernel, names), "}"]
+        return super().emit_kernel(em, kernel, spec, names)
+
+    def _streams(self, kernel: Kernel) -> bool:
+        """A flat elementwise kernel over a large, aligned float output, reading contiguously."""
+        body = kernel.body
+        if len(kernel.parallel) != 1 or not isinstance(body, Store) or body.accum is not None:
+            return False
+        if self.vector_bytes < 32 or body.node.dtype not in (dtypes.float32, dtypes.float64):
+            return False
+        (sym, n), = kernel.parallel
+        if body.index != ir.as_affine(sym) or n * body.node.dtype.itemsize < STREAMING_MIN_BYTES:
+            return False
+        loads = [e for e in walk_exprs(body) if isinstance(e, Load)]
+        return all(ld.index.coeff(sym) in (0, 1) for ld in loads) and all(
+            ld.node is not body.node for ld in loads
+        )
+
+    def _streaming(self, em: Emitter, kernel: Kernel, names: Names) -> list[str]:
+        body = kernel.body
+        assert isinstance(body, Store)
+        (sym, n), = kernel.parallel
+        dt = body.node.dtype
+        t = self.type_name(dt)
+        lanes = self.vector_bytes // dt.itemsize
+        suffix = "ps" if dt is dtypes.float32 else "pd"
+        width, guard = ("512", "__AVX512F__") if self.vector_bytes == 64 else ("256", "__AVX__")
+        i, out, value = names.var(sym), names.buffer(body.node), em.expr(body.value)
+        blocks = n // lanes
+        return [
+            f"#if defined({guard})",
+            f"  #pragma omp parallel for schedule(static) if({n} >= {self.omp_min_work})",
+            f"  for (int64_t pj_blk = 0; pj_blk < {blocks}; ++pj_blk) {{",
+            f"    {t} pj_tmp[{lanes}] __attribute__((aligned({self.vector_bytes})));",
+            f"    for (int pj_l = 0; pj_l < {lanes}; ++pj_l) {{",
+            f"      const int64_t {i} = pj_blk * {lanes} + pj_l;",
+            f"      pj_tmp[pj_l] = {value};",
+            "    }",
+            f"    _mm{width}_stream_{suffix}(&{out}[pj_blk * {lanes}], _mm{width}_load_{suffix}(pj_tmp));",
+            "  }",
+            "  _mm_sfence();  /* streaming stores are weakly ordered */",
+            f"  for (int64_t {i} = {blocks * lanes}; {i} < {n}; ++{i}) {out}[{i}] = {value};",
+            "#else",
+            *super().emit_parallel(em, kernel, names, 1),
+            "#endif",
+        ]
 
     def _tiled(self, em: Emitter, c: Contraction, names: Names) -> list[str]:
         dt = c.reduce.node.dtype
