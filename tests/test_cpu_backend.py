@@ -94,3 +94,20 @@ def test_static_bindings_are_read_when_run_enqueues() -> None:
         routine.run()
         seen.append(routine.context.read(row).copy())
     np.testing.assert_array_equal(np.stack(seen), values[[2, 0, 3]])
+
+
+def test_streaming_store_kernels_match_numpy_including_the_tail() -> None:
+    from polyjit.backends.cpu_dialect import STREAMING_MIN_BYTES
+
+    n = STREAMING_MIN_BYTES // 4 + 5  # past the threshold, and not a whole number of vectors
+    backend = get_backend("cpu")
+    a, s, out = ir.Node("a", (n,)), ir.Node("s", (1,)), ir.Node("out", (n,))
+    code = backend.compile(ir.Comp.of(ir.apply(ir.Op.MUL, a, s, into=out)), name="scale_big")
+    assert "_stream_" in code.source or "avx" not in open("/proc/cpuinfo").read()
+    rng = np.random.default_rng(3)
+    av, sv = rng.standard_normal(n).astype(np.float32), np.array([1.5], np.float32)
+    ctx = backend.get_device(0).make_context().init_from_host(a, av).init_from_host(s, sv)
+    routine = ctx.link(code)
+    routine.run()
+    np.testing.assert_array_equal(routine.context.read(out), av * sv)
+    routine.context.finalize()
