@@ -6,7 +6,7 @@ device you choose, and run it; move data between devices with
 ``device_to_device`` and merge buffers.
 """
 
-from polyjit.backends import available_backends, backends, get_backend, register_backend
+from polyjit.backends import available_backends, get_backend, register_backend
 from polyjit.core import ir
 from polyjit.core.errors import (
     BackendUnavailableError,
@@ -54,7 +54,6 @@ __all__ = [
     "UnknownDeviceError",
     "UnsupportedError",
     "available_backends",
-    "backends",
     "device_to_device",
     "get_backend",
     "init_from_device",
