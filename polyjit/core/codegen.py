@@ -31,6 +31,7 @@ from polyjit.core.lower import (
     Stmt,
     Store,
     walk_exprs,
+    walk_stmts,
 )
 
 # ---------------------------------------------------------------------------
@@ -136,6 +137,28 @@ class Dialect:
 
     def emit_kernel(self, em: Emitter, kernel: Kernel, spec: KernelSpec, names: Names) -> list[str]:
         return [*self.kernel_open(spec, names), *self.emit_parallel(em, kernel, names, 1), "}"]
+
+    def kernel_prefix(self, kernel: Kernel) -> list[str]:
+        """Lines before a kernel's definition.
+
+        C: GCC 12's loop vectorizer miscompiles in-order (fold-left) float reductions
+        that read with a negative stride (``sum_k x[n - k]`` gives wrong sums at -O3);
+        vectorizing an in-order float reduction gains nothing on the CPU anyway, so
+        kernels holding one are compiled without the loop vectorizer.
+        """
+        if self.name != "c" or not _has_float_serial_accumulation(kernel):
+            return []
+        return ["#if defined(__GNUC__) && !defined(__clang__)",
+                '__attribute__((optimize("no-tree-loop-vectorize")))',
+                "#endif"]
+
+
+def _has_float_serial_accumulation(kernel: Kernel) -> bool:
+    stmts = list(walk_stmts(kernel.body))
+    if any(isinstance(s, Reduce) and s.node.dtype.is_float for s in stmts):
+        return True
+    serial = any(isinstance(s, Loop) for s in stmts)
+    return serial and any(isinstance(s, Store) and s.accum is not None and s.node.dtype.is_float for s in stmts)
 
 
 def _omp_reduction_op(r: Reduce) -> str | None:
@@ -354,6 +377,7 @@ def generate(batch: LoweredBatch, dialect: Dialect) -> Source:
             em = Emitter(dialect, names)
             if kernel.comment:
                 lines.append(f"/* {kernel.comment.replace('*/', '* /')} */")
+            lines += dialect.kernel_prefix(kernel)
             lines += dialect.emit_kernel(em, kernel, spec, names)
             lines.append("")
             comp_specs.append(spec)

@@ -686,7 +686,8 @@ def arange(node: Node) -> Fetch:
 
 
 def constant(node: Node, values: Any) -> Fetch:
-    return Fetch(node, Constant(np.ascontiguousarray(values, dtype=node.dtype.np)))
+    # np.require, not np.ascontiguousarray: the latter turns a 0-d array into shape (1,).
+    return Fetch(node, Constant(np.require(np.asarray(values, dtype=node.dtype.np), requirements="C")))
 
 
 def reshape(node: Node, source: Node) -> Fetch:

@@ -636,17 +636,26 @@ class Context:
         self.stream.wait(event)
 
     def finalize(self) -> None:
-        """Free the pools this context created; it and its descendants become unusable."""
+        """Free the pools this context created; it and its descendants become unusable.
+
+        The descendants' own pools are freed too (nothing can use them any more);
+        the ancestors' pools are not.
+        """
         if self.finalized:
             return
+        doomed: list[Context] = []
         stack: list[Context] = [self]
         while stack:
             ctx = stack.pop()
+            if ctx.finalized:
+                continue
             ctx.finalized = True
+            doomed.append(ctx)
             stack.extend(ctx._children)
-        for pid in self._own_pools:
-            self.device.free_pool(pid)
-        self.device.release_constants(self._own_constants)
+        for ctx in reversed(doomed):  # descendants first
+            for pid in ctx._own_pools:
+                self.device.free_pool(pid)
+            self.device.release_constants(ctx._own_constants)
 
 
 def _missing(node: Node, ctx: Context, what: str) -> str:

@@ -1,0 +1,38 @@
+"""The conformance kit: what any polyjit backend runs to prove itself.
+
+- :func:`run_reference`: a numpy interpreter of the IR, the oracle of every check;
+- :mod:`polyjit.testing.programs`: a catalog of named test programs covering every op,
+  dtype and IR construct; :mod:`polyjit.testing.strategies`: hypothesis strategies
+  for random programs (imported on demand: it needs hypothesis);
+- :data:`CHECKS` and :class:`ConformanceSuite`: the checks, as plain functions and as
+  a pytest base class (``class TestMine(ConformanceSuite): backend_name = "mine"``);
+- :func:`run_selftest`: ``polyjit selftest --backend NAME``.
+"""
+
+from polyjit.testing.harness import Failure, run_programs
+from polyjit.testing.programs import Program, catalog
+from polyjit.testing.reference import run_reference
+from polyjit.testing.suite import (
+    CHECKS,
+    CheckSkipped,
+    ConformanceSuite,
+    default_multi_device_backend,
+    needs_multi_device,
+    run_check,
+    run_selftest,
+)
+
+__all__ = [
+    "CHECKS",
+    "CheckSkipped",
+    "ConformanceSuite",
+    "Failure",
+    "Program",
+    "catalog",
+    "default_multi_device_backend",
+    "needs_multi_device",
+    "run_check",
+    "run_programs",
+    "run_reference",
+    "run_selftest",
+]

@@ -1,0 +1,201 @@
+"""Running test programs on a backend and checking them against the reference interpreter."""
+
+from __future__ import annotations
+
+import traceback
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from polyjit.core import ir, lower
+from polyjit.core.ir import MemoryMode, Node
+from polyjit.core.runtime import Backend, Context, Routine
+from polyjit.testing.programs import Program
+from polyjit.testing.reference import run_reference
+
+__all__ = ["Failure", "compare", "program_rng", "run_programs"]
+
+Array = np.ndarray[Any, Any]
+
+
+@attrs.frozen
+class Failure:
+    program: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"[{self.program}] {self.message}"
+
+
+def program_rng(name: str, seed: int = 0) -> np.random.Generator:
+    """The random generator of a program's inputs: fixed by its name and the seed."""
+    return np.random.default_rng([seed, zlib.crc32(name.encode())])
+
+
+def compare(label: str, got: Array, want: Array, rtol: float, atol: float, show: int = 5) -> str | None:
+    """None when ``got`` matches ``want`` (exactly for integers and bools), else a message."""
+    if got.shape != want.shape:
+        return f"{label}: shape {got.shape}, expected {want.shape}"
+    if got.dtype != want.dtype:
+        return f"{label}: dtype {got.dtype}, expected {want.dtype}"
+    if got.dtype.kind == "f":
+        with np.errstate(all="ignore"):
+            ok = np.isclose(got, want, rtol=rtol, atol=atol, equal_nan=True)
+    else:
+        ok = got == want
+    ok = np.asarray(ok)
+    if ok.all():
+        return None
+    bad = np.argwhere(~ok) if ok.ndim else np.zeros((1, 0), dtype=np.int64)
+    lines = [f"{label}: {len(bad)} of {got.size} values differ (rtol={rtol:g}, atol={atol:g})"]
+    for idx in bad[:show]:
+        t = tuple(int(k) for k in idx)
+        lines.append(f"    at {t}: got {got[t]!r}, expected {want[t]!r}")
+    if got.dtype.kind == "f":
+        with np.errstate(all="ignore"):
+            err = np.abs(got.astype(np.float64) - want.astype(np.float64))
+        lines.append(f"    max abs error {np.nanmax(err) if err.size else 0:g}")
+    return "\n".join(lines)
+
+
+def _describe(e: BaseException) -> str:
+    tb = traceback.format_exception(type(e), e, e.__traceback__)
+    return f"{type(e).__name__}: {e}\n" + "".join(tb[-4:]).rstrip()
+
+
+def _check_modes(p: Program, ctx: Context) -> list[str]:
+    problems = []
+    modes = lower.infer_modes(p.comps).modes
+    for n in p.virtual:
+        if modes.get(n) is not MemoryMode.VIRTUAL:
+            problems.append(f"{n.label} should be inferred VIRTUAL, is {modes.get(n)}")
+        if n in ctx.buffers:
+            problems.append(f"{n.label} is VIRTUAL but has a buffer in the context")
+    for n in p.absent:
+        if n in ctx.buffers:
+            problems.append(f"{n.label} ({modes.get(n)}) should not be in the context")
+    for n in p.present:
+        if n not in ctx.buffers:
+            problems.append(f"{n.label} ({modes.get(n)}) should be in the context")
+    return problems
+
+
+def _execute(p: Program, routines: Sequence[Routine], host: dict[Node, Array]) -> list[str]:
+    """Run the program's routines for each of its runs; compare with the reference after each."""
+    problems: list[str] = []
+    ctx = routines[-1].context
+    problems += _check_modes(p, ctx)
+    state: dict[Node, Array] = dict(host)
+    for k, bindings in enumerate(p.runs):
+        for r in routines:
+            for sym, v in bindings.items():
+                r.bindings[sym] = v
+            r.run()
+        state = run_reference(p.comps, state, bindings)
+        for node in p.outputs:
+            got = ctx.read(node)
+            rtol, atol = p.tolerance(node.dtype)
+            run = f" run {k + 1}/{len(p.runs)}" + (f" {dict(bindings)}" if bindings else "")
+            msg = compare(f"{node.label}{run}", got, state[node], rtol, atol)
+            if msg:
+                problems.append(msg)
+        if problems:
+            break
+    return problems
+
+
+def _run_group(backend: Backend, ordinal: int, group: Sequence[Program], seed: int) -> list[Failure]:
+    device = backend.get_device(ordinal)
+    comps: list[ir.Comp] = []
+    names: list[str] = []
+    for pk, p in enumerate(group):
+        for ck, c in enumerate(p.comps):
+            comps.append(c)
+            names.append(f"p{pk}_{ck}_{p.name.replace('.', '_')}")
+    batch = backend.compile_batch(comps, names=names)
+    contexts: list[Context] = [device.make_context()]
+    hosts: list[dict[Node, Array]] = []
+    try:
+        for p in group:
+            host = p.generate(program_rng(p.name, seed))
+            hosts.append(host)
+            for node, arr in host.items():
+                contexts.append(contexts[-1].init_from_host(node, arr))
+        routines = contexts[-1].link_batch(batch)
+        contexts.append(routines[0].context if routines else contexts[-1])
+        failures: list[Failure] = []
+        pos = 0
+        for p, host in zip(group, hosts):
+            mine = routines[pos : pos + len(p.comps)]
+            pos += len(p.comps)
+            try:
+                problems = _execute(p, mine, host)
+            except Exception as e:
+                problems = [_describe(e)]
+            if problems and p.description:
+                problems.append("the program:\n" + p.description)
+            failures += [Failure(p.name, m) for m in problems]
+        return failures
+    finally:
+        for ctx in reversed(contexts):
+            ctx.finalize()
+
+
+def program_nodes(p: Program) -> set[Node]:
+    """Every node a program touches."""
+    nodes = {n for n, _ in p.inputs}
+    for c in p.comps:
+        for leaf in c.leaves():
+            nodes.add(ir.writes(leaf))
+            nodes.update(ir.operand_node(x) for x in ir.reads(leaf))
+    return nodes
+
+
+def _groups(programs: Sequence[Program], size: int) -> list[list[Program]]:
+    """Consecutive programs, at most ``size`` a group, no two of a group sharing a node."""
+    groups: list[list[Program]] = []
+    group: list[Program] = []
+    seen: set[Node] = set()
+    for p in programs:
+        nodes = program_nodes(p)
+        if len(group) >= size or nodes & seen:
+            groups.append(group)
+            group, seen = [], set()
+        group.append(p)
+        seen |= nodes
+    if group:
+        groups.append(group)
+    return groups
+
+
+def run_programs(
+    backend: Backend,
+    programs: Sequence[Program],
+    *,
+    ordinal: int = 0,
+    seed: int = 0,
+    batch_size: int = 64,
+) -> list[Failure]:
+    """Run programs on a device of the backend and compare them with the reference.
+
+    Programs are compiled ``batch_size`` at a time into one batch (one source, one
+    binary); when a batch fails to compile or link, its programs are retried one by
+    one so that the failure names the program at fault.
+    """
+    failures: list[Failure] = []
+    for group in _groups(programs, max(1, batch_size)):
+        try:
+            failures += _run_group(backend, ordinal, group, seed)
+        except Exception as e:
+            if len(group) == 1:
+                failures.append(Failure(group[0].name, _describe(e)))
+                continue
+            for p in group:
+                try:
+                    failures += _run_group(backend, ordinal, [p], seed)
+                except Exception as e1:
+                    failures.append(Failure(p.name, _describe(e1)))
+    return failures

@@ -1,0 +1,66 @@
+"""Session setup for the test suite.
+
+- ``POLYJIT_REQUIRE_BACKENDS`` (comma-separated names): each must load and have at
+  least one device, or the run fails at once (instead of skipping its tests);
+- ``POLYJIT_CACHE_DIR``: a fresh directory per session unless already set;
+- hypothesis: no deadline (the first example of a program compiles C).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import pytest
+
+try:
+    from hypothesis import settings as _hyp_settings
+
+    _hyp_settings.register_profile("polyjit", deadline=None, print_blob=True)
+    _hyp_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "polyjit"))
+except ImportError:  # pragma: no cover - hypothesis is a dev dependency
+    pass
+
+_OWN_CACHE: str | None = None
+
+
+def required_backends() -> list[str]:
+    return [b.strip() for b in os.environ.get("POLYJIT_REQUIRE_BACKENDS", "").split(",") if b.strip()]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _OWN_CACHE
+    if not os.environ.get("POLYJIT_CACHE_DIR"):
+        _OWN_CACHE = tempfile.mkdtemp(prefix="polyjit-test-cache-")
+        os.environ["POLYJIT_CACHE_DIR"] = _OWN_CACHE
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    global _OWN_CACHE
+    if _OWN_CACHE is not None:
+        if os.environ.get("POLYJIT_CACHE_DIR") == _OWN_CACHE:
+            del os.environ["POLYJIT_CACHE_DIR"]
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+        _OWN_CACHE = None
+
+
+def _problems() -> list[str]:
+    from polyjit.backends import get_backend
+
+    problems = []
+    for name in required_backends():
+        try:
+            n = get_backend(name).num_devices()
+        except Exception as e:
+            problems.append(f"required backend {name!r} cannot be loaded: {type(e).__name__}: {e}")
+            continue
+        if n < 1:
+            problems.append(f"required backend {name!r} has no devices")
+    return problems
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    problems = _problems()
+    if problems:
+        pytest.exit("POLYJIT_REQUIRE_BACKENDS: " + "; ".join(problems), returncode=1)
