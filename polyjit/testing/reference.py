@@ -345,8 +345,6 @@ def _run_fetch(f: ir.Fetch, env: dict[Node, Array], bindings: Mapping[StaticSymb
         if not 0 <= k < src.shape[0]:
             raise InvalidProgramError(f"reference: slice index {k} of {v.source.label} out of range")
         out = np.array(src[k], dtype=dt.np, copy=True)
-    elif isinstance(v, ir.Reshape):  # the source's row-major elements in the node's shape
-        out = np.array(_lookup(v.source, env, f"reshape into {node.label}"), dtype=dt.np).reshape(node.shape)
     else:  # pragma: no cover
         raise InvalidProgramError(f"reference: unknown fetch {v!r}")
     env[node] = out

@@ -1,0 +1,108 @@
+"""``polyjit demo``: train a small MLP on two spirals, data-parallel on every device of a backend.
+
+Options (argparse attributes read by :func:`main`): ``backend`` (str),
+``devices`` (int or None: how many devices; for the cpu backend, the machine
+is split into that many), ``steps`` (int), ``batch`` (int), ``lr`` (float),
+``seed`` (int), ``plot`` (a PNG path or None).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from polyjit import tensor as pt
+from polyjit.backends import get_backend
+from polyjit.core.runtime import Backend
+from polyjit.tensor.datasets import two_spirals
+from polyjit.tensor.plot import Progress, ascii_chart
+from polyjit.tensor.png import line_chart, write_png
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The demo's options (``polyjit demo`` uses the same)."""
+    p.add_argument("--backend", default="cpu", help="backend name (default: cpu)")
+    p.add_argument("--devices", type=int, default=None,
+                   help="devices to train on (default: all; the cpu backend is split into this many)")
+    p.add_argument("--steps", type=int, default=300, help="training steps (default: 300)")
+    p.add_argument("--batch", type=int, default=256, help="global batch size (default: 256)")
+    p.add_argument("--lr", type=float, default=0.01, help="Adam learning rate (default: 0.01)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", default=None, metavar="FILE", help="also write the loss curve as a PNG")
+    return p
+
+
+def pick_backend(name: str, devices: int | None) -> Backend:
+    """The backend to train on. The CPU can be split freely: without POLYJIT_CPU_DEVICES it is
+    split into --devices devices (default: 2 on a machine with 2 cores or more)."""
+    if name == "cpu" and (devices is not None or "POLYJIT_CPU_DEVICES" not in os.environ):
+        from polyjit.backends.cpu import create_backend
+
+        cores = len(os.sched_getaffinity(0))
+        return create_backend(num_devices=devices if devices is not None else min(2, cores))
+    return get_backend(name)
+
+
+def _options(args: argparse.Namespace) -> argparse.Namespace:
+    """The parsed options, with defaults for any the caller's parser does not define."""
+    defaults = add_arguments(argparse.ArgumentParser(add_help=False)).parse_args([])
+    return argparse.Namespace(**{**vars(defaults), **vars(args)})
+
+
+def main(args: argparse.Namespace) -> int:
+    args = _options(args)
+    backend = pick_backend(args.backend, args.devices)
+    devices = backend.devices()[: args.devices] if args.devices else backend.devices()
+    if not devices:
+        print(f"backend {backend.name} has no devices", file=sys.stderr)
+        return 1
+    batch = args.batch - args.batch % len(devices)
+    x_all, y_all = two_spirals(4096, seed=args.seed)
+    mlp = pt.MLP("mlp", [2, 64, 64, 2], activation="relu", seed=args.seed)
+
+    def model_step(x: pt.Tensor, y: pt.Tensor) -> pt.Tensor:
+        return pt.cross_entropy(mlp(x), y)
+
+    print(f"two spirals: MLP 2-64-64-2, Adam lr {args.lr}, batch {batch}, {args.steps} steps on "
+          f"{len(devices)} device(s) of {backend.name}:")
+    for d in devices:
+        print(f"  {d.device_id:8s} {d.name}")
+    t0 = time.perf_counter()
+    dp = pt.data_parallel(model_step, {"x": ((batch, 2), "float32"), "y": ((batch,), "int32")},
+                          optimizer=pt.Adam(args.lr), devices=devices)
+    xe, ye = pt.input("x_eval", x_all.shape), pt.input("y_eval", y_all.shape, "int32")
+    evaluate = pt.compile({"correct": pt.accuracy_count(mlp(xe), ye)}, share=dp).build()
+    print(f"compiled and linked in {time.perf_counter() - t0:.2f} s")
+    rng = np.random.default_rng(args.seed + 1)
+    losses: list[float] = []
+    bar = Progress(args.steps)
+    for step in range(1, args.steps + 1):
+        idx = rng.integers(0, len(x_all), batch)
+        losses.append(dp.step(x=x_all[idx], y=y_all[idx]))
+        bar.update(step, losses[-1], batch)
+    correct = float(evaluate.run(x_eval=x_all, y_eval=y_all)["correct"])
+    accuracy = correct / len(x_all)
+    print(f"final loss {losses[-1]:.4f}, accuracy {accuracy:.1%} on {len(x_all)} points, "
+          f"{bar.rate:.0f} samples/s, replicas differ by {dp.replica_spread():.1e}")
+    print(ascii_chart(losses, title="training loss"))
+    if args.plot:
+        write_png(args.plot, line_chart(losses, log_y=True))
+        print(f"loss curve written to {args.plot}")
+    evaluate.close()
+    dp.close()
+    return 0 if accuracy > 0.5 or args.steps < 50 else 1
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    """``python -m polyjit.tensor.demo [options]``."""
+    parser = add_arguments(argparse.ArgumentParser(prog="polyjit demo", description=__doc__))
+    return main(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(run())

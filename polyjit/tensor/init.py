@@ -1,0 +1,93 @@
+"""Initial values of parameters: named schemes, arrays or callables ``(rng, shape) -> array``."""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable
+from typing import Any, Union
+
+import numpy as np
+
+from polyjit.core.dtypes import DType
+from polyjit.core.errors import InvalidProgramError, ShapeMismatchError
+
+Array = np.ndarray[Any, Any]
+Init = Union[str, Array, float, int, Callable[[np.random.Generator, tuple[int, ...]], Any]]
+
+
+def _fans(shape: tuple[int, ...]) -> tuple[int, int]:
+    """Fan in and out of a weight: (in, out) for a matrix, receptive field included for more axes."""
+    if not shape:
+        return 1, 1
+    if len(shape) == 1:
+        return shape[0], shape[0]
+    field = math.prod(shape[:-2])
+    return shape[-2] * field, shape[-1] * field
+
+
+def normal(rng: np.random.Generator, shape: tuple[int, ...], std: float = 0.02) -> Array:
+    return rng.normal(0.0, std, shape)
+
+
+def uniform(rng: np.random.Generator, shape: tuple[int, ...], bound: float = 0.05) -> Array:
+    return rng.uniform(-bound, bound, shape)
+
+
+def glorot(rng: np.random.Generator, shape: tuple[int, ...]) -> Array:
+    """Glorot/Xavier uniform: keeps the variance of activations and gradients alike."""
+    fan_in, fan_out = _fans(shape)
+    bound = math.sqrt(6.0 / (fan_in + fan_out))
+    return rng.uniform(-bound, bound, shape)
+
+
+def he(rng: np.random.Generator, shape: tuple[int, ...]) -> Array:
+    """He/Kaiming normal, for ReLU layers."""
+    fan_in, _ = _fans(shape)
+    return rng.normal(0.0, math.sqrt(2.0 / fan_in), shape)
+
+
+SCHEMES: dict[str, Callable[[np.random.Generator, tuple[int, ...]], Array]] = {
+    "normal": normal,
+    "uniform": uniform,
+    "glorot": glorot,
+    "xavier": glorot,
+    "he": he,
+    "kaiming": he,
+    "zeros": lambda rng, shape: np.zeros(shape),
+    "ones": lambda rng, shape: np.ones(shape),
+}
+
+
+def name_rng(name: str) -> np.random.Generator:
+    """A generator that depends only on the parameter's name: models initialise reproducibly."""
+    return np.random.default_rng(zlib.crc32(name.encode()))
+
+
+def initial_value(
+    init: Init, name: str, shape: tuple[int, ...], dtype: DType, rng: np.random.Generator | int | None
+) -> Array:
+    """The initial array of a parameter, in its shape and dtype."""
+    if rng is None:
+        gen = name_rng(name)
+    elif isinstance(rng, np.random.Generator):
+        gen = rng
+    else:
+        gen = np.random.default_rng(rng)
+    value: Any
+    if isinstance(init, str):
+        try:
+            scheme = SCHEMES[init]
+        except KeyError:
+            raise InvalidProgramError(f"unknown init {init!r}; known: {', '.join(SCHEMES)}") from None
+        value = scheme(gen, shape)
+    elif callable(init):
+        value = init(gen, shape)
+    else:
+        value = init
+    arr = np.asarray(value)
+    if arr.shape == () and shape != ():
+        arr = np.full(shape, arr)
+    if arr.shape != shape:
+        raise ShapeMismatchError(f"initial value of {name} has shape {arr.shape}, the parameter {shape}")
+    return np.require(arr.astype(dtype.np, copy=False), requirements="C")  # keeps 0-d arrays 0-d

@@ -1,0 +1,117 @@
+"""Neural-network functions built from the primitive ops: softmax, cross-entropy, one-hot,
+embedding lookup, and small layer helpers."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+from polyjit.core import dtypes, ir
+from polyjit.core.errors import DTypeMismatchError, ShapeMismatchError
+from polyjit.core.ir import Op
+from polyjit.tensor import ops
+from polyjit.tensor.init import Init
+from polyjit.tensor.tensor import DTypeLike, Tensor, arange, param
+
+
+def softmax(x: Tensor, axis: int = -1) -> Tensor:
+    """exp(x - max) / sum(exp(x - max)): the max (with no gradient) keeps exp from overflowing."""
+    z = x - ops.detach(ops.max(x, axis, keepdims=True))
+    e = ops.exp(z)
+    return e / ops.sum(e, axis, keepdims=True)
+
+
+def log_softmax(x: Tensor, axis: int = -1) -> Tensor:
+    """x - max - log(sum(exp(x - max))), numerically stable for large logits."""
+    z = x - ops.detach(ops.max(x, axis, keepdims=True))
+    return z - ops.log(ops.sum(ops.exp(z), axis, keepdims=True))
+
+
+def one_hot(indices: Tensor, depth: int, dtype: DTypeLike = dtypes.float32) -> Tensor:
+    """``out[..., c] = 1 if indices[...] == c else 0``: a comparison against a Range, cast to dtype.
+
+    The IR indexes only with affine expressions, so a lookup by tensor values
+    goes through a one-hot matrix (fine for small vocabularies).
+    """
+    if indices.dtype.is_float or indices.dtype.is_bool:
+        raise DTypeMismatchError(f"one_hot needs integer indices, got {indices.dtype}")
+    # One comparison per cell, reading indices[...] and range[c]: both inline into the cast's kernel.
+    hit = ops.indexed(Op.EQ, (*indices.shape, depth),
+                      [(indices, lambda s: tuple(ir.as_affine(v) for v in s[:-1])),
+                       (arange(depth, indices.dtype), lambda s: (ir.as_affine(s[-1]),))], name="one_hot")
+    return ops.cast(hit, dtype)
+
+
+def embedding(indices: Tensor, table: Tensor) -> Tensor:
+    """Rows of ``table`` (vocab x dim) picked by integer ``indices``: one_hot(indices) @ table."""
+    if table.ndim != 2:
+        raise ShapeMismatchError(f"an embedding table is 2-D (vocab, dim), got {table.shape}")
+    return ops.matmul(one_hot(indices, table.shape[0], table.dtype), table)
+
+
+def cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
+    """Mean over the batch of -log softmax(logits)[label], with integer labels of shape logits.shape[:-1]."""
+    if labels.shape != logits.shape[:-1]:
+        raise ShapeMismatchError(f"labels of shape {labels.shape} for logits of shape {logits.shape}")
+    z = logits - ops.detach(ops.max(logits, -1, keepdims=True))
+    lse = ops.log(ops.sum(ops.exp(z), -1, keepdims=True))
+    hot = one_hot(labels, logits.shape[-1], logits.dtype)
+    scale = 1.0 / max(math.prod(labels.shape), 1)
+    loss = ops.elementwise(Op.MUL, ops.sum(hot * (lse - z)), scale, name="cross_entropy")
+
+    def backward(g: Tensor, needs: Sequence[bool]) -> list[Tensor | None]:
+        # d loss / d logits = (softmax - one_hot) / n: one fused kernel instead of the chain
+        # rule through log, sum, exp and the max.
+        return [None, (ops.exp(z - lse) - hot) * (g * scale) if needs[1] else None]
+
+    # An alias of the loss whose gradient skips the forward graph (its parent only for ordering).
+    return Tensor(loss.node, (), (loss, logits), backward, name="cross_entropy")
+
+
+def accuracy_count(logits: Tensor, labels: Tensor) -> Tensor:
+    """How many rows have their label's logit at the row max (a float count; ties count as hits)."""
+    best = ops.max(logits, -1, keepdims=True)
+    at_max = ops.cast(ops.equal(logits, best), logits.dtype)
+    return ops.sum(at_max * one_hot(labels, logits.shape[-1], logits.dtype))
+
+
+class Linear:
+    """``x @ W + b`` with Glorot-initialised W and zero b."""
+
+    def __init__(self, name: str, n_in: int, n_out: int, *, bias: bool = True, init: Init = "glorot",
+                 dtype: DTypeLike = dtypes.float32, seed: int | None = None) -> None:
+        self.weight = param(f"{name}.weight", (n_in, n_out), init, dtype=dtype, rng=seed)
+        self.bias = param(f"{name}.bias", (n_out,), "zeros", dtype=dtype) if bias else None
+
+    def __call__(self, x: Tensor) -> Tensor:
+        y = ops.matmul(x, self.weight)
+        return y + self.bias if self.bias is not None else y
+
+    @property
+    def params(self) -> list[Tensor]:
+        return [self.weight] + ([self.bias] if self.bias is not None else [])
+
+
+class MLP:
+    """Linear layers with an activation between them (none after the last)."""
+
+    def __init__(self, name: str, sizes: Sequence[int], activation: str = "relu",
+                 dtype: DTypeLike = dtypes.float32, seed: int | None = None) -> None:
+        self.layers = [
+            Linear(f"{name}.{k}", a, b, dtype=dtype, init="he" if activation == "relu" else "glorot",
+                   seed=None if seed is None else seed + k)
+            for k, (a, b) in enumerate(itertools.pairwise(sizes))
+        ]
+        self.activation = {"relu": ops.relu, "tanh": ops.tanh, "sigmoid": ops.sigmoid}[activation]
+
+    def __call__(self, x: Tensor) -> Tensor:
+        for k, layer in enumerate(self.layers):
+            x = layer(x)
+            if k < len(self.layers) - 1:
+                x = self.activation(x)
+        return x
+
+    @property
+    def params(self) -> list[Tensor]:
+        return [p for layer in self.layers for p in layer.params]

@@ -1,0 +1,98 @@
+"""Primitive tensor ops. Each builds one new node, the IR assignments that compute it, and its
+backward rule (which builds more tensors: gradients are graphs too).
+
+The building blocks are few: ``elementwise`` (``ir.apply``, numpy broadcasting),
+``gather`` (an Accum that reads each output cell at an affine index: transpose,
+broadcast, slicing), its adjoint ``scatter_add`` (sums and the gradients of
+gathers), ``einsum`` (matmul), ``reshape`` (a Reshape fetch) and ``concat``
+(several writes into slices of one node).
+"""
+
+from polyjit.tensor.ops.contractions import einsum, matmul
+from polyjit.tensor.ops.elementwise import (
+    Operand,
+    abs,
+    add,
+    cast,
+    detach,
+    div,
+    elementwise,
+    equal,
+    exp,
+    greater,
+    greater_equal,
+    less,
+    less_equal,
+    log,
+    maximum,
+    minimum,
+    mul,
+    neg,
+    not_equal,
+    pow,
+    relu,
+    sigmoid,
+    sqrt,
+    sub,
+    tanh,
+    where,
+)
+from polyjit.tensor.ops.indexing import (
+    IndexMap,
+    broadcast_to,
+    flat_view,
+    gather,
+    getitem,
+    indexed,
+    scatter_add,
+    sum_to,
+    transpose,
+)
+from polyjit.tensor.ops.reductions import max, mean, min, sum
+from polyjit.tensor.ops.shape import concat, reshape
+
+__all__ = [
+    "IndexMap",
+    "Operand",
+    "abs",
+    "add",
+    "broadcast_to",
+    "cast",
+    "concat",
+    "detach",
+    "div",
+    "einsum",
+    "elementwise",
+    "equal",
+    "exp",
+    "flat_view",
+    "gather",
+    "getitem",
+    "greater",
+    "greater_equal",
+    "indexed",
+    "less",
+    "less_equal",
+    "log",
+    "matmul",
+    "max",
+    "maximum",
+    "mean",
+    "min",
+    "minimum",
+    "mul",
+    "neg",
+    "not_equal",
+    "pow",
+    "relu",
+    "reshape",
+    "scatter_add",
+    "sigmoid",
+    "sqrt",
+    "sub",
+    "sum",
+    "sum_to",
+    "tanh",
+    "transpose",
+    "where",
+]

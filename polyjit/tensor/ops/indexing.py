@@ -1,0 +1,165 @@
+"""Affine reads: ``gather`` (an Accum reading each output cell at an affine index of its input:
+transposes, broadcasts, slices) and its adjoint ``scatter_add`` (sums, and the gradients of gathers)."""
+
+from __future__ import annotations
+
+import builtins
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from polyjit.core import ir
+from polyjit.core.errors import InvalidProgramError, ShapeMismatchError, UnsupportedError
+from polyjit.core.ir import AccumOp, Affine, Op, Symbol
+from polyjit.tensor.tensor import Tensor
+
+IndexMap = Callable[[Sequence[Symbol]], tuple[Affine, ...]]
+
+
+def _syms(n: int) -> list[Symbol]:
+    return [Symbol(f"i{k}") for k in range(n)]
+
+
+def gather(x: Tensor, shape: tuple[int, ...], index: IndexMap, name: str = "gather") -> Tensor:
+    """``out[i...] = x[index(i...)]`` over every cell of ``out`` (inlined into its reader when it can be)."""
+    syms = _syms(len(shape))
+    node = ir.Node(name, shape, x.dtype)
+    pr = ir.Projections(tuple(zip(syms, shape)), tuple(ir.as_affine(s) for s in syms), (index(syms),))
+    assign = ir.Accum(node, None, Op.ID, (x.node,), pr)
+
+    def backward(g: Tensor, needs: Sequence[bool]) -> list[Tensor | None]:
+        return [scatter_add(g, x.shape, index, name=f"d_{name}")]
+
+    return Tensor(node, (assign,), (x,), backward if x.dtype.is_float else None)
+
+
+def scatter_add(x: Tensor, shape: tuple[int, ...], index: IndexMap, name: str = "scatter") -> Tensor:
+    """``out = 0; out[index(i...)] += x[i...]`` over every cell of ``x``: the adjoint of ``gather``."""
+    syms = _syms(x.ndim)
+    node = ir.Node(name, shape, x.dtype)
+    pr = ir.Projections(tuple(zip(syms, x.shape)), index(syms), (tuple(ir.as_affine(s) for s in syms),))
+    assign = ir.Accum(node, AccumOp.ADD, Op.ID, (x.node,), pr, init_neutral=True)
+
+    def backward(g: Tensor, needs: Sequence[bool]) -> list[Tensor | None]:
+        return [gather(g, x.shape, index, name=f"d_{name}")]
+
+    return Tensor(node, (assign,), (x,), backward if x.dtype.is_float else None)
+
+
+def _broadcast_map(src: tuple[int, ...], dst: tuple[int, ...]) -> IndexMap:
+    """numpy alignment: trailing axes line up; a size-1 axis of ``src`` reads index 0."""
+    if ir.broadcast_shapes(src, dst) != dst:
+        raise ShapeMismatchError(f"cannot broadcast {src} to {dst}")
+    lead = len(dst) - len(src)
+
+    def index(syms: Sequence[Symbol]) -> tuple[Affine, ...]:
+        return tuple(ir.fixed(0) if n == 1 and dst[lead + k] != 1 else ir.as_affine(syms[lead + k])
+                     for k, n in enumerate(src))
+
+    return index
+
+
+def indexed(op: Op, shape: tuple[int, ...], operands: Sequence[tuple[Tensor, IndexMap]],
+            name: str | None = None) -> Tensor:
+    """``out[i...] = op(x_k[index_k(i...)], ...)`` over every cell of ``out``, each operand read at
+    its own affine index; no gradient (it builds comparisons such as one-hot matrices)."""
+    syms = _syms(len(shape))
+    tensors = [t for t, _ in operands]
+    out_dt = ir.result_dtype(op, [t.dtype for t in tensors], tensors[0].dtype)
+    node = ir.Node(name or op.value, shape, out_dt)
+    pr = ir.Projections(tuple(zip(syms, shape)), tuple(ir.as_affine(s) for s in syms),
+                        tuple(index(syms) for _, index in operands))
+    assign = ir.Accum(node, None, op, tuple(t.node for t in tensors), pr)
+    return Tensor(node, (assign,), tensors, None, requires_grad=False)
+
+
+def broadcast_to(x: Tensor, shape: Sequence[int]) -> Tensor:
+    dst = tuple(int(d) for d in shape)
+    if x.shape == dst:
+        return x
+    return gather(x, dst, _broadcast_map(x.shape, dst), name="broadcast")
+
+
+def sum_to(x: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """Sum ``x`` down to ``shape`` (which broadcasts to x's shape): the gradient of broadcasting."""
+    if x.shape == shape:
+        return x
+    to_x = _broadcast_map(shape, x.shape)  # maps x's symbols to indices of the small shape
+    return scatter_add(x, shape, to_x, name="sum_to")
+
+
+def transpose(x: Tensor, axes: Sequence[int] | None = None) -> Tensor:
+    """Permute the axes (reverse them by default), like numpy.transpose."""
+    perm = tuple(range(x.ndim))[::-1] if axes is None else tuple(a % builtins.max(x.ndim, 1) for a in axes)
+    if sorted(perm) != list(range(x.ndim)):
+        raise ShapeMismatchError(f"{axes} is not a permutation of the axes of {x.shape}")
+    if perm == tuple(range(x.ndim)):
+        return x
+    inverse = [0] * x.ndim
+    for pos, a in enumerate(perm):
+        inverse[a] = pos
+
+    def index(syms: Sequence[Symbol]) -> tuple[Affine, ...]:
+        return tuple(ir.as_affine(syms[inverse[a]]) for a in range(x.ndim))
+
+    return gather(x, tuple(x.shape[a] for a in perm), index, name="transpose")
+
+
+def getitem(x: Tensor, index: Any) -> Tensor:
+    """Basic indexing: integers, slices (any step), ``...`` and ``None``, as numpy does."""
+    items = index if isinstance(index, tuple) else (index,)
+    for it in items:
+        if isinstance(it, Tensor) or not (it is None or it is Ellipsis or isinstance(it, (int, slice))):
+            raise UnsupportedError(
+                f"only basic indexing (ints, slices, ..., None) is supported, got {type(it).__name__}; "
+                "use embedding() / one_hot() to gather rows by tensor indices"
+            )
+    real = builtins.sum(1 for it in items if it is not None and it is not Ellipsis)
+    if real > x.ndim:
+        raise ShapeMismatchError(f"too many indices ({real}) for a tensor of shape {x.shape}")
+    if items.count(Ellipsis) > 1:
+        raise InvalidProgramError("an index can only have one ellipsis")
+    if Ellipsis in items:
+        at = items.index(Ellipsis)
+        items = items[:at] + (slice(None),) * (x.ndim - real) + items[at + 1 :]
+    else:
+        items = items + (slice(None),) * (x.ndim - real)
+    shape: list[int] = []
+    spec: list[tuple[int, int, int]] = []  # per axis of x: (output position or -1, start, step)
+    axis = 0
+    for it in items:
+        if it is None:
+            shape.append(1)
+            continue
+        n = x.shape[axis]
+        if isinstance(it, int):
+            k = it + n if it < 0 else it
+            if not 0 <= k < n:
+                raise ShapeMismatchError(f"index {it} is out of bounds for axis {axis} of size {n}")
+            spec.append((-1, k, 0))
+        else:
+            start, stop, step = it.indices(n)
+            spec.append((len(shape), start, step))
+            shape.append(len(range(start, stop, step)))
+        axis += 1
+
+    def gather_index(syms: Sequence[Symbol]) -> tuple[Affine, ...]:
+        return tuple(ir.fixed(start) if pos < 0 else ir.affine((step, syms[pos]), const=start)
+                     for pos, start, step in spec)
+
+    identity = all(pos == k and start == 0 and step == 1 for k, (pos, start, step) in enumerate(spec))
+    if identity and tuple(shape) == x.shape:
+        return x
+    return gather(x, tuple(shape), gather_index, name="slice")
+
+
+def flat_view(x: Tensor, offset: int, shape: tuple[int, ...], name: str = "view") -> Tensor:
+    """Elements ``offset .. offset+prod(shape)`` of a 1-D tensor, read in ``shape`` (no copy once inlined)."""
+    if x.ndim != 1 or offset < 0 or offset + math.prod(shape) > x.shape[0]:
+        raise ShapeMismatchError(f"no view of {shape} at offset {offset} in a tensor of shape {x.shape}")
+    st = [math.prod(shape[k + 1 :]) for k in range(len(shape))]
+
+    def index(syms: Sequence[Symbol]) -> tuple[Affine, ...]:
+        return (ir.Affine.of(dict(zip(syms, st)), offset),)
+
+    return gather(x, shape, index, name=name)

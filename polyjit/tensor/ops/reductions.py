@@ -1,0 +1,88 @@
+"""Reductions over axes: sum and mean (scatter-adds), max and min (MAX/MIN accumulations)."""
+
+from __future__ import annotations
+
+import builtins
+import math
+from collections.abc import Sequence
+
+from polyjit.core import ir
+from polyjit.core.errors import ShapeMismatchError
+from polyjit.core.ir import AccumOp, Affine, Op, Symbol
+from polyjit.tensor.ops.elementwise import equal, where
+from polyjit.tensor.ops.indexing import IndexMap, _syms, gather, scatter_add
+from polyjit.tensor.tensor import Tensor
+
+
+def _axes(axis: int | Sequence[int] | None, ndim: int) -> tuple[int, ...]:
+    if axis is None:
+        return tuple(range(ndim))
+    raw = (axis,) if isinstance(axis, int) else tuple(axis)
+    out = []
+    for a in raw:
+        if not -ndim <= a < ndim:
+            raise ShapeMismatchError(f"axis {a} is out of range for {ndim} dimensions")
+        out.append(a % ndim)
+    if len(set(out)) != len(out):
+        raise ShapeMismatchError(f"repeated axis in {raw}")
+    return tuple(sorted(out))
+
+
+def _reduce_map(ndim: int, axes: tuple[int, ...], keepdims: bool) -> IndexMap:
+    def index(syms: Sequence[Symbol]) -> tuple[Affine, ...]:
+        out = []
+        for k in range(ndim):
+            if k not in axes:
+                out.append(ir.as_affine(syms[k]))
+            elif keepdims:
+                out.append(ir.fixed(0))
+        return tuple(out)
+
+    return index
+
+
+def _reduced_shape(shape: tuple[int, ...], axes: tuple[int, ...], keepdims: bool) -> tuple[int, ...]:
+    return tuple(1 if k in axes else n for k, n in enumerate(shape) if keepdims or k not in axes)
+
+
+def sum(x: Tensor, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
+    axes = _axes(axis, x.ndim)
+    if not axes:
+        return x
+    return scatter_add(x, _reduced_shape(x.shape, axes, keepdims), _reduce_map(x.ndim, axes, keepdims), name="sum")
+
+
+def mean(x: Tensor, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
+    axes = _axes(axis, x.ndim)
+    n = math.prod(x.shape[a] for a in axes)
+    return sum(x, axes, keepdims) * (1.0 / builtins.max(n, 1))
+
+
+def _reduce_extreme(x: Tensor, axis: int | Sequence[int] | None, keepdims: bool, accum: AccumOp) -> Tensor:
+    axes = _axes(axis, x.ndim)
+    if not axes:
+        return x
+    index = _reduce_map(x.ndim, axes, keepdims)
+    shape = _reduced_shape(x.shape, axes, keepdims)
+    syms = _syms(x.ndim)
+    node = ir.Node(accum.value, shape, x.dtype)
+    pr = ir.Projections(tuple(zip(syms, x.shape)), index(syms), (tuple(ir.as_affine(s) for s in syms),))
+    assign = ir.Accum(node, accum, Op.ID, (x.node,), pr, init_neutral=True)
+    holder: list[Tensor] = []
+
+    def backward(g: Tensor, needs: Sequence[bool]) -> list[Tensor | None]:
+        # Every element equal to the extreme gets the gradient (ties share it in full).
+        hit = equal(x, gather(holder[0], x.shape, index, name="bcast_extreme"))
+        return [where(hit, gather(g, x.shape, index, name="bcast_grad"), 0.0)]
+
+    out = Tensor(node, (assign,), (x,), backward if x.dtype.is_float else None)
+    holder.append(out)
+    return out
+
+
+def max(x: Tensor, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
+    return _reduce_extreme(x, axis, keepdims, AccumOp.MAX)
+
+
+def min(x: Tensor, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
+    return _reduce_extreme(x, axis, keepdims, AccumOp.MIN)

@@ -1,0 +1,78 @@
+"""Row-major reshapes (a Reshape fetch) and concatenation (writes into slices of one node)."""
+
+from __future__ import annotations
+
+import builtins
+import math
+from collections.abc import Sequence
+
+from polyjit.core import ir
+from polyjit.core.errors import DTypeMismatchError, InvalidProgramError, ShapeMismatchError
+from polyjit.core.ir import Op
+from polyjit.tensor.ops.indexing import _syms, getitem
+from polyjit.tensor.ops.reductions import _axes
+from polyjit.tensor.tensor import Tensor
+
+
+def reshape(x: Tensor, shape: Sequence[int]) -> Tensor:
+    """Row-major reshape (one dimension may be -1)."""
+    dims = [int(d) for d in shape]
+    if dims.count(-1) > 1:
+        raise ShapeMismatchError("only one dimension can be -1")
+    if -1 in dims:
+        known = math.prod(d for d in dims if d != -1)
+        if known == 0 or x.size % known:
+            raise ShapeMismatchError(f"cannot reshape {x.shape} into {tuple(shape)}")
+        dims[dims.index(-1)] = x.size // known
+    target = tuple(dims)
+    if math.prod(target) != x.size:
+        raise ShapeMismatchError(f"cannot reshape {x.shape} into {target}")
+    if target == x.shape:
+        return x
+    node = ir.Node("reshape", target, x.dtype)
+
+    def backward(g: Tensor, needs: Sequence[bool]) -> list[Tensor | None]:
+        return [reshape(g, x.shape)]
+
+    return Tensor(node, (ir.reshape(node, x.node),), (x,), backward if x.dtype.is_float else None)
+
+
+def concat(tensors: Sequence[Tensor], axis: int = 0) -> Tensor:
+    """Join tensors along an axis: each one is written into its slice of one node."""
+    if not tensors:
+        raise InvalidProgramError("concat of no tensors")
+    first = tensors[0]
+    ax = _axes(axis, first.ndim)[0]
+    for t in tensors:
+        if t.dtype != first.dtype:
+            raise DTypeMismatchError(f"concat of {first.dtype} and {t.dtype}; cast first")
+        if t.ndim != first.ndim or t.shape[:ax] + t.shape[ax + 1 :] != first.shape[:ax] + first.shape[ax + 1 :]:
+            raise ShapeMismatchError(f"cannot concatenate {first.shape} and {t.shape} along axis {ax}")
+    if len(tensors) == 1:
+        return first
+    total = builtins.sum(t.shape[ax] for t in tensors)
+    shape = first.shape[:ax] + (total,) + first.shape[ax + 1 :]
+    node = ir.Node("concat", shape, first.dtype)
+    assigns: list[ir.Assignment] = []
+    offsets: list[int] = []
+    offset = 0
+    for t in tensors:
+        syms = _syms(t.ndim)
+        lhs = tuple(ir.affine((1, s), const=offset if k == ax else 0) for k, s in enumerate(syms))
+        pr = ir.Projections(tuple(zip(syms, t.shape)), lhs, (tuple(ir.as_affine(s) for s in syms),))
+        assigns.append(ir.Accum(node, None, Op.ID, (t.node,), pr))
+        offsets.append(offset)
+        offset += t.shape[ax]
+
+    def backward(g: Tensor, needs: Sequence[bool]) -> list[Tensor | None]:
+        out: list[Tensor | None] = []
+        for t, off, need in zip(tensors, offsets, needs):
+            if need:
+                idx = [slice(None)] * g.ndim
+                idx[ax] = slice(off, off + t.shape[ax])
+                out.append(getitem(g, tuple(idx)))
+            else:
+                out.append(None)
+        return out
+
+    return Tensor(node, assigns, tensors, backward if first.dtype.is_float else None)

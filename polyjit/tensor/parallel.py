@@ -1,0 +1,312 @@
+"""Data parallelism: one replica of a training step per device, gradients all-reduced through
+merge buffers.
+
+Each step, every device runs the forward and backward pass on its shard of the
+batch and packs its gradients into one flat buffer. A tree reduction sums the
+buffers in ceil(log2 n) rounds (in round r, device i receives device i + 2**r's
+buffer into its merge buffer with ``device_to_device(..., MergeBuffer.COPY)``
+and adds ``ir.merge(g)`` into its own), then the sum travels back down the
+same tree. Every replica applies the identical update to identical state, so
+the replicas stay equal without ever exchanging parameters.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from polyjit.core import ir
+from polyjit.core.dtypes import as_dtype
+from polyjit.core.errors import DTypeMismatchError, InvalidProgramError, ShapeMismatchError
+from polyjit.core.protocol import MergeBuffer
+from polyjit.core.runtime import (
+    Backend,
+    CodeBatch,
+    Context,
+    Device,
+    Routine,
+    TransferRoutine,
+    device_to_device,
+)
+from polyjit.tensor import ops
+from polyjit.tensor.autograd import grad
+from polyjit.tensor.devices import DeviceLike, resolve_devices
+from polyjit.tensor.hostio import Feed, check_names, enqueue_to_host
+from polyjit.tensor.optim import Optimizer
+from polyjit.tensor.plan import trainable_params
+from polyjit.tensor.program import Program
+from polyjit.tensor.tensor import DTypeLike, Tensor, input
+
+Array = np.ndarray[Any, Any]
+InputSpec = tuple[Sequence[int], DTypeLike]
+
+
+def tree_rounds(n: int) -> list[list[tuple[int, int]]]:
+    """The reduction rounds over n replicas: (receiver, sender) pairs; device 0 ends with the sum."""
+    rounds = []
+    stride = 1
+    while stride < n:
+        rounds.append([(i, i + stride) for i in range(0, n, 2 * stride) if i + stride < n])
+        stride *= 2
+    return rounds
+
+
+class _Replica:
+    """One device's contexts, staging arrays and routines."""
+
+    def __init__(self, device: Device, loss: ir.Node) -> None:
+        self.device = device
+        self.owned: list[Context] = []
+        self.base: Context = device.make_context()
+        self.feeds: list[Feed] = []
+        self.loss = np.zeros(loss.shape, loss.dtype.np)
+        self.compute: Routine | None = None
+        self.update: Routine | None = None
+        self.linked: Context = self.base
+
+    def add_buffer(self, node: ir.Node, value: Array) -> None:
+        if node not in self.base.buffers:
+            self.base = self.base.init_from_host(node, value)
+            self.owned.append(self.base)
+
+
+class DataParallel:
+    """A training step replicated on several devices. Build it with :func:`data_parallel`."""
+
+    def __init__(
+        self,
+        model_step: Callable[..., Tensor],
+        inputs: Mapping[str, InputSpec],
+        *,
+        optimizer: Optimizer,
+        devices: Sequence[DeviceLike] | Backend | str | None = None,
+        params: Sequence[Tensor] | None = None,
+        name: str = "dp",
+    ) -> None:
+        self.devices = resolve_devices(devices)
+        n = len(self.devices)
+        sizes = {int(next(iter(shape))) for shape, _ in inputs.values()}
+        if len(sizes) != 1:
+            raise ShapeMismatchError(f"every input needs the same batch size (axis 0), got {sorted(sizes)}")
+        self.batch_size = sizes.pop()
+        if self.batch_size % n:
+            raise ShapeMismatchError(f"a batch of {self.batch_size} does not split evenly over {n} devices")
+        self.shard = self.batch_size // n
+        local = {k: input(k, (self.shard, *tuple(shape)[1:]), dt) for k, (shape, dt) in inputs.items()}
+        loss = model_step(**local)
+        if not isinstance(loss, Tensor) or loss.shape != ():
+            raise InvalidProgramError("model_step must return the loss: a scalar Tensor (the mean over its shard)")
+        self.params = list(params) if params is not None else trainable_params(loss)
+        if len({p.dtype for p in self.params}) > 1:
+            raise DTypeMismatchError("data_parallel packs the gradients into one buffer: use one dtype")
+        grads = grad(loss, self.params)
+        flat = ops.concat([ops.reshape(g, (-1,)) for g in grads]).named("grads")
+        self.grads_node = flat.node
+        self.loss_node = loss.node
+        # The update reads the packed (all-reduced) gradients as a leaf: its computation is elsewhere.
+        leaf = Tensor(flat.node, name="grads", requires_grad=False)
+        views, offset = [], 0
+        for p in self.params:
+            views.append(ops.flat_view(leaf, offset, p.shape, name=f"grad_{p.name}"))
+            offset += p.size
+        self.compute_program = Program({"loss": loss, "grads": flat}, name=f"{name}_grad")
+        self.update_program = Program({}, optimizer.updates(self.params, views, grad_scale=1.0 / n),
+                                      name=f"{name}_update")
+        self.persistent = _union(self.compute_program.persistent, self.update_program.persistent)
+        self._input_names = frozenset(t.name for t in self.compute_program.inputs)
+        g = self.grads_node
+        self._reduce_comp = ir.Comp.of(ir.apply(ir.Op.ADD, g, ir.merge(g), into=g), embedded=[g])
+        self._batches: dict[int, tuple[CodeBatch, CodeBatch]] = {}
+        self.replicas = [_Replica(d, self.loss_node) for d in self.devices]
+        self._setup()
+        self.rounds = tree_rounds(n)
+        self._reduce: list[tuple[TransferRoutine, Routine]] = []
+        self._broadcast: list[TransferRoutine] = []
+        self._link_allreduce()
+        self.steps = 0
+        self.timings: dict[str, list[float]] = {"compute": [], "allreduce": [], "update": []}
+
+    # -- setup ------------------------------------------------------------------------
+
+    def _compiled(self, backend: Backend) -> tuple[CodeBatch, CodeBatch]:
+        hit = self._batches.get(id(backend))
+        if hit is None:
+            main = backend.compile_batch(
+                [self.compute_program.fused(), self.update_program.fused()],
+                names=[self.compute_program.name, self.update_program.name],
+            )
+            reduce = backend.compile_batch([self._reduce_comp], names=["allreduce_add"])
+            hit = self._batches[id(backend)] = (main, reduce)
+        return hit
+
+    def _setup(self) -> None:
+        for rep in self.replicas:
+            for t in self.persistent:
+                assert t.init is not None
+                rep.add_buffer(t.node, t.init)
+            for t in self.compute_program.inputs:
+                feed = Feed(t.name, t.node)
+                rep.feeds.append(feed)
+                rep.add_buffer(t.node, feed.staging)
+            main, _ = self._compiled(rep.device.backend)
+            rep.compute, rep.update = rep.base.link_batch(main)
+            rep.linked = rep.compute.context
+
+    def _link_allreduce(self) -> None:
+        reps, g = self.replicas, self.grads_node
+        for pairs in self.rounds:
+            for dst, src in pairs:
+                xfer = device_to_device(g, dst=reps[dst].linked, src=reps[src].linked,
+                                        into_merge_buffer=MergeBuffer.COPY)
+                assert xfer is not None
+                _, reduce = self._compiled(reps[dst].device.backend)
+                (add,) = xfer.context.link_batch(reduce)
+                self._reduce.append((xfer, add))
+        for pairs in reversed(self.rounds):
+            for dst, src in pairs:  # the sum goes back down: the receiver of a round sends
+                back = device_to_device(g, dst=reps[src].linked, src=reps[dst].linked)
+                if back is not None:
+                    self._broadcast.append(back)
+        for rep in reps:
+            rep.device.synchronize()
+
+    # -- stepping -----------------------------------------------------------------------
+
+    @property
+    def device(self) -> Device:
+        return self.devices[0]
+
+    @property
+    def state_context(self) -> Context:
+        """Replica 0's context with the parameters: ``compile(..., share=dp)`` links there."""
+        return self.replicas[0].base
+
+    def _compute(self, inputs: Mapping[str, Any]) -> None:
+        check_names(inputs, self._input_names, "data_parallel inputs")
+        s = self.shard
+        for k, rep in enumerate(self.replicas):
+            for f in rep.feeds:
+                value = inputs[f.name]
+                if np.shape(value)[:1] != (self.batch_size,):
+                    raise ShapeMismatchError(f"input {f.name!r}: batch of {np.shape(value)[:1]}, expected "
+                                             f"{self.batch_size}")
+                rep.base.from_host(f.node, f.host_array(value[k * s : (k + 1) * s]))
+            assert rep.compute is not None
+            rep.compute.run()
+
+    def _allreduce(self) -> None:
+        for xfer, add in self._reduce:
+            xfer.run()
+            add.run()
+        for back in self._broadcast:
+            back.run()
+
+    def _update(self) -> float:
+        for rep in self.replicas:
+            assert rep.update is not None
+            rep.update.run()
+            enqueue_to_host(rep.linked, self.loss_node, rep.loss)
+        total = 0.0
+        for rep in self.replicas:
+            rep.linked.stream.synchronize()
+            total += float(rep.loss)
+        self.steps += 1
+        return total / len(self.replicas)
+
+    def step(self, **inputs: Any) -> float:
+        """One data-parallel training step on a global batch; returns the mean loss."""
+        self._compute(inputs)
+        self._allreduce()
+        return self._update()
+
+    def step_profiled(self, **inputs: Any) -> float:
+        """Like step(), with a sync between phases; the times go to ``self.timings``."""
+        t0 = time.perf_counter()
+        self._compute(inputs)
+        self._sync()
+        t1 = time.perf_counter()
+        self._allreduce()
+        self._sync()
+        t2 = time.perf_counter()
+        loss = self._update()
+        t3 = time.perf_counter()
+        for key, dt in (("compute", t1 - t0), ("allreduce", t2 - t1), ("update", t3 - t2)):
+            self.timings[key].append(dt)
+        return loss
+
+    def _sync(self) -> None:
+        for rep in self.replicas:
+            rep.linked.stream.synchronize()
+
+    # -- state ----------------------------------------------------------------------------
+
+    def state_dict(self, replica: int = 0) -> dict[str, Array]:
+        """Parameters and optimizer state of one replica, by name."""
+        ctx = self.replicas[replica].base
+        return {t.name: ctx.read(t.node) for t in self.persistent}
+
+    def parameters(self, replica: int = 0) -> dict[str, Array]:
+        ctx = self.replicas[replica].base
+        return {p.name: ctx.read(p.node) for p in self.params}
+
+    def replica_spread(self) -> float:
+        """The largest difference of any parameter between replica 0 and another (0.0: equal)."""
+        ref = self.parameters(0)
+        worst = 0.0
+        for k in range(1, len(self.replicas)):
+            for name, value in self.parameters(k).items():
+                worst = max(worst, float(np.max(np.abs(value - ref[name]))) if value.size else 0.0)
+        return worst
+
+    def reset(self) -> None:
+        for rep in self.replicas:
+            for t in self.persistent:
+                assert t.init is not None
+                rep.base.from_host(t.node, t.init)
+
+    def close(self) -> None:
+        for rep in self.replicas:
+            rep.device.synchronize()
+            rep.linked.finalize()
+            for ctx in reversed(rep.owned):
+                ctx.finalize()
+
+    def __enter__(self) -> DataParallel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        ids = ", ".join(d.device_id for d in self.devices)
+        return f"DataParallel([{ids}], batch {self.batch_size}, {len(self.params)} params, {self.steps} steps)"
+
+
+def _union(*groups: Sequence[Tensor]) -> list[Tensor]:
+    return list(dict.fromkeys(t for group in groups for t in group))
+
+
+def data_parallel(
+    model_step: Callable[..., Tensor],
+    inputs: Mapping[str, InputSpec],
+    *,
+    optimizer: Optimizer,
+    devices: Sequence[DeviceLike] | Backend | str | None = None,
+    params: Sequence[Tensor] | None = None,
+    name: str = "dp",
+) -> DataParallel:
+    """Replicate a training step on several devices.
+
+    ``model_step(**tensors) -> loss`` builds the loss (the mean over its shard)
+    from input tensors; it is called once, with tensors of the *shard* shape.
+    ``inputs`` maps each input name to the (shape, dtype) of the *global*
+    batch; axis 0 is split evenly across ``devices`` (a list of devices or
+    names, a backend, or a backend name for all of its devices; default: every
+    CPU device). ``optimizer`` updates ``params`` (default: every parameter the
+    loss depends on) on every replica with the mean gradient.
+    """
+    spec = {k: (tuple(shape), as_dtype(dt)) for k, (shape, dt) in inputs.items()}
+    return DataParallel(model_step, spec, optimizer=optimizer, devices=devices, params=params, name=name)

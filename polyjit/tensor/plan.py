@@ -1,0 +1,307 @@
+"""Compiled plans: a tensor graph linked into a device context, run again and again.
+
+A plan owns a *state context* holding the persistent buffers (parameters,
+optimizer state) and the input buffers; the routines are linked as its child.
+Each run copies the inputs in, enqueues the routines and copies the outputs
+into host arrays allocated once. Plans of one model share parameters by
+linking into the same state context (``compile(..., share=other_plan)``).
+
+Dispatch modes: ``"compiled"`` links one fused batch on the first run and
+replays it; ``"dynamic"`` runs one routine per op with every intermediate
+stored (readable with ``plan.read``); ``"auto"`` runs dynamic for the first
+``AUTO_DYNAMIC_STEPS`` runs, then compiles.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, Protocol
+
+import numpy as np
+
+from polyjit.core.errors import InvalidProgramError, NodeNotInContextError
+from polyjit.core.ir import MemoryMode
+from polyjit.core.runtime import Context, Device, Routine
+from polyjit.tensor.autograd import grad, topo_order
+from polyjit.tensor.devices import DeviceLike, resolve_device
+from polyjit.tensor.hostio import Feed, check_names, enqueue_to_host
+from polyjit.tensor.optim import Optimizer
+from polyjit.tensor.program import Program
+from polyjit.tensor.tensor import Kind, Tensor
+
+Array = np.ndarray[Any, Any]
+Mode = Literal["compiled", "dynamic", "auto"]
+MODES = ("compiled", "dynamic", "auto")
+AUTO_DYNAMIC_STEPS = 3
+
+
+class SharesState(Protocol):
+    """What ``share=`` accepts: something with a device and a context holding persistent state."""
+
+    @property
+    def device(self) -> Device: ...
+
+    @property
+    def state_context(self) -> Context: ...
+
+
+class _Linked:
+    """A compiled batch linked into the state context."""
+
+    __slots__ = ("context", "kind", "routines")
+
+    def __init__(self, kind: str, routines: list[Routine], context: Context) -> None:
+        self.kind = kind
+        self.routines = routines
+        self.context = context
+
+
+class _Slot:
+    """Host arrays of one run of a pipelined sequence."""
+
+    __slots__ = ("inputs", "results")
+
+    def __init__(self, feeds: Sequence[Feed], outputs: Sequence[tuple[str, Any, Array]]) -> None:
+        self.inputs = [np.zeros_like(f.staging) for f in feeds]
+        self.results = {name: np.empty_like(arr) for name, _, arr in outputs}
+
+
+def trainable_params(loss: Tensor) -> list[Tensor]:
+    """The parameters a tensor depends on, in the order the graph reaches them."""
+    return [t for t in topo_order([loss]) if t.kind is Kind.PARAM]
+
+
+def _named_outputs(outputs: Tensor | Sequence[Tensor] | Mapping[str, Tensor] | None) -> dict[str, Tensor]:
+    if outputs is None:
+        return {}
+    if isinstance(outputs, Tensor):
+        return {outputs.name: outputs}
+    if isinstance(outputs, Mapping):
+        return dict(outputs)
+    named: dict[str, Tensor] = {}
+    for t in outputs:
+        if named.setdefault(t.name, t) is not t:
+            raise InvalidProgramError(f"two outputs are named {t.name!r}; pass a dict or use .named()")
+    return named
+
+
+class Plan:
+    """A program linked on one device. Results come back in host arrays that the plan reuses:
+    copy them if you keep them past the next run."""
+
+    def __init__(self, program: Program, device: Device, *, mode: Mode = "compiled",
+                 share: SharesState | None = None) -> None:
+        if mode not in MODES:
+            raise InvalidProgramError(f"mode must be one of {MODES}, got {mode!r}")
+        if share is not None and share.device is not device:
+            raise InvalidProgramError(f"cannot share state of {share.device.device_id} on {device.device_id}")
+        self.program = program
+        self.device = device
+        self.backend = device.backend
+        self.mode: Mode = mode
+        self._owned: list[Context] = []
+        base = share.state_context if share is not None else device.make_context()
+        for t in program.persistent:
+            if t.node not in base.buffers:
+                assert t.init is not None
+                base = base.init_from_host(t.node, t.init)
+                self._owned.append(base)
+        self._feeds = [Feed(t.name, t.node) for t in program.inputs]
+        for f in self._feeds:
+            if f.node not in base.buffers:
+                base = base.init_from_host(f.node, f.staging)
+                self._owned.append(base)
+        self._base = base
+        self._input_names = frozenset(f.name for f in self._feeds)
+        self._outputs = [(name, t.node, np.empty(t.shape, t.dtype.np)) for name, t in program.outputs.items()]
+        self._results = {name: arr for name, _, arr in self._outputs}
+        self._loss = next(((node, arr) for name, node, arr in self._outputs if name == "loss"), None)
+        self._slots: list[_Slot] = []
+        self._linked: _Linked | None = None
+        self.runs = 0
+
+    # -- contexts --------------------------------------------------------------------
+
+    @property
+    def state_context(self) -> Context:
+        """The context with the persistent buffers and the inputs (what other plans link into)."""
+        return self._base
+
+    @property
+    def context(self) -> Context:
+        """The context the routines run in (the state context before the first run)."""
+        return self._linked.context if self._linked is not None else self._base
+
+    @property
+    def input_names(self) -> list[str]:
+        return [f.name for f in self._feeds]
+
+    def _kind(self) -> str:
+        if self.mode == "dynamic" or (self.mode == "auto" and self.runs < AUTO_DYNAMIC_STEPS):
+            return "per_op"
+        return "fused"
+
+    def _routines(self) -> list[Routine]:
+        kind = self._kind()
+        linked = self._linked
+        if linked is None or linked.kind != kind:
+            linked = self._link(kind)
+        return linked.routines
+
+    def _link(self, kind: str) -> _Linked:
+        """Compile (cached per backend) and link; the routines of an earlier kind are freed."""
+        batch = self.program.batch(self.backend, kind)
+        routines = self._base.link_batch(batch)
+        if self._linked is not None:
+            self._linked.context.finalize()
+        self._linked = _Linked(kind, routines, routines[0].context if routines else self._base)
+        return self._linked
+
+    def build(self) -> Plan:
+        """Compile and link now rather than on the first run; returns the plan."""
+        self._routines()
+        return self
+
+    # -- running ---------------------------------------------------------------------
+
+    def _launch(self, inputs: Mapping[str, Any], slot: _Slot | None) -> None:
+        check_names(inputs, self._input_names, "plan inputs")
+        routines = self._routines()
+        base = self._base
+        for k, f in enumerate(self._feeds):
+            base.from_host(f.node, f.host_array(inputs[f.name], None if slot is None else slot.inputs[k]))
+        for r in routines:
+            r.run()
+        self.runs += 1
+
+    def run(self, **inputs: Any) -> dict[str, Array]:
+        """One run: returns every output, in arrays this plan reuses on its next run."""
+        self._launch(inputs, None)
+        ctx = self.context
+        for _, node, arr in self._outputs:
+            enqueue_to_host(ctx, node, arr)
+        ctx.stream.synchronize()
+        return self._results
+
+    def step(self, **inputs: Any) -> float:
+        """One training step (forward, backward, update); returns the loss."""
+        if self._loss is None:
+            raise InvalidProgramError("step() needs a plan compiled with loss=...")
+        self._launch(inputs, None)
+        node, arr = self._loss
+        ctx = self.context
+        enqueue_to_host(ctx, node, arr)
+        ctx.stream.synchronize()
+        return float(arr)
+
+    def run_pipelined(self, runs: Sequence[Mapping[str, Any]]) -> list[dict[str, Array]]:
+        """Enqueue several runs back to back and synchronize once; one result dict per run
+        (host arrays reused by the next pipelined call of the same length)."""
+        while len(self._slots) < len(runs):
+            self._slots.append(_Slot(self._feeds, self._outputs))
+        for inputs, slot in zip(runs, self._slots):
+            self._launch(inputs, slot)
+            ctx = self.context
+            for name, node, _ in self._outputs:
+                enqueue_to_host(ctx, node, slot.results[name])
+        self.context.stream.synchronize()
+        return [slot.results for slot in self._slots[: len(runs)]]
+
+    # -- state -----------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Put every parameter and optimizer state back to its initial value."""
+        for t in self.program.persistent:
+            assert t.init is not None
+            self._base.from_host(t.node, t.init)
+
+    def state_dict(self) -> dict[str, Array]:
+        """Copies of the persistent buffers (parameters, optimizer state), by name."""
+        return {t.name: self._base.read(t.node) for t in self.program.persistent}
+
+    def load_state_dict(self, values: Mapping[str, Any]) -> None:
+        by_name = {t.name: t for t in self.program.persistent}
+        for name, value in values.items():
+            t = by_name.get(name)
+            if t is None:
+                raise NodeNotInContextError(f"no parameter or state named {name!r} in this plan")
+            self._base.from_host(t.node, np.array(value, dtype=t.dtype.np).reshape(t.shape))
+        self._base.stream.synchronize()
+
+    def read(self, tensor: Tensor) -> Array:
+        """The current value of a stored tensor: outputs and state; every op's result in dynamic mode."""
+        try:
+            return self.context.read(tensor.node)
+        except NodeNotInContextError:
+            raise NodeNotInContextError(
+                f"{tensor!r} is not stored in this plan's context (in compiled mode intermediates are "
+                "inlined or scratch; compile with mode='dynamic' to read them)"
+            ) from None
+
+    # -- introspection ------------------------------------------------------------------
+
+    @property
+    def source(self) -> str:
+        """The generated source of the batch in use (the fused one before the first run)."""
+        kind = self._linked.kind if self._linked is not None else "fused"
+        return self.program.batch(self.backend, kind).source.text
+
+    def memory_modes(self) -> dict[str, MemoryMode]:
+        """The inferred memory mode of every node the fused batch writes, by label."""
+        batch = self.program.batch(self.backend, "fused")
+        return {node.label: mode for node, mode in batch.lowered.modes.items()}
+
+    def close(self) -> None:
+        """Free the device memory this plan allocated (plans sharing its state become unusable)."""
+        if self._linked is not None:
+            self._linked.context.finalize()
+            self._linked = None
+        for ctx in reversed(self._owned):
+            ctx.finalize()
+        self._owned.clear()
+
+    def __enter__(self) -> Plan:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"Plan({self.program.name} on {self.device.device_id}, mode={self.mode}, "
+                f"{len(self.program.steps)} ops, {self.runs} runs)")
+
+
+def compile(
+    outputs: Tensor | Sequence[Tensor] | Mapping[str, Tensor] | None = None,
+    *,
+    loss: Tensor | None = None,
+    optimizer: Optimizer | None = None,
+    params: Sequence[Tensor] | None = None,
+    device: DeviceLike = None,
+    mode: Mode = "compiled",
+    share: SharesState | None = None,
+    name: str = "plan",
+) -> Plan:
+    """Turn a tensor graph into a :class:`Plan` on a device.
+
+    ``outputs``: tensors to return from ``run()``. ``loss``: a scalar returned
+    as ``"loss"`` (and by ``step()``). ``optimizer``: also compute the gradients
+    of the loss with respect to ``params`` (default: every parameter it depends
+    on) and update them in place, so that one ``step()`` is forward, backward and
+    update in one routine batch. ``share``: link into another plan's state
+    context, reusing its parameters (no copies).
+    """
+    named = _named_outputs(outputs)
+    writes = []
+    if loss is not None:
+        if named.get("loss", loss) is not loss:
+            raise InvalidProgramError("an output is named 'loss' but is not the loss")
+        named["loss"] = loss
+    if optimizer is not None:
+        if loss is None:
+            raise InvalidProgramError("an optimizer needs a loss")
+        wrt = list(params) if params is not None else trainable_params(loss)
+        writes = optimizer.updates(wrt, grad(loss, wrt))
+    program = Program(named, writes, name=name)
+    dev = share.device if device is None and share is not None else resolve_device(device)
+    return Plan(program, dev, mode=mode, share=share)

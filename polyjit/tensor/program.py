@@ -1,0 +1,204 @@
+"""A tensor graph frozen into a program: its steps in execution order, its leaves, and the two
+ways to turn it into computations: one fused ``Comp`` (compiled mode) or one ``Comp`` per op
+(dynamic mode, every intermediate stored)."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from polyjit.core import ir
+from polyjit.core.errors import InvalidProgramError, ShapeMismatchError
+from polyjit.core.runtime import Backend, CodeBatch
+from polyjit.tensor.autograd import topo_order
+from polyjit.tensor.tensor import Kind, Tensor
+
+
+@attrs.frozen(eq=False)
+class Write:
+    """An in-place update of persistent state, ``target := value``, done after what comes before it."""
+
+    target: Tensor
+    value: Tensor
+
+    def __attrs_post_init__(self) -> None:
+        if not self.target.is_persistent:
+            raise InvalidProgramError(f"only parameters and state can be written, not {self.target!r}")
+        if self.value.shape != self.target.shape or self.value.dtype != self.target.dtype:
+            raise ShapeMismatchError(
+                f"write of {self.value.shape} {self.value.dtype} into {self.target!r}"
+            )
+
+
+@attrs.frozen(eq=False)
+class Step:
+    """The assignments of one op (dynamic mode runs each step as its own routine)."""
+
+    name: str
+    assigns: tuple[ir.Assignment, ...]
+    node: ir.Node
+    per_op: tuple[ir.Assignment, ...] | None = None  # what dynamic mode runs instead (() skips it)
+
+
+_ids = itertools.count()
+_IDENT = re.compile(r"[^A-Za-z0-9_]")
+
+
+class Program:
+    """Outputs and persistent writes of a tensor graph, in an order that respects every read."""
+
+    def __init__(self, outputs: Mapping[str, Tensor], writes: Sequence[Write] = (), name: str = "plan") -> None:
+        self.name = _IDENT.sub("_", name) or "plan"
+        self.outputs = dict(outputs)
+        self.writes = tuple(writes)
+        self.steps: list[Step] = []
+        seen: set[Tensor] = set()
+        every: list[Tensor] = []
+
+        def emit(roots: Sequence[Tensor]) -> None:
+            for t in topo_order(roots):
+                if t in seen:
+                    continue
+                seen.add(t)
+                every.append(t)
+                if t.assigns:
+                    self.steps.append(Step(f"{t.name}", t.assigns, t.node))
+
+        emit(list(self.outputs.values()))
+        for w in self.writes:  # values computed late read state as the earlier writes left it
+            emit([w.value])
+            direct = ir.apply(ir.Op.ID, w.value.node, into=w.target.node)
+            if _reads_elsewhere(w.target.node, w.value):
+                # Inlined, the value would read cells of the target that the write has already
+                # changed: compute it into scratch first (dynamic mode stores every op anyway).
+                staged = ir.Node(f"{w.target.name}_new", w.target.shape, w.target.dtype,
+                                 mode=ir.MemoryMode.LOCAL)
+                stage = ir.apply(ir.Op.ID, w.value.node, into=staged)
+                self.steps.append(Step(f"stage_{w.target.name}", (stage,), staged, per_op=()))
+                assign = ir.apply(ir.Op.ID, staged, into=w.target.node)
+                self.steps.append(Step(f"update_{w.target.name}", (assign,), w.target.node, per_op=(direct,)))
+            else:
+                self.steps.append(Step(f"update_{w.target.name}", (direct,), w.target.node))
+            if w.target not in seen:
+                seen.add(w.target)
+                every.append(w.target)
+        self.inputs = _unique([t for t in every if t.kind is Kind.INPUT], "input")
+        self.persistent = _unique([t for t in every if t.is_persistent], "parameter/state")
+        self.embedded = frozenset(t.node for t in self.outputs.values()) | {w.target.node for w in self.writes}
+        self._batches: dict[tuple[int, str], CodeBatch] = {}
+        self.uid = next(_ids)
+
+    @property
+    def assignments(self) -> list[ir.Assignment]:
+        return [a for s in self.steps for a in s.assigns]
+
+    def fused(self) -> ir.Comp:
+        """Everything as one computation: intermediates are inlined or LOCAL scratch."""
+        return ir.Comp.of(*self.assignments, embedded=self.embedded)
+
+    def per_op(self) -> list[ir.Comp]:
+        """One computation per op; each op's result is stored (readable while debugging)."""
+        return [ir.Comp.of(*(s.assigns if s.per_op is None else s.per_op), embedded=[s.node])
+                for s in self._per_op_steps]
+
+    @property
+    def _per_op_steps(self) -> list[Step]:
+        return [s for s in self.steps if s.per_op != ()]
+
+    def batch(self, backend: Backend, kind: str) -> CodeBatch:
+        """The compiled batch of this program for a backend (``kind``: "fused" or "per_op"), cached."""
+        key = (id(backend), kind)
+        hit = self._batches.get(key)
+        if hit is None or hit.backend is not backend:
+            if kind == "fused":
+                hit = backend.compile_batch([self.fused()], names=[self.name])
+            else:
+                comps = self.per_op()
+                names = [f"{self.name}_op{k}_{s.name}" for k, s in enumerate(self._per_op_steps)]
+                hit = backend.compile_batch(comps, names=names)
+            self._batches[key] = hit
+        return hit
+
+    def describe(self) -> dict[str, Any]:
+        """Counts that explain a program: steps, leaves, stored outputs."""
+        return {
+            "steps": len(self.steps),
+            "inputs": [t.name for t in self.inputs],
+            "persistent": [t.name for t in self.persistent],
+            "outputs": list(self.outputs),
+        }
+
+
+def _elementwise_leaf(t: Tensor) -> ir.Accum | ir.Fetch | None:
+    """The single assignment of a tensor that lowering may inline into its reader, if any."""
+    leaves = [leaf for a in t.assigns for leaf in ir.flatten(a)]
+    if len(leaves) != 1:
+        return None
+    leaf = leaves[0]
+    if isinstance(leaf, ir.Fetch):
+        return None if isinstance(leaf.value, ir.Constant) else leaf
+    pr = leaf.projections
+    if leaf.accum is not None or len(set(pr.lhs)) != len(pr.lhs) or len(pr.lhs) != len(pr.product_space):
+        return None
+    return leaf
+
+
+def _reads_elsewhere(target: ir.Node, value: Tensor) -> bool:
+    """Whether computing ``value`` inline, cell by cell, reads ``target`` at another cell than the
+    one being written (a transpose, a broadcast, a shift of the target): a hazard for an
+    in-place write. Only chains that lowering can inline matter; stored results are complete
+    before the write starts."""
+    memo: dict[Tensor, bool] = {}
+
+    def touches(t: Tensor) -> bool:  # reads the target through inlinable tensors
+        if t.node is target:
+            return True
+        hit = memo.get(t)
+        if hit is None:
+            memo[t] = False  # graphs are acyclic; this only guards the recursion
+            inline = not t.assigns or _elementwise_leaf(t) is not None
+            hit = memo[t] = inline and any(touches(p) for p in t.parents)
+        return hit
+
+    stack, seen = [value], set()
+    while stack:
+        t = stack.pop()
+        if t in seen or t.node is target:
+            continue
+        seen.add(t)
+        if not t.assigns:
+            stack.extend(t.parents)
+            continue
+        leaf = _elementwise_leaf(t)
+        if leaf is None:
+            continue
+        if isinstance(leaf, ir.Fetch):
+            if any(touches(p) for p in t.parents):
+                return True
+            continue
+        by_node = {p.node: p for p in t.parents}
+        lhs = leaf.projections.lhs
+        for x, idx in zip(leaf.tensor_operands, leaf.projections.rhs):
+            node = ir.operand_node(x)
+            parent = by_node.get(node)
+            if parent is None or not touches(parent):
+                continue
+            same_cell = node.shape == leaf.lhs.shape and all(
+                n == 1 or a == b for a, b, n in zip(idx, lhs, node.shape))  # a size-1 axis has one cell
+            if not same_cell:
+                return True
+        stack.extend(t.parents)
+    return False
+
+
+def _unique(tensors: list[Tensor], what: str) -> list[Tensor]:
+    by_name: dict[str, Tensor] = {}
+    for t in tensors:
+        other = by_name.setdefault(t.name, t)
+        if other is not t and other.node is not t.node:
+            raise InvalidProgramError(f"two different {what} tensors are named {t.name!r}")
+    return list(by_name.values())

@@ -1,0 +1,301 @@
+"""``Tensor``: a symbolic array with a shape and a dtype, backed by one IR node.
+
+A tensor records the IR assignments that compute its node, the tensors it
+reads (its parents) and how to push a gradient back to them. Nothing runs when
+a tensor is built: :func:`polyjit.tensor.compile` lowers a graph of tensors
+into one routine batch.
+
+Leaves: :func:`input` (fed from the host on every run), :func:`param`
+(trainable, persistent, with an initial value) and constants
+(:func:`constant`, :func:`full`, :func:`arange`).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Union
+
+import numpy as np
+
+from polyjit.core import dtypes, ir
+from polyjit.core.dtypes import DType, as_dtype
+from polyjit.core.errors import ShapeMismatchError
+
+if TYPE_CHECKING:
+    from polyjit.tensor.init import Init
+
+Array = np.ndarray[Any, Any]
+Scalar = Union[int, float, bool]
+DTypeLike = Union[DType, str, type, np.dtype[Any]]
+
+# A backward rule: (gradient of the output, which parents need one) -> one gradient per parent.
+Backward = Callable[["Tensor", Sequence[bool]], Sequence[Union["Tensor", None]]]
+
+
+class Kind(enum.Enum):
+    INPUT = "input"  # fed from the host on every run
+    PARAM = "param"  # trainable persistent state
+    STATE = "state"  # persistent, not trained (optimizer moments, step counters)
+    OP = "op"  # computed by its assignments
+
+
+_tensor_ids = itertools.count(1)
+
+
+class Tensor:
+    """A node of the tensor graph. Build tensors with the functions of ``polyjit.tensor``."""
+
+    __slots__ = ("_backward", "assigns", "id", "init", "kind", "name", "node", "parents", "requires_grad")
+
+    def __init__(
+        self,
+        node: ir.Node,
+        assigns: Sequence[ir.Assignment] = (),
+        parents: Sequence[Tensor] = (),
+        backward: Backward | None = None,
+        *,
+        kind: Kind = Kind.OP,
+        init: Array | None = None,
+        requires_grad: bool | None = None,
+        name: str | None = None,
+    ) -> None:
+        self.node = node
+        self.assigns = tuple(assigns)
+        self.parents = tuple(parents)
+        self._backward = backward
+        self.kind = kind
+        self.init = init
+        self.id = next(_tensor_ids)
+        self.name = name or node.name
+        self.requires_grad: bool = (
+            requires_grad if requires_grad is not None
+            else backward is not None and any(p.requires_grad for p in self.parents)
+        )
+
+    # -- description -------------------------------------------------------------
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.node.shape
+
+    @property
+    def dtype(self) -> DType:
+        return self.node.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.node.shape)
+
+    @property
+    def size(self) -> int:
+        return self.node.size
+
+    @property
+    def is_persistent(self) -> bool:
+        return self.kind in (Kind.PARAM, Kind.STATE)
+
+    def __repr__(self) -> str:
+        shape = "x".join(map(str, self.shape)) or "scalar"
+        return f"Tensor({self.name} {shape} {self.dtype} {self.kind.value})"
+
+    def __hash__(self) -> int:
+        return self.id
+
+    def __bool__(self) -> bool:
+        raise TypeError("a Tensor is symbolic: it has no truth value until it is compiled and run")
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d tensor")
+        return self.shape[0]
+
+    def __iter__(self) -> Iterator[Tensor]:
+        return (self[k] for k in range(len(self)))
+
+    def named(self, name: str) -> Tensor:
+        """Give the tensor a name (the key of its output in a plan); returns the tensor."""
+        self.name = name
+        return self
+
+    def backward_rule(self) -> Backward | None:
+        return self._backward
+
+    # -- operators (see polyjit.tensor.ops) ----------------------------------------
+
+    def __add__(self, other: Tensor | Scalar) -> Tensor:
+        return ops.add(self, other)
+
+    def __radd__(self, other: Scalar) -> Tensor:
+        return ops.add(other, self)
+
+    def __sub__(self, other: Tensor | Scalar) -> Tensor:
+        return ops.sub(self, other)
+
+    def __rsub__(self, other: Scalar) -> Tensor:
+        return ops.sub(other, self)
+
+    def __mul__(self, other: Tensor | Scalar) -> Tensor:
+        return ops.mul(self, other)
+
+    def __rmul__(self, other: Scalar) -> Tensor:
+        return ops.mul(other, self)
+
+    def __truediv__(self, other: Tensor | Scalar) -> Tensor:
+        return ops.div(self, other)
+
+    def __rtruediv__(self, other: Scalar) -> Tensor:
+        return ops.div(other, self)
+
+    def __pow__(self, other: Tensor | Scalar) -> Tensor:
+        return ops.pow(self, other)
+
+    def __rpow__(self, other: Scalar) -> Tensor:
+        return ops.pow(other, self)
+
+    def __neg__(self) -> Tensor:
+        return ops.neg(self)
+
+    def __matmul__(self, other: Tensor) -> Tensor:
+        return ops.matmul(self, other)
+
+    def __lt__(self, other: Tensor | Scalar) -> Tensor:
+        return ops.less(self, other)
+
+    def __le__(self, other: Tensor | Scalar) -> Tensor:
+        return ops.less_equal(self, other)
+
+    def __gt__(self, other: Tensor | Scalar) -> Tensor:
+        return ops.greater(self, other)
+
+    def __ge__(self, other: Tensor | Scalar) -> Tensor:
+        return ops.greater_equal(self, other)
+
+    # == and != keep Python's identity semantics (tensors are dict keys): use ops.equal.
+
+    def __getitem__(self, index: Any) -> Tensor:
+        return ops.getitem(self, index)
+
+    # -- methods ---------------------------------------------------------------
+
+    @property
+    def T(self) -> Tensor:
+        return ops.transpose(self)
+
+    def transpose(self, *axes: int) -> Tensor:
+        return ops.transpose(self, axes or None)
+
+    def reshape(self, *shape: int | Sequence[int]) -> Tensor:
+        dims: Any = shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape
+        return ops.reshape(self, tuple(dims))
+
+    def sum(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
+        return ops.sum(self, axis, keepdims)
+
+    def mean(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
+        return ops.mean(self, axis, keepdims)
+
+    def max(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
+        return ops.max(self, axis, keepdims)
+
+    def exp(self) -> Tensor:
+        return ops.exp(self)
+
+    def log(self) -> Tensor:
+        return ops.log(self)
+
+    def sqrt(self) -> Tensor:
+        return ops.sqrt(self)
+
+    def tanh(self) -> Tensor:
+        return ops.tanh(self)
+
+    def sigmoid(self) -> Tensor:
+        return ops.sigmoid(self)
+
+    def relu(self) -> Tensor:
+        return ops.relu(self)
+
+    def astype(self, dtype: DTypeLike) -> Tensor:
+        return ops.cast(self, dtype)
+
+    def detach(self) -> Tensor:
+        return ops.detach(self)
+
+
+# ---------------------------------------------------------------------------
+# Leaves
+
+
+def _shape(shape: int | Sequence[int]) -> tuple[int, ...]:
+    out = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(d) for d in shape)
+    if any(d < 0 for d in out):
+        raise ShapeMismatchError(f"negative dimension in shape {out}")
+    return out
+
+
+def input(name: str, shape: int | Sequence[int], dtype: DTypeLike = dtypes.float32) -> Tensor:
+    """A tensor fed from the host on every run (``plan.run(name=array)``)."""
+    return Tensor(ir.Node(name, _shape(shape), as_dtype(dtype)), kind=Kind.INPUT, requires_grad=False)
+
+
+def param(
+    name: str,
+    shape: int | Sequence[int],
+    init: Init = "glorot",
+    *,
+    dtype: DTypeLike = dtypes.float32,
+    rng: np.random.Generator | int | None = None,
+) -> Tensor:
+    """A trainable parameter: persistent in the device context, uploaded once from its initial value.
+
+    ``init`` is an array, a callable ``(rng, shape) -> array`` or a name
+    (``"normal"``, ``"uniform"``, ``"zeros"``, ``"ones"``, ``"glorot"``/``"xavier"``,
+    ``"he"``/``"kaiming"``). Without ``rng`` the values depend only on the name.
+    """
+    from polyjit.tensor.init import initial_value
+
+    shape_t = _shape(shape)
+    dt = as_dtype(dtype)
+    value = initial_value(init, name, shape_t, dt, rng)
+    return Tensor(ir.Node(name, shape_t, dt), kind=Kind.PARAM, init=value, requires_grad=True)
+
+
+def state(name: str, value: Any, dtype: DTypeLike | None = None) -> Tensor:
+    """Persistent non-trainable state (an optimizer moment, a counter) with an initial value."""
+    arr = np.asarray(value)
+    dt = as_dtype(dtype if dtype is not None else arr.dtype)
+    arr = np.require(arr.astype(dt.np, copy=False), requirements="C")  # keeps 0-d arrays 0-d
+    return Tensor(ir.Node(name, arr.shape, dt), kind=Kind.STATE, init=arr, requires_grad=False)
+
+
+def constant(value: Any, dtype: DTypeLike | None = None, name: str = "const") -> Tensor:
+    """A constant array (uploaded once per device into its constant table)."""
+    arr = np.asarray(value)
+    dt = as_dtype(dtype if dtype is not None else (np.float32 if arr.dtype == np.float64 else arr.dtype))
+    node = ir.Node(name, arr.shape, dt)
+    return Tensor(node, (ir.constant(node, arr),), requires_grad=False)
+
+
+def full(shape: int | Sequence[int], value: Scalar, dtype: DTypeLike = dtypes.float32, name: str = "full") -> Tensor:
+    """A tensor of one value (computed on the device: a Fill fetch, inlined into its reader)."""
+    node = ir.Node(name, _shape(shape), as_dtype(dtype))
+    return Tensor(node, (ir.fill(node, value),), requires_grad=False)
+
+
+def zeros(shape: int | Sequence[int], dtype: DTypeLike = dtypes.float32) -> Tensor:
+    return full(shape, 0, dtype, "zeros")
+
+
+def ones(shape: int | Sequence[int], dtype: DTypeLike = dtypes.float32) -> Tensor:
+    return full(shape, 1, dtype, "ones")
+
+
+def arange(n: int, dtype: DTypeLike = dtypes.int32) -> Tensor:
+    """``[0, 1, ..., n-1]`` (a Range fetch)."""
+    node = ir.Node("arange", (int(n),), as_dtype(dtype))
+    return Tensor(node, (ir.arange(node),), requires_grad=False)
+
+
+from polyjit.tensor import ops  # noqa: E402  (ops builds on Tensor; Tensor's operators call ops)

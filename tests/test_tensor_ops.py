@@ -1,0 +1,233 @@
+"""polyjit.tensor ops: forward values against numpy, reverse-mode gradients against finite
+differences (float64, on the reference interpreter), and one compiled check on the CPU."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from polyjit import tensor as pt
+from polyjit.core.errors import DTypeMismatchError, ShapeMismatchError, UnsupportedError
+from polyjit.core.ir import MemoryMode
+from polyjit.tensor.reference import evaluate
+
+Array = np.ndarray[Any, Any]
+Build = Callable[..., pt.Tensor]
+
+LABELS = np.array([0, 2, 1], np.int32)
+INDICES = np.array([[0, 2], [1, 1], [2, 0]], np.int32)
+
+# name, build(params...), shapes, positive inputs only
+CASES: list[tuple[str, Build, list[tuple[int, ...]], bool]] = [
+    ("add_broadcast", lambda a, b: a + b, [(3, 4), (4,)], False),
+    ("sub_outer", lambda a, b: a - b, [(3, 1), (1, 4)], False),
+    ("mul_column", lambda a, b: a * b, [(3, 4), (3, 1)], False),
+    ("div", lambda a, b: a / b, [(3, 4), (4,)], True),
+    ("rdiv_scalar", lambda a: 2.0 / a, [(3, 4)], True),
+    ("pow_tensor", lambda a, b: a**b, [(3, 4), (4,)], True),
+    ("pow_scalar", lambda a: a**3.0, [(3, 4)], False),
+    ("neg", lambda a: -a, [(5,)], False),
+    ("exp", pt.exp, [(3, 4)], False),
+    ("log", pt.log, [(3, 4)], True),
+    ("sqrt", pt.sqrt, [(3, 4)], True),
+    ("tanh", pt.tanh, [(3, 4)], False),
+    ("sigmoid", pt.sigmoid, [(3, 4)], False),
+    ("relu", pt.relu, [(3, 4)], False),
+    ("abs", pt.abs, [(3, 4)], False),
+    ("maximum", pt.maximum, [(3, 4), (3, 4)], False),
+    ("minimum_broadcast", pt.minimum, [(3, 4), (4,)], False),
+    ("where", lambda a, b: pt.where(a > 0.0, a, b), [(3, 4), (3, 4)], False),
+    ("sum_axis", lambda a: pt.sum(a, 1), [(3, 4)], False),
+    ("sum_keepdims", lambda a: pt.sum(a, 0, keepdims=True), [(3, 4)], False),
+    ("sum_all", lambda a: pt.sum(a), [(3, 4)], False),
+    ("mean_axes", lambda a: pt.mean(a, (0, 2)), [(2, 3, 4)], False),
+    ("max_axis", lambda a: pt.max(a, 1), [(3, 4)], False),
+    ("min_keepdims", lambda a: pt.min(a, 0, keepdims=True), [(3, 4)], False),
+    ("matmul", pt.matmul, [(3, 4), (4, 5)], False),
+    ("matmul_batched", pt.matmul, [(2, 3, 4), (2, 4, 5)], False),
+    ("matmul_stack_by_matrix", pt.matmul, [(2, 3, 4), (4, 5)], False),
+    ("matvec", pt.matmul, [(3, 4), (4,)], False),
+    ("vecmat", pt.matmul, [(4,), (4, 3)], False),
+    ("einsum_dropped_axis", lambda a, b: pt.einsum("ij,jk->k", a, b), [(3, 4), (4, 2)], False),
+    ("reshape", lambda a: pt.reshape(a, (2, 6)) * 1.5, [(3, 4)], False),
+    ("transpose", lambda a: a.T, [(3, 4)], False),
+    ("transpose_3d", lambda a: pt.transpose(a, (1, 2, 0)), [(2, 3, 4)], False),
+    ("slice_step", lambda a: a[1:, ::2], [(3, 5)], False),
+    ("slice_negative_step", lambda a: a[::-1, 2], [(3, 5)], False),
+    ("slice_newaxis", lambda a: a[None, :, 1:3], [(3, 5)], False),
+    ("concat", lambda a, b: pt.concat([a, b, a], 1), [(3, 2), (3, 4)], False),
+    ("broadcast_to", lambda a: pt.broadcast_to(a, (2, 3, 4)), [(3, 1)], False),
+    ("softmax", pt.softmax, [(3, 5)], False),
+    ("log_softmax", pt.log_softmax, [(3, 5)], False),
+    ("cross_entropy", lambda a: pt.cross_entropy(a, pt.constant(LABELS)), [(3, 4)], False),
+    ("embedding", lambda t: pt.embedding(pt.constant(INDICES), t), [(3, 4)], False),
+    ("used_twice", lambda a: a * a + pt.exp(a), [(3, 4)], False),
+]
+
+
+def _params(shapes: list[tuple[int, ...]], positive: bool, seed: int) -> list[pt.Tensor]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for k, s in enumerate(shapes):
+        v = rng.standard_normal(s)
+        out.append(pt.param(f"p{k}", s, init=np.abs(v) + 0.5 if positive else v, dtype="float64"))
+    return out
+
+
+def _loss_of(out: pt.Tensor, seed: int) -> pt.Tensor:
+    """sum(out * w) with fixed random weights: every output element gets its own gradient."""
+    w = np.random.default_rng(seed + 100).standard_normal(out.shape)
+    return pt.sum(out * pt.constant(w, "float64"))
+
+
+@pytest.mark.parametrize("name,build,shapes,positive", CASES, ids=[c[0] for c in CASES])
+def test_gradient_matches_finite_differences(name: str, build: Build, shapes: list[tuple[int, ...]],
+                                             positive: bool) -> None:
+    params = _params(shapes, positive, seed=len(name))
+    loss = _loss_of(build(*params), seed=len(name))
+    grads = pt.grad(loss, params)
+    got, _ = evaluate({"loss": loss, **{p.name: g for p, g in zip(params, grads)}})
+    eps = 1e-6
+    for p in params:
+        assert p.init is not None
+        numeric = np.zeros_like(p.init)
+        for idx in np.ndindex(p.init.shape):
+            values = {}
+            for sign in (1, -1):
+                moved = p.init.copy()
+                moved[idx] += sign * eps
+                values[sign] = evaluate({"loss": loss}, state={p.name: moved})[0]["loss"]
+            numeric[idx] = (values[1] - values[-1]) / (2 * eps)
+        scale = max(float(np.abs(numeric).max()), 1e-3)
+        np.testing.assert_allclose(got[p.name], numeric, atol=1e-6 * scale, rtol=1e-5,
+                                   err_msg=f"d loss / d {p.name} for {name}")
+
+
+def test_gradient_flows_through_casts() -> None:
+    a = pt.param("a", (3,), dtype="float64")
+    (g,) = pt.grad(pt.sum(pt.cast(pt.cast(a, "float32") * 3.0, "float64")), [a])
+    got, _ = evaluate({"g": g})
+    assert got["g"].dtype == np.float64
+    np.testing.assert_array_equal(got["g"], [3.0, 3.0, 3.0])
+
+
+def test_grad_of_unused_parameter_is_zero_and_detach_stops_gradients() -> None:
+    a, b = pt.param("a", (3,), dtype="float64"), pt.param("b", (3,), dtype="float64")
+    loss = pt.sum(a * pt.detach(a) * 2.0)
+    ga, gb = pt.grad(loss, [a, b])
+    got, _ = evaluate({"ga": ga, "gb": gb})
+    assert a.init is not None
+    np.testing.assert_allclose(got["ga"], 2.0 * a.init)
+    np.testing.assert_array_equal(got["gb"], np.zeros(3))
+
+
+def _forward(out: pt.Tensor, **inputs: Array) -> Array:
+    return evaluate({"out": out}, inputs)[0]["out"]
+
+
+def test_forward_values_match_numpy() -> None:
+    rng = np.random.default_rng(0)
+    xv = rng.standard_normal((4, 5)).astype(np.float32)
+    yv = rng.standard_normal((5,)).astype(np.float32)
+    x, y = pt.input("x", (4, 5)), pt.input("y", (5,))
+    checks: list[tuple[pt.Tensor, Array]] = [
+        (x * y + 1.0, xv * yv + 1),
+        (pt.maximum(x, y), np.maximum(xv, yv)),
+        (pt.where(x < y, x, 0.0), np.where(xv < yv, xv, 0)),
+        (x.sum(0), xv.sum(0)),
+        (x.mean(1, keepdims=True), xv.mean(1, keepdims=True)),
+        (x.max(), xv.max()),
+        (x @ y, xv @ yv),
+        (x.T @ x, xv.T @ xv),
+        (x[1:3, ::-2], xv[1:3, ::-2]),
+        (x[..., 0], xv[..., 0]),
+        (x.reshape(2, 10).T, xv.reshape(2, 10).T),
+        (pt.concat([x, x[:2]], 0), np.concatenate([xv, xv[:2]], 0)),
+        (pt.softmax(x), np.exp(xv) / np.exp(xv).sum(1, keepdims=True)),
+    ]
+    for out, want in checks:
+        np.testing.assert_allclose(_forward(out, x=xv, y=yv), want, rtol=1e-5, atol=1e-6)
+    comparisons = [(x < y, xv < yv), (x >= 0.0, xv >= 0), (pt.equal(x, x), xv == xv)]
+    for out, want in comparisons:
+        got = _forward(out, x=xv, y=yv)
+        assert got.dtype == np.bool_
+        np.testing.assert_array_equal(got, want)
+
+
+def test_softmax_and_cross_entropy_are_stable_for_huge_logits() -> None:
+    logits = pt.input("logits", (2, 3))
+    labels = pt.input("labels", (2,), "int32")
+    big = np.array([[1000.0, 0.0, -1000.0], [5000.0, 5001.0, 4999.0]], np.float32)
+    out, _ = evaluate({"p": pt.softmax(logits), "ls": pt.log_softmax(logits),
+                       "ce": pt.cross_entropy(logits, labels)}, {"logits": big, "labels": [0, 1]})
+    assert np.isfinite(out["p"]).all() and np.isfinite(out["ls"]).all()
+    z = big.astype(np.float64) - big.max(1, keepdims=True)
+    want_ls = z - np.log(np.exp(z).sum(1, keepdims=True))
+    np.testing.assert_allclose(out["ls"], want_ls, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out["ce"], -(want_ls[0, 0] + want_ls[1, 1]) / 2, rtol=1e-5)
+
+
+def test_one_hot_and_embedding_gather_rows() -> None:
+    idx = pt.input("idx", (2, 3), "int32")
+    table = pt.param("table", (5, 4), init="normal")
+    iv = np.array([[4, 0, 2], [1, 1, 3]], np.int32)
+    out, _ = evaluate({"oh": pt.one_hot(idx, 5), "emb": pt.embedding(idx, table)}, {"idx": iv})
+    np.testing.assert_array_equal(out["oh"], np.eye(5, dtype=np.float32)[iv])
+    assert table.init is not None
+    np.testing.assert_allclose(out["emb"], table.init[iv], rtol=1e-6)
+
+
+def test_shape_and_dtype_errors_are_raised_when_building() -> None:
+    a, b = pt.input("a", (3, 4)), pt.input("b", (5,))
+    with pytest.raises(ShapeMismatchError):
+        a + b
+    with pytest.raises(ShapeMismatchError):
+        a @ pt.input("c", (3, 4))
+    with pytest.raises(DTypeMismatchError):
+        a + pt.input("i", (3, 4), "int32")
+    with pytest.raises(ShapeMismatchError):
+        a.reshape(5, 3)
+    with pytest.raises(UnsupportedError):
+        a[pt.input("k", (2,), "int32")]
+    with pytest.raises(ShapeMismatchError):
+        a[3]
+    with pytest.raises(TypeError):
+        bool(a > 0.0)
+
+
+def test_param_initialisers() -> None:
+    w = pt.param("w", (64, 32), init="glorot")
+    assert w.init is not None and w.init.dtype == np.float32
+    bound = np.sqrt(6 / 96)
+    assert np.abs(w.init).max() <= bound and w.init.std() > bound / 3
+    again = pt.param("w", (64, 32), init="glorot")
+    assert again.init is not None
+    np.testing.assert_array_equal(again.init, w.init)  # values depend on the name only
+    assert pt.param("z", (3,), init="zeros").init.tolist() == [0, 0, 0]  # type: ignore[union-attr]
+    custom = pt.param("c", (2, 2), init=lambda rng, shape: np.full(shape, 7.0))
+    assert custom.init.tolist() == [[7, 7], [7, 7]]  # type: ignore[union-attr]
+    with pytest.raises(ShapeMismatchError):
+        pt.param("bad", (2, 2), init=np.zeros(3))
+
+
+def test_compiled_forward_and_gradients_match_the_reference() -> None:
+    """Every op of CASES in one float64 plan on the CPU: values and gradients equal the reference."""
+    outputs: dict[str, pt.Tensor] = {}
+    for name, build, shapes, positive in CASES:
+        params = [pt.param(f"{name}.{p.name}", p.shape, init=p.init, dtype="float64")
+                  for p in _params(shapes, positive, seed=len(name)) if p.init is not None]
+        loss = _loss_of(build(*params), seed=len(name))
+        outputs[f"{name}.loss"] = loss
+        for p, g in zip(params, pt.grad(loss, params)):
+            outputs[f"{p.name}.grad"] = g
+    plan = pt.compile(outputs, name="all_ops")
+    got = plan.run()
+    want, _ = evaluate(outputs)
+    for key, value in want.items():
+        np.testing.assert_allclose(got[key], value, rtol=1e-9, atol=1e-10, err_msg=key)
+    modes = plan.memory_modes()
+    assert MemoryMode.VIRTUAL in modes.values()  # elementwise chains were fused
+    plan.close()

@@ -1,0 +1,106 @@
+"""Data parallelism: a tree all-reduce through merge buffers keeps replicas equal and matches
+one device."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from polyjit import tensor as pt
+from polyjit.backends.cpu import create_backend
+from polyjit.core.errors import ShapeMismatchError
+from polyjit.core.runtime import Backend
+from polyjit.tensor.datasets import two_spirals
+from polyjit.tensor.parallel import tree_rounds
+
+Array = np.ndarray[Any, Any]
+BATCH = 48  # splits over 1, 2 and 3 devices
+
+
+@pytest.fixture(scope="module")
+def three_devices() -> Backend:
+    return create_backend(num_devices=3)
+
+
+def _train(devices: list[Any], make_opt: Callable[[], pt.Optimizer], steps: int = 20
+           ) -> tuple[dict[str, Array], list[float], float]:
+    mlp = pt.MLP("mlp", [2, 32, 32, 2], activation="tanh", seed=3)
+
+    def model_step(x: pt.Tensor, y: pt.Tensor) -> pt.Tensor:
+        return pt.cross_entropy(mlp(x), y)
+
+    dp = pt.data_parallel(model_step, {"x": ((BATCH, 2), "float32"), "y": ((BATCH,), "int32")},
+                          optimizer=make_opt(), devices=devices)
+    xs, ys = two_spirals(BATCH * steps, seed=1)
+    losses = [dp.step(x=xs[k * BATCH : (k + 1) * BATCH], y=ys[k * BATCH : (k + 1) * BATCH])
+              for k in range(steps)]
+    spread = dp.replica_spread()
+    params = dp.parameters()
+    dp.close()
+    return params, losses, spread
+
+
+@pytest.mark.parametrize("make_opt", [lambda: pt.SGD(0.1, momentum=0.9), lambda: pt.Adam(0.01)],
+                         ids=["sgd_momentum", "adam"])
+def test_two_devices_match_one_device_after_20_steps(three_devices: Backend,
+                                                     make_opt: Callable[[], pt.Optimizer]) -> None:
+    devs = three_devices.devices()
+    one, losses1, _ = _train(devs[:1], make_opt)
+    two, losses2, spread = _train(devs[:2], make_opt)
+    assert spread == 0.0  # every replica applied the same update to the same state
+    np.testing.assert_allclose(losses2, losses1, rtol=1e-5)
+    for name, value in one.items():
+        scale = float(np.abs(value).max())
+        np.testing.assert_allclose(two[name], value, rtol=1e-5, atol=1e-5 * scale, err_msg=name)
+
+
+def test_three_devices_use_an_uneven_tree(three_devices: Backend) -> None:
+    devs = three_devices.devices()
+    one, _, _ = _train(devs[:1], lambda: pt.SGD(0.1), steps=5)
+    three, _, spread = _train(devs, lambda: pt.SGD(0.1), steps=5)
+    assert spread == 0.0
+    for name, value in one.items():
+        np.testing.assert_allclose(three[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_tree_rounds() -> None:
+    assert tree_rounds(1) == []
+    assert tree_rounds(2) == [[(0, 1)]]
+    assert tree_rounds(4) == [[(0, 1), (2, 3)], [(0, 2)]]
+    assert tree_rounds(5) == [[(0, 1), (2, 3)], [(0, 2)], [(0, 4)]]
+    for n in range(1, 9):  # log2 rounds; every device but 0 sends exactly once
+        rounds = tree_rounds(n)
+        assert len(rounds) == int(np.ceil(np.log2(n)))
+        senders = sorted(s for r in rounds for _, s in r)
+        assert senders == list(range(1, n))
+
+
+def test_evaluation_plan_shares_replica_zero(three_devices: Backend) -> None:
+    devs = three_devices.devices()[:2]
+    mlp = pt.MLP("mlp", [2, 8, 2], seed=0)
+    dp = pt.data_parallel(lambda x, y: pt.cross_entropy(mlp(x), y),
+                          {"x": ((8, 2), "float32"), "y": ((8,), "int32")},
+                          optimizer=pt.SGD(0.5), devices=devs)
+    xe = pt.input("xe", (8, 2))
+    evaluate = pt.compile({"logits": mlp(xe)}, share=dp)
+    xs, ys = two_spirals(8, seed=0)
+    before = evaluate.run(xe=xs)["logits"].copy()
+    dp.step(x=xs, y=ys)
+    after = evaluate.run(xe=xs)["logits"]
+    assert not np.allclose(before, after)
+    p = dp.parameters()
+    h = np.maximum(xs @ p["mlp.0.weight"] + p["mlp.0.bias"], 0)
+    np.testing.assert_allclose(after, h @ p["mlp.1.weight"] + p["mlp.1.bias"], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ShapeMismatchError):
+        dp.step(x=xs[:4], y=ys[:4])
+    dp.close()
+
+
+def test_batch_must_split_evenly(three_devices: Backend) -> None:
+    w = pt.param("w", (2, 2))
+    with pytest.raises(ShapeMismatchError, match="split evenly"):
+        pt.data_parallel(lambda x: pt.sum(x @ w), {"x": ((4, 2), "float32")},
+                         optimizer=pt.SGD(0.1), devices=three_devices)

@@ -1,0 +1,253 @@
+"""Compiled plans: training steps, optimizers against numpy, dispatch modes, allocation-free
+runs, pipelining, shared parameters, reset and state."""
+
+from __future__ import annotations
+
+import tracemalloc
+from typing import Any
+
+import numpy as np
+import pytest
+
+from polyjit import tensor as pt
+from polyjit.core.errors import BindingError, NodeNotInContextError, ShapeMismatchError
+from polyjit.core.ir import MemoryMode
+from polyjit.tensor.datasets import two_spirals
+from polyjit.tensor.reference import evaluate
+
+Array = np.ndarray[Any, Any]
+B = 32
+
+
+def _classifier(seed: int = 0, hidden: int = 16) -> tuple[pt.MLP, pt.Tensor, pt.Tensor, pt.Tensor]:
+    x, y = pt.input("x", (B, 2)), pt.input("y", (B,), "int32")
+    mlp = pt.MLP("mlp", [2, hidden, 2], activation="tanh", seed=seed)
+    return mlp, x, y, pt.cross_entropy(mlp(x), y)
+
+
+def _batches(n: int, seed: int = 0) -> list[dict[str, Array]]:
+    xs, ys = two_spirals(n * B, seed=seed)
+    return [{"x": xs[k * B : (k + 1) * B], "y": ys[k * B : (k + 1) * B]} for k in range(n)]
+
+
+def test_training_step_is_one_kernel_batch_with_a_memory_plan() -> None:
+    mlp, _, _, loss = _classifier()
+    plan = pt.compile(loss=loss, optimizer=pt.Adam(0.01))
+    data = _batches(40)
+    first = plan.step(**data[0])
+    for batch in data[1:] * 3:
+        last = plan.step(**batch)
+    assert last < first
+    modes = plan.memory_modes()
+    params = {p.node.label for p in mlp.params}
+    assert all(modes[label] is MemoryMode.MATERIALIZED for label in params)
+    assert sum(m is MemoryMode.VIRTUAL for m in modes.values()) > 10  # fused elementwise chains
+    stored = {n.name for n in plan.context.buffers}
+    # parameters, their Adam moments, the step count, the inputs and the loss: no intermediates
+    assert stored == ({p.name for p in mlp.params} | {f"{p.name}.{k}" for p in mlp.params for k in "mv"}
+                      | {"adam.step", "x", "y", "cross_entropy"})
+    assert len(plan.program.batch(plan.backend, "fused")) == 1  # one computation, one routine
+    plan.close()
+
+
+@pytest.mark.parametrize("make", [lambda: pt.SGD(0.1, momentum=0.9, weight_decay=0.01, nesterov=True),
+                                  lambda: pt.Adam(0.05, weight_decay=0.1), lambda: pt.AdamW(0.05)],
+                         ids=["sgd_nesterov", "adam_l2", "adamw"])
+def test_optimizers_match_numpy(make: Any) -> None:
+    """Three steps on a quadratic in float64, against the textbook formulas."""
+    w = pt.param("w", (4,), init=np.array([1.0, -2.0, 3.0, 0.5]), dtype="float64")
+    target = np.array([0.5, 0.5, -1.0, 2.0])
+    loss = pt.sum((w - pt.constant(target, "float64")) ** 2.0)
+    opt = make()
+    plan = pt.compile(loss=loss, optimizer=opt)
+    p = np.array([1.0, -2.0, 3.0, 0.5])
+    m = np.zeros(4)
+    v = np.zeros(4)
+    for t in range(1, 4):
+        plan.step()
+        g = 2 * (p - target)
+        if isinstance(opt, pt.SGD):
+            g = g + opt.weight_decay * p
+            m = opt.momentum * m + g
+            p = p - opt.lr * (g + opt.momentum * m)
+        else:
+            b1, b2 = opt.betas
+            if not isinstance(opt, pt.AdamW):
+                g = g + opt.weight_decay * p
+            m = b1 * m + (1 - b1) * g
+            v = b2 * v + (1 - b2) * g * g
+            step = opt.lr / (1 - b1**t) * m / (np.sqrt(v) / np.sqrt(1 - b2**t) + opt.eps)
+            p = (p * (1 - opt.lr * opt.weight_decay) if isinstance(opt, pt.AdamW) else p) - step
+        np.testing.assert_allclose(plan.state_dict()["w"], p, rtol=1e-12, err_msg=f"step {t}")
+    plan.close()
+
+
+def test_training_step_matches_the_reference_interpreter() -> None:
+    _, _, _, loss = _classifier()
+    plan = pt.compile(loss=loss, optimizer=pt.AdamW(0.01))
+    batch = _batches(1)[0]
+    before = plan.state_dict()
+    got = plan.step(**batch)
+    outs, after = evaluate({"loss": loss}, batch, state=before, writes=plan.program.writes)
+    np.testing.assert_allclose(got, outs["loss"], rtol=1e-6)
+    for name, value in plan.state_dict().items():
+        np.testing.assert_allclose(value, after[name], rtol=1e-5, atol=1e-7, err_msg=name)
+    plan.close()
+
+
+def test_dispatch_modes_give_the_same_numbers() -> None:
+    data = _batches(6)
+    results = {}
+    for mode in ("compiled", "dynamic", "auto"):
+        _, _, _, loss = _classifier()
+        plan = pt.compile(loss=loss, optimizer=pt.Adam(0.02), mode=mode)
+        kinds: list[str] = []
+        losses: list[float] = []
+        for batch in data:
+            losses.append(plan.step(**batch))
+            assert plan._linked is not None
+            kinds.append(plan._linked.kind)
+        results[mode] = (losses, plan.state_dict())
+        expected_kinds = {"compiled": ["fused"] * 6, "dynamic": ["per_op"] * 6,
+                          "auto": ["per_op"] * pt.AUTO_DYNAMIC_STEPS + ["fused"] * (6 - pt.AUTO_DYNAMIC_STEPS)}
+        assert kinds == expected_kinds[mode]
+        plan.close()
+    ref_losses, ref_state = results["compiled"]
+    for mode in ("dynamic", "auto"):
+        losses, state = results[mode]
+        np.testing.assert_allclose(np.array(losses), np.array(ref_losses), rtol=1e-5)
+        for name, value in state.items():  # fused and unfused float32 differ in the last bits
+            np.testing.assert_allclose(value, ref_state[name], rtol=1e-4, atol=1e-6, err_msg=f"{mode} {name}")
+
+
+def test_dynamic_mode_keeps_every_intermediate_readable() -> None:
+    x = pt.input("x", (3,))
+    hidden = pt.exp(x * 2.0).named("hidden")
+    out = (hidden + 1.0).named("out")
+    dynamic = pt.compile([out], mode="dynamic")
+    dynamic.run(x=np.array([0.0, 1.0, 2.0], np.float32))
+    np.testing.assert_allclose(dynamic.read(hidden), np.exp([0.0, 2.0, 4.0]), rtol=1e-6)
+    compiled = pt.compile([out])
+    compiled.run(x=np.zeros(3, np.float32))
+    with pytest.raises(NodeNotInContextError, match="dynamic"):
+        compiled.read(hidden)  # inlined into out's kernel: never stored
+    dynamic.close()
+    compiled.close()
+
+
+def test_runs_do_not_allocate() -> None:
+    x = pt.input("x", (256, 256))
+    w = pt.param("w", (256, 64))
+    plan = pt.compile({"y": pt.tanh(x @ w)})
+    xs = np.ones((256, 256), np.float32)  # 256 KiB in, 64 KiB out
+    xs64 = xs.astype(np.float64)  # goes through the staging array
+    first = plan.run(x=xs)
+    for value in (xs, xs64):
+        for _ in range(3):
+            plan.run(x=value)
+        tracemalloc.start()
+        try:
+            before, _ = tracemalloc.get_traced_memory()
+            tracemalloc.reset_peak()
+            for _ in range(30):
+                out = plan.run(x=value)
+            after, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert out is first  # the same dict and arrays every run
+        assert peak - before < 16 * 1024, f"a run allocated {peak - before} bytes"
+        assert after - before < 4 * 1024
+    plan.close()
+
+
+def test_run_pipelined_equals_runs_one_by_one() -> None:
+    x = pt.input("x", (64,))
+    acc = pt.param("acc", (64,), init="zeros")
+    y = (pt.sigmoid(x) + acc).named("y")
+    plan = pt.compile([y])
+    runs = [{"x": np.full(64, k, np.float32)} for k in range(5)]
+    one_by_one = [plan.run(**r)["y"].copy() for r in runs]
+    pipelined = plan.run_pipelined(runs)
+    assert len(pipelined) == 5
+    for got, want in zip(pipelined, one_by_one):
+        np.testing.assert_array_equal(got["y"], want)
+    again = plan.run_pipelined(runs[:3])
+    assert again[0] is pipelined[0]  # host arrays are reused
+    plan.close()
+
+
+def test_forward_plan_shares_parameters_without_copies() -> None:
+    mlp, _, _, loss = _classifier(hidden=8)
+    train = pt.compile(loss=loss, optimizer=pt.SGD(0.5))
+    xe = pt.input("x_eval", (5, 2))
+    infer = pt.compile({"logits": mlp(xe)}, share=train)
+    for p in mlp.params:  # the same buffers: nothing was copied or uploaded again
+        assert infer.state_context.buffers[p.node] == train.state_context.buffers[p.node]
+    probe = np.random.default_rng(0).standard_normal((5, 2)).astype(np.float32)
+    before = infer.run(x_eval=probe)["logits"].copy()
+    for batch in _batches(5):
+        train.step(**batch)
+    after = infer.run(x_eval=probe)["logits"].copy()
+    assert not np.allclose(before, after)  # sees the trained parameters
+    w = train.state_dict()
+    h = np.tanh(probe @ w["mlp.0.weight"] + w["mlp.0.bias"])
+    np.testing.assert_allclose(after, h @ w["mlp.1.weight"] + w["mlp.1.bias"], rtol=1e-5, atol=1e-6)
+    train.reset()  # parameters back to their initial values, seen by the forward plan too
+    np.testing.assert_allclose(infer.run(x_eval=probe)["logits"], before, rtol=1e-6)
+    train.close()
+
+
+def test_reset_restarts_training_exactly() -> None:
+    _, _, _, loss = _classifier()
+    plan = pt.compile(loss=loss, optimizer=pt.Adam(0.05))
+    data = _batches(4)
+    first = [plan.step(**b) for b in data]
+    state = plan.state_dict()
+    assert state["adam.step"] == 4.0
+    plan.reset()
+    assert plan.state_dict()["adam.step"] == 0.0
+    assert [plan.step(**b) for b in data] == first
+    plan.load_state_dict(state)
+    np.testing.assert_array_equal(plan.state_dict()["mlp.0.weight"], state["mlp.0.weight"])
+    plan.close()
+
+
+def test_input_errors() -> None:
+    x = pt.input("x", (2, 3))
+    plan = pt.compile({"y": x * 2.0})
+    with pytest.raises(BindingError, match="missing x"):
+        plan.run()
+    with pytest.raises(BindingError, match="unknown z"):
+        plan.run(x=np.zeros((2, 3)), z=1)
+    with pytest.raises(ShapeMismatchError):
+        plan.run(x=np.zeros((3, 2)))
+    np.testing.assert_array_equal(plan.run(x=[[1, 2, 3], [4, 5, 6]])["y"], [[2, 4, 6], [8, 10, 12]])
+    plan.close()
+
+
+def test_in_place_writes_that_read_other_cells_are_staged() -> None:
+    """``w := w.T`` inlined cell by cell would read cells it already overwrote: the program
+    computes the value into scratch first; optimizer updates (same-cell reads) are not staged."""
+    w = pt.param("w", (4, 4), init=np.arange(16.0).reshape(4, 4))
+    plan = pt.Plan(pt.Program({}, [pt.Write(w, w.T * 1.0)]), pt.compile().device)
+    assert [s.name for s in plan.program.steps][-2:] == ["stage_w", "update_w"]
+    plan.run()
+    np.testing.assert_array_equal(plan.state_dict()["w"], np.arange(16.0).reshape(4, 4).T)
+    _, _, _, loss = _classifier()
+    train = pt.compile(loss=loss, optimizer=pt.Adam(0.01))
+    assert not any(s.name.startswith("stage_") for s in train.program.steps)
+    plan.close()
+    train.close()
+
+
+def test_profile_kernels_times_every_kernel() -> None:
+    from polyjit.tensor.profile import format_profile, profile_kernels
+
+    x = pt.input("x", (64, 32))
+    w = pt.param("w", (32, 16))
+    plan = pt.compile({"p": pt.softmax(x @ w)})
+    times = profile_kernels(plan, {"x": np.ones((64, 32), np.float32)}, repeats=2)
+    assert len(times) == plan.source.count("\nvoid ")
+    assert all(t.seconds > 0 for t in times)
+    assert "kernels" in format_profile(times)
+    plan.close()
