@@ -55,9 +55,13 @@ def cmd_selftest(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from polyjit.demo import main as demo_main
+    if args.kernels:
+        from polyjit.demo import main as kernels_main
 
-    return demo_main(args)
+        return kernels_main(args)
+    from polyjit.tensor.demo import main as train_main
+
+    return train_main(args)
 
 
 def _bench_dir() -> Path:
@@ -86,9 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--backend", default="cpu")
     s.add_argument("-v", "--verbose", action="store_true")
     s.set_defaults(func=cmd_selftest)
-    m = sub.add_parser("demo", help="run the demo on the default CPU backend")
-    m.add_argument("--backend", default="cpu")
-    m.add_argument("--size", type=int, default=1 << 20, help="elements of the fused chain")
+    m = sub.add_parser("demo", help="train an MLP data-parallel on every device of a backend")
+    from polyjit.tensor.demo import add_arguments
+
+    add_arguments(m)
+    m.add_argument("--kernels", action="store_true",
+                   help="instead: a fused chain and a matmul on every device, checked against numpy")
+    m.add_argument("--size", type=int, default=1 << 20, help="with --kernels: elements of the chain")
     m.set_defaults(func=cmd_demo)
     b = sub.add_parser("bench", help="run a benchmark suite: cpu, opencl, cuda, ...")
     b.add_argument("suite", nargs="?", default="cpu")

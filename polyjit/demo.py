@@ -1,5 +1,5 @@
-"""``polyjit demo``: a fused elementwise chain and a matmul on every device of a backend,
-checked against numpy."""
+"""``polyjit demo --kernels``: a fused elementwise chain and a matmul on every device of a
+backend, checked against numpy (the training demo is ``polyjit.tensor.demo``)."""
 
 from __future__ import annotations
 
