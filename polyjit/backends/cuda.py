@@ -1038,9 +1038,7 @@ class Plan:
             raise MergeBufferMismatchError(
                 f"routine {r.name} reads {merge.label} from the merge buffer of {device.device_id}, "
                 f"which holds {held}")
-        if r._prepared is None or (merge is not None and r._merge_generation != device.merge.generation):
-            r._prepare()
-        prepared = r._prepared
+        prepared = r.prepared()
         assert isinstance(prepared, _Prepared)
         return prepared
 
@@ -1071,8 +1069,8 @@ class Plan:
                 node = _ok(cu.cuGraphAddKernelNode(self._graph, deps, 1 if deps else 0, p), "cuGraphAddKernelNode")
                 self._nodes.append((ri, node, p, (arr, ln)))
                 prev = node
-            self._reads.extend(r._read_locs)  # what Routine.run() waits on and records
-            self._writes.extend(r._write_locs)
+            self._reads.extend(r.read_locs)  # what Routine.run() waits on and records
+            self._writes.extend(r.write_locs)
         self._reads = list(dict.fromkeys(self._reads))
         self._writes = list(dict.fromkeys(self._writes))
         if any(r.merge_buffer_input is not None for r in self.routines):
@@ -1094,17 +1092,6 @@ class Plan:
             self.bindings[by_name[name]] = int(value)
         return self
 
-    def _values(self, r: Routine) -> tuple[int, ...]:
-        out = []
-        for s in r.statics:
-            v = self.bindings.get(s)
-            if v is None:
-                raise BindingError(f"plan: static symbol {s!r} of routine {r.name} is not bound (set plan.bindings[sym])")
-            if not 0 <= v < s.bound:
-                raise BindingError(f"plan: {s!r} = {v} is outside [0, {s.bound})")
-            out.append(int(v))
-        return tuple(out)
-
     def replay(self) -> None:
         """Enqueue the whole graph once on the plan's stream."""
         if self._closed:
@@ -1124,7 +1111,7 @@ class Plan:
         for ri, r in enumerate(self.routines):
             if not r.statics:
                 continue
-            values = self._values(r)
+            values = r.static_values(self.bindings)
             if values != self._last[ri]:
                 self._statics[ri][: len(values)] = values
                 self._last[ri] = values
@@ -1134,17 +1121,8 @@ class Plan:
                 if ri in changed:
                     _ok(cu.cuGraphExecKernelNodeSetParams(self._exec, node, p), "cuGraphExecKernelNodeSetParams")
         stream = self.stream
-        tracker = device.tracker
-        for loc in self._reads:
-            tracker.before_read(loc, stream)
-        for loc in self._writes:
-            tracker.before_write(loc, stream)
-        _ok(cu.cuGraphLaunch(self._exec, stream.handle.handle), "cuGraphLaunch")
-        ev = stream.record()
-        for loc in self._reads:
-            tracker.after_read(loc, ev)
-        for loc in self._writes:
-            tracker.after_write(loc, ev)
+        device.tracker.ordered(stream, self._reads, self._writes,
+                               lambda: _ok(cu.cuGraphLaunch(self._exec, stream.handle.handle), "cuGraphLaunch"))
 
     def close(self) -> None:
         """Destroy the graph (the routines stay usable)."""

@@ -163,6 +163,22 @@ class Tracker:
         if st.readers:
             st.readers = {}
 
+    def ordered(self, stream: Stream, reads: Sequence[BufferLoc], writes: Sequence[BufferLoc],
+                enqueue: Callable[[], None]) -> Event:
+        """Enqueue work on ``stream`` after the device-side waits its buffers need, and record
+        it as their new reader / writer. Every launch path (routines, graph replays) uses this."""
+        for loc in reads:
+            self.before_read(loc, stream)
+        for loc in writes:
+            self.before_write(loc, stream)
+        enqueue()
+        ev = Event(stream, stream.driver.record(stream.handle))
+        for loc in reads:
+            self.after_read(loc, ev)
+        for loc in writes:
+            self.after_write(loc, ev)
+        return ev
+
     def drain_pool(self, pool_id: int) -> None:
         """Wait on the host for all work touching a pool, then forget it."""
         for loc in [loc for loc in self.locs if loc.pool_id == pool_id]:
@@ -721,10 +737,10 @@ class Routine:
         stored = {n for k in comp.kernels for n in k.buffers}
         locs = {n: buffers[n] for n in stored}
         written = {n for k in comp.kernels for n in k.outputs}
-        self._write_locs = tuple(dict.fromkeys(locs[n] for n in written))
-        self._read_locs = tuple(dict.fromkeys(locs[n] for n in stored if n not in written))
+        self.write_locs = tuple(dict.fromkeys(locs[n] for n in written))
+        self.read_locs = tuple(dict.fromkeys(locs[n] for n in stored if n not in written))
         if comp.merge_input is not None:
-            self._read_locs += (BufferLoc(MERGE_POOL, 0),)
+            self.read_locs += (BufferLoc(MERGE_POOL, 0),)
         self._prepared: Any = None
         self._merge_generation = -1
         if comp.merge_input is None or device.merge.handle is not None:
@@ -744,10 +760,21 @@ class Routine:
     def __repr__(self) -> str:
         return f"Routine({self.name} on {self.context.device.device_id})"
 
-    def _static_values(self) -> tuple[int, ...]:
+    def prepared(self) -> Any:
+        """The driver's prepared launch, bound again if the merge buffer moved since."""
+        if self._prepared is None or (
+            self.merge_buffer_input is not None
+            and self._merge_generation != self.context.device.merge.generation
+        ):
+            self._prepare()
+        return self._prepared
+
+    def static_values(self, bindings: Mapping[StaticSymbol, int] | None = None) -> tuple[int, ...]:
+        """The statics' values, in kernel-argument order, from ``bindings`` (default: the routine's)."""
+        bindings = self.bindings if bindings is None else bindings
         out = []
         for s in self.statics:
-            v = self.bindings.get(s)
+            v = bindings.get(s)
             if v is None:
                 raise BindingError(f"routine {self.name}: static symbol {s!r} is not bound (set routine.bindings[sym])")
             if not 0 <= v < s.bound:
@@ -770,19 +797,11 @@ class Routine:
                 )
             if self._merge_generation != device.merge.generation:
                 self._prepare()
-        statics = self._static_values() if self.statics else ()
+        statics = self.static_values() if self.statics else ()
         stream = ctx.stream
-        tracker = device.tracker
-        for loc in self._read_locs:
-            tracker.before_read(loc, stream)
-        for loc in self._write_locs:
-            tracker.before_write(loc, stream)
-        device.driver.launch(stream.handle, self._prepared, statics)
-        ev = Event(stream, device.driver.record(stream.handle))
-        for loc in self._read_locs:
-            tracker.after_read(loc, ev)
-        for loc in self._write_locs:
-            tracker.after_write(loc, ev)
+        prepared, launch = self._prepared, device.driver.launch
+        device.tracker.ordered(stream, self.read_locs, self.write_locs,
+                               lambda: launch(stream.handle, prepared, statics))
 
 
 class TransferRoutine:

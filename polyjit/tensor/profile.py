@@ -41,7 +41,7 @@ def profile_kernels(plan: Plan, inputs: Mapping[str, Any], repeats: int = 10) ->
             if spec.merge is not None:
                 args.append((device.merge.handle, 0))
             prepared = driver.prepare(device.ordinal, routine._module, [(spec, args)])
-            statics = routine._static_values() if routine.statics else ()
+            statics = routine.static_values() if routine.statics else ()
             driver.launch(stream.handle, prepared, statics)
             stream.synchronize()
             t0 = time.perf_counter()
