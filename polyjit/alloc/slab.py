@@ -16,7 +16,7 @@ MERGE_POOL = 0  # each device's merge buffer; grown on demand
 FIRST_POOL = 1  # pool ids handed out by links and the constant table start here
 
 
-@attrs.frozen(order=True)
+@attrs.frozen(order=True, cache_hash=True)  # hashed on every Routine.run
 class BufferLoc:
     pool_id: int
     offset: int

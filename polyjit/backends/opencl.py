@@ -1,0 +1,953 @@
+"""The OpenCL backend: pyopencl, kernels in OpenCL C, one context per platform.
+
+Devices are every device of every OpenCL platform pyopencl finds, in the order
+(platform index, device index), or only those of ``POLYJIT_OPENCL_PLATFORM``
+(a platform name substring or index) when it is set. All devices of a platform
+share one ``cl.Context``, so buffers of one device can be copied to another on
+the device side. Without an OpenCL platform (no ICD loader or no driver) the
+backend reports zero devices and says why in ``OpenCLDriver.unavailable_reason``.
+
+Memory: a pool is one ``cl.Buffer``; a kernel gets the pool buffer plus a byte
+offset (never a sub-buffer, whose offsets must be aligned to the device's base
+alignment), declared as ``__global char* pN, ulong oN`` and cast to the element
+type at the kernel's start.
+
+Streams are in-order command queues with profiling on; events are ``cl.Event``s.
+A stream waits for another one's event with a barrier on its own queue, so the
+host never blocks. Host copies are non-blocking; the driver holds pyopencl's
+``NannyEvent`` (which keeps the host array alive, and would block if freed early)
+until the copy is done.
+
+Code: one program per batch, built per platform for the devices that can run
+it, kept in memory, and its binaries cached on disk by content (platform,
+device, driver version, build options and source) through ``core/cache.py``;
+on CPU devices only with ``POLYJIT_OPENCL_BINARY_CACHE=always``, because PoCL
+compiles every kernel to native code to hand its binaries out (see
+``OpenCLDriver``) and caches its own builds anyway. Matmul-shaped kernels
+get a tiled kernel with two variants chosen when the program is built: on CPU
+devices (``-D PJ_CPU``) each work-item keeps an 8x8 block of the output in
+vector registers and reads the operands straight from (cached) memory; on other
+devices the work-group stages 16-deep tiles of both operands in local memory
+and each work-item computes 8x8 outputs.
+
+Run the tests on pip's PoCL alone with ``OCL_ICD_VENDORS`` set to the ``pocl.icd``
+file inside pyopencl's wheel (see :func:`pip_pocl_icd`); ``POCL_DEVICES="pthread
+pthread"`` makes PoCL show two CPU devices.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import importlib.util
+import math
+import os
+import threading
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+
+from polyjit.core import dtypes
+from polyjit.core.cache import BinaryCache, content_key
+from polyjit.core.codegen import Dialect, Emitter, KernelSpec, LaunchConfig, Names, Source
+from polyjit.core.compiler import source_excerpt
+from polyjit.core.dtypes import DType
+from polyjit.core.errors import CompileError, UnknownDeviceError, UnsupportedError
+from polyjit.core.ir import Symbol
+from polyjit.core.lower import Const, Contraction, Kernel, Reduce, match_contraction
+from polyjit.core.protocol import DeviceInfo
+from polyjit.core.runtime import Backend
+
+try:
+    import pyopencl as cl
+except ImportError as _e:  # the dialect still works (code generation needs no driver)
+    cl = None  # type: ignore[assignment]
+    _IMPORT_ERROR: str | None = f"pyopencl cannot be imported: {_e}"
+else:
+    _IMPORT_ERROR = None
+
+PLATFORM_ENV = "POLYJIT_OPENCL_PLATFORM"
+BINARY_CACHE_ENV = "POLYJIT_OPENCL_BINARY_CACHE"
+MIN_BASE_ALIGNMENT = 64  # bytes; pool offsets are multiples of max(this, the device's alignment)
+CPU_BUILD_OPTION = "-D PJ_CPU=1"  # selects the CPU variant of tiled kernels
+
+
+def pip_pocl_icd() -> str | None:
+    """The ``pocl.icd`` file shipped inside pyopencl's wheel (``pyopencl[pocl]``), if any.
+
+    Setting ``OCL_ICD_VENDORS`` to this *file* (not its folder: pyopencl's loader
+    reads that folder anyway, and PoCL would show up twice) makes the ICD loader
+    offer pip's PoCL alone, whatever OpenCL drivers the system has.
+    """
+    spec = importlib.util.find_spec("pyopencl")
+    if spec is None or spec.origin is None:
+        return None
+    icd = Path(spec.origin).parent / ".libs" / "pocl.icd"
+    return str(icd) if icd.is_file() else None
+
+
+# ---------------------------------------------------------------------------
+# The dialect
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@attrs.frozen
+class MatmulTiles:
+    """Each work-item computes rm x rn outputs; a work-group is lx x ly work-items;
+    the local-memory variant stages tk-deep slices of the operands."""
+
+    rm: int = 8
+    rn: int = 8
+    lx: int = 8
+    ly: int = 8
+    tk: int = 16
+
+    @property
+    def bm(self) -> int:
+        return self.rm * self.ly
+
+    @property
+    def bn(self) -> int:
+        return self.rn * self.lx
+
+
+class OpenCLDialect(Dialect):
+    """OpenCL C: ``__kernel`` functions, ``__global`` pointers, parallel loops on global ids."""
+
+    name = "opencl"
+    function_qualifier = "static inline"
+    restrict = "restrict"
+    work_group = 256  # work-items of a generic kernel's work-group
+    tiles = MatmulTiles()
+    # A contraction gets the tiled kernel when it is at least this big.
+    matmul_min_side = 16
+    matmul_min_work = 1 << 15  # m * n * k
+
+    def __init__(self, matmul: bool = True) -> None:
+        self.matmul = matmul
+
+    def type_name(self, dt: DType) -> str:
+        return dt.opencl
+
+    def prelude(self, batch_dtypes: set[DType]) -> list[str]:
+        lines = ["/* polyjit OpenCL kernels */"]
+        if dtypes.float64 in batch_dtypes:
+            lines.append("#pragma OPENCL EXTENSION cl_khr_fp64 : enable")
+        t = self.tiles
+        lines += [
+            "typedef long int64_t;  /* the emitter's index type */",
+            "#ifdef PJ_CPU",
+            "#define PJ_MATMUL_WG",
+            "#else",
+            f"#define PJ_MATMUL_WG __attribute__((reqd_work_group_size({t.lx}, {t.ly}, 1)))",
+            "#endif",
+            "",
+        ]
+        return lines
+
+    def math_call(self, fn: str, dt: DType, args: Sequence[str]) -> str:
+        # OpenCL C overloads the math functions on float and double: no suffix.
+        name = "fabs" if fn == "abs" else fn
+        return f"{name}({', '.join(args)})"
+
+    # -- kernel signature ------------------------------------------------------
+
+    def kernel_open(self, spec: KernelSpec, names: Names, attributes: str = "") -> list[str]:
+        """Each buffer is a pool (``__global char*``) plus a byte offset; statics are ``long``."""
+        params: list[str] = []
+        for k in range(len(spec.buffers)):
+            params += [f"__global char* p{k}", f"ulong o{k}"]
+        if spec.merge is not None:
+            params += ["__global char* pm", "ulong om"]
+        params += [f"long {names.var(s)}" for s in spec.statics]
+        lines = [f"__kernel {attributes}void {spec.name}({', '.join(params) or 'void'}) {{"]
+        for k, node in enumerate(spec.buffers):
+            t = self.type_name(node.dtype)
+            const = "" if node in spec.outputs else "const "
+            lines.append(f"  __global {const}{t}* restrict {names.buffer(node)} = "
+                         f"(__global {const}{t}*)(p{k} + o{k});")
+        if spec.merge is not None:
+            t = self.type_name(spec.merge.dtype)
+            lines.append(f"  __global const {t}* restrict {names.merge} = (__global const {t}*)(pm + om);")
+        return lines
+
+    # -- launch configuration ----------------------------------------------------
+
+    def contraction(self, kernel: Kernel) -> Contraction | None:
+        """The kernel's matmul structure, when it is worth the tiled kernel."""
+        if not self.matmul:
+            return None
+        c = match_contraction(kernel)
+        if c is None or not (c.reduce.init is None or _is_zero(c.reduce)):
+            return None
+        if min(c.m, c.n) < self.matmul_min_side or c.m * c.n * c.kk < self.matmul_min_work:
+            return None
+        return c
+
+    @staticmethod
+    def dims(kernel: Kernel) -> list[list[tuple[Symbol, int]]]:
+        """The parallel loops on each global dimension: dim 0 is the innermost loop; beyond
+        three loops, the outer ones share dim 2 (flattened)."""
+        nest = list(kernel.parallel)
+        if len(nest) <= 3:
+            return [[lp] for lp in reversed(nest)]
+        return [[nest[-1]], [nest[-2]], nest[:-2]]
+
+    def launch_config(self, kernel: Kernel) -> LaunchConfig:
+        c = self.contraction(kernel)
+        if c is not None:
+            t = self.tiles
+            gx = _ceil_div(c.n, t.bn) * t.lx
+            gy = _ceil_div(c.m, t.bm) * t.ly
+            nb = math.prod(n for _, n in c.batch)
+            return LaunchConfig((gx, gy, nb), (t.lx, t.ly, 1))
+        if not kernel.parallel:
+            return LaunchConfig((1,), (1,))
+        extents = [math.prod(n for _, n in loops) for loops in self.dims(kernel)]
+        local: list[int] = []
+        room = self.work_group
+        for e in extents:  # fill the work-group from dim 0 (contiguous in memory) outwards
+            size = min(_pow2_at_least(e), room)
+            local.append(size)
+            room //= size
+        glob = tuple(_ceil_div(e, lsz) * lsz for e, lsz in zip(extents, local))
+        return LaunchConfig(glob, tuple(local))
+
+    # -- kernel bodies -------------------------------------------------------------
+
+    def emit_kernel(self, em: Emitter, kernel: Kernel, spec: KernelSpec, names: Names) -> list[str]:
+        c = self.contraction(kernel)
+        if c is not None:
+            return [*self.kernel_open(spec, names, "PJ_MATMUL_WG "), *_emit_matmul(self, em, c, names), "}"]
+        return [*self.kernel_open(spec, names), *self.emit_parallel(em, kernel, names, 1), "}"]
+
+    def emit_parallel(self, em: Emitter, kernel: Kernel, names: Names, indent: int) -> list[str]:
+        """Each parallel loop variable from a global id, guarded against the rounded-up size."""
+        pad = "  " * indent
+        launch = self.launch_config(kernel)
+        lines: list[str] = []
+        for d, loops in enumerate(self.dims(kernel)):
+            total = math.prod(n for _, n in loops)
+            if len(loops) == 1:
+                v = names.var(loops[0][0])
+                lines.append(f"{pad}const long {v} = (long)get_global_id({d});")
+                if launch.global_size[d] != total:
+                    lines.append(f"{pad}if ({v} >= {total}) return;")
+                continue
+            lines.append(f"{pad}long pj_flat = (long)get_global_id({d});")
+            if launch.global_size[d] != total:
+                lines.append(f"{pad}if (pj_flat >= {total}) return;")
+            for k, (sym, n) in enumerate(reversed(loops)):
+                v = names.var(sym)
+                if k == len(loops) - 1:
+                    lines.append(f"{pad}const long {v} = pj_flat;")
+                else:
+                    lines.append(f"{pad}const long {v} = pj_flat % {n};")
+                    lines.append(f"{pad}pj_flat /= {n};")
+        return lines + em.stmt(kernel.body, indent)
+
+
+def _is_zero(r: Reduce) -> bool:
+    return isinstance(r.init, Const) and r.init.value == 0
+
+
+def _emit_matmul(d: OpenCLDialect, em: Emitter, c: Contraction, names: Names) -> list[str]:
+    """The tiled kernel of a contraction ``out[i, j] (+)= sum_k x[i, k] * y[k, j]``.
+
+    ``x``/``y``/``out`` are written through the emitter with the loop variables
+    ``i``, ``j``, ``k`` declared as locals, so any affine indexing (transposed x,
+    statics, the merge buffer) works; ``y`` and ``out`` are contiguous in j.
+    """
+    t = d.tiles
+    dt = c.reduce.node.dtype
+    ty = d.type_name(dt)
+    i, j, k = names.var(c.i), names.var(c.j), names.var(c.k)
+    out = f"{names.buffer(c.reduce.node)}[{em.index(c.reduce.index)}]"
+    x, y = em.expr(c.x), em.expr(c.y)
+    zero = em.literal(0, dt)
+    accumulate = c.reduce.init is None  # add onto what the output holds
+    m, n, kk = c.m, c.n, c.kk
+    lines: list[str] = []
+    if c.batch:  # batch loops: global dim 2 (work-groups are 1 deep there)
+        lines.append("  long pj_flat = (long)get_global_id(2);")
+        for pos, (sym, ext) in enumerate(reversed(c.batch)):
+            v = names.var(sym)
+            last = pos == len(c.batch) - 1
+            lines.append(f"  const long {v} = pj_flat{'' if last else f' % {ext}'};")
+            if not last:
+                lines.append(f"  pj_flat /= {ext};")
+    rm, rn = t.rm, t.rn
+    # -- CPU devices: an rm x rn block per work-item in vector registers ----------
+    # 32-byte vectors (float8, double4; wider ones change the ABI of PoCL's builtins on AVX2).
+    w = max(1, min(rn, 32 // dt.itemsize))
+    nv = rn // w
+    vec = f"{ty}{w}"
+    lines += [
+        "#ifdef PJ_CPU",
+        f"  const long pj_i0 = (long)get_global_id(1) * {rm}, pj_j0 = (long)get_global_id(0) * {rn};",
+        f"  if (pj_i0 >= {m} || pj_j0 >= {n}) return;",
+        f"  if (pj_i0 + {rm} <= {m} && pj_j0 + {rn} <= {n}) {{",
+        f"    const long {j} = pj_j0;",
+    ]
+    for r in range(rm):
+        for q in range(nv):
+            init = f"vload{w}({q}, &{out})" if accumulate else f"({vec})({zero})"
+            lines.append(f"    {vec} pj_c{r}_{q}; {{ const long {i} = pj_i0 + {r}; pj_c{r}_{q} = {init}; }}")
+    lines.append(f"    for (long {k} = 0; {k} < {kk}; ++{k}) {{")
+    lines += [f"      const {vec} pj_b{q} = vload{w}({q}, &{y});" for q in range(nv)]
+    for r in range(rm):
+        adds = " ".join(f"pj_c{r}_{q} += pj_a * pj_b{q};" for q in range(nv))
+        lines.append(f"      {{ const long {i} = pj_i0 + {r}; const {vec} pj_a = ({vec})({x}); {adds} }}")
+    lines.append("    }")
+    for r in range(rm):
+        stores = " ".join(f"vstore{w}(pj_c{r}_{q}, {q}, &{out});" for q in range(nv))
+        lines.append(f"    {{ const long {i} = pj_i0 + {r}; {stores} }}")
+    lines += [
+        "  } else {  /* an edge block: plain loops */",
+        f"    for (long {i} = pj_i0; {i} < pj_i0 + {rm} && {i} < {m}; ++{i}) {{",
+        f"      for (long {j} = pj_j0; {j} < pj_j0 + {rn} && {j} < {n}; ++{j}) {{",
+        f"        {ty} pj_acc = {out if accumulate else zero};",
+        f"        for (long {k} = 0; {k} < {kk}; ++{k}) pj_acc += {x} * {y};",
+        f"        {out} = pj_acc;",
+        "      }",
+        "    }",
+        "  }",
+        "#else",
+    ]
+    # -- other devices: local-memory tiles, rm x rn strided outputs per work-item --------
+    bm, bn, tk, nt = t.bm, t.bn, t.tk, t.lx * t.ly
+    lines += [
+        f"  __local {ty} pj_xs[{tk}][{bm}];",
+        f"  __local {ty} pj_ys[{tk}][{bn}];",
+        "  const int pj_tx = (int)get_local_id(0), pj_ty = (int)get_local_id(1);",
+        f"  const int pj_t = pj_ty * {t.lx} + pj_tx;",
+        f"  const long pj_gi = (long)get_group_id(1) * {bm}, pj_gj = (long)get_group_id(0) * {bn};",
+        f"  {ty} pj_acc[{rm}][{rn}];",
+        f"  for (int pj_r = 0; pj_r < {rm}; ++pj_r)",
+        f"    for (int pj_s = 0; pj_s < {rn}; ++pj_s) pj_acc[pj_r][pj_s] = {zero};",
+        f"  for (long pj_k0 = 0; pj_k0 < {kk}; pj_k0 += {tk}) {{",
+        f"    for (int pj_e = pj_t; pj_e < {tk * bm}; pj_e += {nt}) {{",
+        f"      const int pj_r = pj_e / {tk}, pj_q = pj_e % {tk};",
+        f"      const long {i} = pj_gi + pj_r, {k} = pj_k0 + pj_q;",
+        f"      pj_xs[pj_q][pj_r] = ({i} < {m} && {k} < {kk}) ? {x} : {zero};",
+        "    }",
+        f"    for (int pj_e = pj_t; pj_e < {tk * bn}; pj_e += {nt}) {{",
+        f"      const int pj_q = pj_e / {bn}, pj_s = pj_e % {bn};",
+        f"      const long {k} = pj_k0 + pj_q, {j} = pj_gj + pj_s;",
+        f"      pj_ys[pj_q][pj_s] = ({k} < {kk} && {j} < {n}) ? {y} : {zero};",
+        "    }",
+        "    barrier(CLK_LOCAL_MEM_FENCE);",
+        f"    for (int pj_q = 0; pj_q < {tk}; ++pj_q) {{",
+        f"      {ty} pj_a[{rm}], pj_b[{rn}];",
+        f"      for (int pj_r = 0; pj_r < {rm}; ++pj_r) pj_a[pj_r] = pj_xs[pj_q][pj_ty + {t.ly} * pj_r];",
+        f"      for (int pj_s = 0; pj_s < {rn}; ++pj_s) pj_b[pj_s] = pj_ys[pj_q][pj_tx + {t.lx} * pj_s];",
+        f"      for (int pj_r = 0; pj_r < {rm}; ++pj_r)",
+        f"        for (int pj_s = 0; pj_s < {rn}; ++pj_s) pj_acc[pj_r][pj_s] += pj_a[pj_r] * pj_b[pj_s];",
+        "    }",
+        "    barrier(CLK_LOCAL_MEM_FENCE);",
+        "  }",
+        f"  for (int pj_r = 0; pj_r < {rm}; ++pj_r) {{",
+        f"    const long {i} = pj_gi + pj_ty + {t.ly} * pj_r;",
+        f"    for (int pj_s = 0; pj_s < {rn}; ++pj_s) {{",
+        f"      const long {j} = pj_gj + pj_tx + {t.lx} * pj_s;",
+        f"      if ({i} < {m} && {j} < {n}) {out} = {f'{out} + ' if accumulate else ''}pj_acc[pj_r][pj_s];",
+        "    }",
+        "  }",
+        "#endif",
+    ]
+    return lines
+
+
+# ---------------------------------------------------------------------------
+# Driver objects
+
+
+@attrs.define(eq=False)
+class _Device:
+    ordinal: int
+    platform_index: int
+    device_index: int
+    platform: Any  # cl.Platform
+    device: Any  # cl.Device
+    context: Any  # cl.Context, shared by the platform's devices
+    group: int  # devices of one group share a build (same context and options)
+    options: str
+    fp64: bool
+    is_cpu: bool
+    max_alloc: int
+    info: DeviceInfo
+    staging: Any = None  # a queue for blocking reads when copying across platforms
+
+
+class _Stream:
+    """An in-order queue, the event of its last command, and the host arrays of copies in flight."""
+
+    __slots__ = ("dev", "done_seq", "flushed_seq", "last", "lock", "pending", "queue", "seq")
+
+    def __init__(self, dev: _Device, queue: Any) -> None:
+        self.dev = dev
+        self.queue = queue
+        self.last: Any = None  # the event of the last command; None: record() enqueues a marker
+        self.seq = 0  # commands enqueued so far
+        self.done_seq = 0  # commands known complete
+        self.flushed_seq = 0  # commands known submitted (clFlush)
+        self.pending: collections.deque[tuple[int, Any]] = collections.deque()  # (seq, NannyEvent)
+        self.lock = threading.Lock()
+
+    def enqueued(self, event: Any) -> None:
+        self.seq += 1
+        self.last = event
+
+    def flush(self, upto: int) -> None:
+        if self.flushed_seq < upto:
+            self.flushed_seq = self.seq
+            self.queue.flush()
+
+    def purge(self) -> None:
+        """Drop host arrays of copies that are done (in order: the queue is in-order)."""
+        pending = self.pending
+        with self.lock:
+            while pending:
+                seq, ev = pending[0]
+                if seq > self.done_seq:
+                    if ev.command_execution_status > cl.command_execution_status.COMPLETE:
+                        break
+                    self.done_seq = seq
+                pending.popleft()
+
+
+class _Event:
+    __slots__ = ("event", "seq", "stream")
+
+    def __init__(self, stream: _Stream, event: Any, seq: int) -> None:
+        self.stream = stream
+        self.event = event
+        self.seq = seq
+
+
+@attrs.frozen(eq=False)
+class _Binary:
+    """A compiled batch: the source; the programs live in the driver's caches, per device group."""
+
+    text: str
+    key: str
+    fp64: bool
+    names: tuple[str, ...]
+
+
+@attrs.frozen(eq=False)
+class _Module:
+    program: Any
+    dev: _Device
+
+
+@attrs.frozen(eq=False)
+class _Launch:
+    kernel: Any
+    global_size: tuple[int, ...]
+    local_size: tuple[int, ...] | None
+    first_static: int
+
+
+@attrs.frozen(eq=False)
+class _Prepared:
+    launches: tuple[_Launch, ...]
+    keep: tuple[Any, ...]  # the pool buffers the kernels point at
+    calls: tuple[tuple[Any, tuple[int, ...], tuple[int, ...] | None], ...] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        calls = tuple((ln.kernel, ln.global_size, ln.local_size) for ln in self.launches)
+        object.__setattr__(self, "calls", calls)
+
+
+def _cl_name(value: Any) -> str:
+    return str(value).strip()
+
+
+def _device_type(flags: int) -> str:
+    for name in ("GPU", "ACCELERATOR", "CPU", "CUSTOM"):
+        if flags & getattr(cl.device_type, name):
+            return name.lower()
+    return "other"
+
+
+def _platform_filter(platforms: Sequence[Any], want: str) -> list[int]:
+    want = want.strip()
+    if want.isdigit():
+        k = int(want)
+        return [k] if k < len(platforms) else []
+    low = want.lower()
+    return [k for k, p in enumerate(platforms) if low in _cl_name(p.name).lower()]
+
+
+class OpenCLDriver:
+    """The Driver of the OpenCL backend (see the module docstring)."""
+
+    name = "opencl"
+
+    def __init__(self, platform: str | None = None, matmul_variant: str = "auto",
+                 binary_cache: str | None = None) -> None:
+        """``platform``: a name substring or index (default: ``$POLYJIT_OPENCL_PLATFORM``, else all).
+        ``matmul_variant``: "auto" (vector registers on CPUs, local-memory tiles elsewhere),
+        "local" (local-memory tiles everywhere) or "off" (no tiled kernels).
+        ``binary_cache`` (default ``$POLYJIT_OPENCL_BINARY_CACHE``, else "auto"): whether built
+        binaries go to the disk cache: "always", "never", or "auto": for every device but CPU
+        devices. Asking PoCL for a program's binaries compiles every kernel to native code
+        first (12 s for a batch of 140 kernels, against 0.5 s for the build itself), while its
+        own kernel cache already makes a second process's build of the same source cheap."""
+        if matmul_variant not in ("auto", "local", "off"):
+            raise ValueError(f"matmul_variant must be auto, local or off, not {matmul_variant!r}")
+        binary_cache = binary_cache or os.environ.get(BINARY_CACHE_ENV) or "auto"
+        if binary_cache not in ("auto", "always", "never"):
+            raise ValueError(f"binary_cache must be auto, always or never, not {binary_cache!r}")
+        self.binary_cache = binary_cache
+        self.dialect = OpenCLDialect(matmul=matmul_variant != "off")
+        self.matmul_variant = matmul_variant
+        self.platform_filter = platform if platform is not None else os.environ.get(PLATFORM_ENV)
+        self.unavailable_reason: str | None = None
+        self.cache = BinaryCache("opencl", ".bin")
+        self._devices: list[_Device] | None = None
+        self._lock = threading.RLock()
+        self._programs: dict[tuple[int, str], Any] = {}  # (group, source key) -> built program
+
+    # -- devices -----------------------------------------------------------------
+
+    @property
+    def devices(self) -> list[_Device]:
+        if self._devices is None:
+            with self._lock:
+                if self._devices is None:
+                    self._devices = self._discover()
+        return self._devices
+
+    def _discover(self) -> list[_Device]:
+        if cl is None:
+            self.unavailable_reason = _IMPORT_ERROR
+            return []
+        try:
+            platforms = list(cl.get_platforms())
+        except cl.Error as e:  # no ICD loader configuration, or no driver behind it
+            self.unavailable_reason = f"no OpenCL platform: {e}".strip()
+            return []
+        indices = list(range(len(platforms)))
+        if self.platform_filter:
+            indices = _platform_filter(platforms, self.platform_filter)
+            if not indices:
+                names = ", ".join(f"{k}: {_cl_name(p.name)}" for k, p in enumerate(platforms))
+                self.unavailable_reason = (
+                    f"{PLATFORM_ENV}={self.platform_filter!r} matches no OpenCL platform ({names or 'none'})"
+                )
+                return []
+        out: list[_Device] = []
+        problems: list[str] = []
+        groups: dict[tuple[int, str], int] = {}
+        for pk in indices:
+            plat = platforms[pk]
+            try:
+                devs = list(plat.get_devices())
+                ctx = cl.Context(devices=devs) if devs else None
+            except cl.Error as e:
+                problems.append(f"{_cl_name(plat.name)}: {e}")
+                continue
+            for dk, dev in enumerate(devs):
+                is_cpu = bool(dev.type & cl.device_type.CPU)
+                options = CPU_BUILD_OPTION if (is_cpu and self.matmul_variant == "auto") else ""
+                group = groups.setdefault((pk, options), len(groups))
+                out.append(self._describe(len(out), pk, dk, plat, dev, ctx, group, options, is_cpu))
+        if not out:
+            self.unavailable_reason = "no OpenCL device" + (f" ({'; '.join(problems)})" if problems else "")
+        return out
+
+    @staticmethod
+    def _describe(ordinal: int, pk: int, dk: int, plat: Any, dev: Any, ctx: Any, group: int,
+                  options: str, is_cpu: bool) -> _Device:
+        extensions = _cl_name(dev.extensions).split()
+        try:
+            double_config = int(dev.double_fp_config)
+        except cl.Error:
+            double_config = 0
+        fp64 = "cl_khr_fp64" in extensions or double_config != 0
+        align = max(MIN_BASE_ALIGNMENT, int(dev.mem_base_addr_align) // 8)  # the query is in bits
+        name = _cl_name(dev.name)
+        info = DeviceInfo(
+            name=name,
+            memory_bytes=int(dev.global_mem_size),
+            compute_units=int(dev.max_compute_units),
+            base_alignment=align,
+            properties={
+                "platform": _cl_name(plat.name),
+                "platform_index": pk,
+                "device_index": dk,
+                "vendor": _cl_name(dev.vendor),
+                "driver_version": _cl_name(dev.driver_version),
+                "opencl_version": _cl_name(dev.version),
+                "device_type": _device_type(dev.type),
+                "fp64": fp64,
+                "max_mem_alloc_size": int(dev.max_mem_alloc_size),
+                "max_work_group_size": int(dev.max_work_group_size),
+                "local_mem_size": int(dev.local_mem_size),
+            },
+        )
+        return _Device(ordinal, pk, dk, plat, dev, ctx, group, options, fp64, is_cpu,
+                       int(dev.max_mem_alloc_size), info)
+
+    def _dev(self, ordinal: int) -> _Device:
+        devs = self.devices
+        if not 0 <= ordinal < len(devs):
+            raise UnknownDeviceError(f"opencl has {len(devs)} device(s); there is no device {ordinal}")
+        return devs[ordinal]
+
+    def device_count(self) -> int:
+        return len(self.devices)
+
+    def device_info(self, ordinal: int) -> DeviceInfo:
+        return self._dev(ordinal).info
+
+    # -- memory ------------------------------------------------------------------
+
+    def alloc(self, ordinal: int, nbytes: int, alignment: int) -> Any:
+        dev = self._dev(ordinal)
+        if nbytes > dev.max_alloc:
+            raise MemoryError(
+                f"{nbytes} bytes exceed the largest buffer {dev.info.name} allows "
+                f"(max_mem_alloc_size {dev.max_alloc} bytes of {dev.info.memory_bytes})"
+            )
+        try:
+            return cl.Buffer(dev.context, cl.mem_flags.READ_WRITE, size=nbytes)
+        except cl.Error as e:
+            raise MemoryError(f"cannot allocate {nbytes} bytes on {dev.info.name}: {e}") from e
+
+    def free(self, ordinal: int, pool: Any) -> None:
+        pool.release()
+
+    # -- streams and events --------------------------------------------------------
+
+    def new_stream(self, ordinal: int) -> _Stream:
+        dev = self._dev(ordinal)
+        props = cl.command_queue_properties.PROFILING_ENABLE
+        return _Stream(dev, cl.CommandQueue(dev.context, dev.device, properties=props))
+
+    def record(self, stream: _Stream) -> _Event:
+        last = stream.last
+        if last is None:  # nothing enqueued yet, or the last command was a host copy
+            last = cl.enqueue_marker(stream.queue)
+            stream.enqueued(last)
+        return _Event(stream, last, stream.seq)
+
+    def wait(self, stream: _Stream, event: _Event) -> None:
+        src = event.stream
+        if src is stream or event.seq <= src.done_seq:
+            return
+        if src.dev.context is not stream.dev.context:
+            event.event.wait()  # another platform: events do not cross contexts
+            return
+        src.flush(event.seq)  # a queue must be flushed before another queue waits on its events
+        stream.enqueued(cl.enqueue_barrier(stream.queue, wait_for=[event.event]))
+
+    def event_done(self, event: _Event) -> bool:
+        s = event.stream
+        if event.seq <= s.done_seq:
+            return True
+        s.flush(event.seq)
+        if event.event.command_execution_status > cl.command_execution_status.COMPLETE:
+            return False
+        self._completed(s, event.seq)
+        return True
+
+    def event_sync(self, event: _Event) -> None:
+        s = event.stream
+        if event.seq > s.done_seq:
+            event.event.wait()
+            self._completed(s, event.seq)
+
+    @staticmethod
+    def _completed(s: _Stream, seq: int) -> None:
+        with s.lock:
+            if seq > s.done_seq:
+                s.done_seq = seq
+        if s.pending:
+            s.purge()
+
+    # -- transfers ------------------------------------------------------------------
+
+    @staticmethod
+    def _keep(stream: _Stream, nanny: Any) -> None:
+        """Hold a copy's NannyEvent (and so its host array) until the copy is done: freeing it
+        earlier would block the host until the copy finishes."""
+        with stream.lock:
+            stream.seq += 1
+            stream.last = None  # record() puts a plain marker after it
+            stream.pending.append((stream.seq, nanny))
+        stream.purge()
+
+    def memset_zero(self, stream: _Stream, pool: Any, offset: int, nbytes: int) -> None:
+        if nbytes <= 0:
+            return
+        width = 4 if offset % 4 == 0 and nbytes % 4 == 0 else 1  # the widest pattern that fits
+        pattern = np.zeros(1, np.uint32 if width == 4 else np.uint8)
+        stream.enqueued(cl.enqueue_fill_buffer(stream.queue, pool, pattern, offset, nbytes))
+
+    def copy_from_host(self, stream: _Stream, pool: Any, offset: int, array: np.ndarray) -> None:
+        if array.nbytes == 0:
+            return
+        ev = cl.enqueue_copy(stream.queue, pool, array, dst_offset=offset, is_blocking=False)
+        self._keep(stream, ev)
+
+    def copy_to_host(self, stream: _Stream, pool: Any, offset: int, array: np.ndarray) -> None:
+        if array.nbytes == 0:
+            return
+        ev = cl.enqueue_copy(stream.queue, array, pool, src_offset=offset, is_blocking=False)
+        self._keep(stream, ev)
+
+    def copy_device(
+        self, stream: _Stream, dst: tuple[int, Any, int], src: tuple[int, Any, int], nbytes: int
+    ) -> None:
+        if nbytes <= 0:
+            return
+        (_, dbuf, doff), (sord, sbuf, soff) = dst, src
+        sdev = self._dev(sord)
+        if sdev.context is stream.dev.context:  # one platform: a device-side copy
+            ev = cl.enqueue_copy(stream.queue, dbuf, sbuf, byte_count=nbytes,
+                                 src_offset=soff, dst_offset=doff)
+            stream.enqueued(ev)
+            return
+        # Another platform: stage through the host. The runtime already made this stream wait
+        # for the source's writer, which across contexts is a host wait, so the data is there.
+        with self._lock:
+            if sdev.staging is None:
+                sdev.staging = cl.CommandQueue(sdev.context, sdev.device)
+        host = np.empty(nbytes, np.uint8)
+        cl.enqueue_copy(sdev.staging, host, sbuf, src_offset=soff, is_blocking=True)
+        self.copy_from_host(stream, dbuf, doff, host)
+
+    # -- code -------------------------------------------------------------------------
+
+    def compile(self, source: Source) -> _Binary:
+        text = source.text
+        fp64 = "cl_khr_fp64 : enable" in text
+        binary = _Binary(text, content_key("opencl", text), fp64, tuple(k.name for k in source.all_kernels))
+        devices = self.devices
+        if not devices:
+            return binary  # nothing to build for; linking needs a device anyway
+        usable = [d for d in devices if d.fp64 or not fp64]
+        if not usable:
+            names = ", ".join(sorted({d.info.name for d in devices}))
+            raise UnsupportedError(
+                f"the batch uses float64, but no OpenCL device here supports it "
+                f"(no cl_khr_fp64 on {names}); cast to float32"
+            )
+        for group in sorted({d.group for d in usable}):
+            self._program(binary, group)
+        return binary
+
+    def _program(self, binary: _Binary, group: int) -> Any:
+        """The program of a batch for one device group: from memory, the disk cache, or a build."""
+        key = (group, binary.key)
+        hit = self._programs.get(key)
+        if hit is not None:
+            return hit
+        with self._lock:
+            hit = self._programs.get(key)
+            if hit is not None:
+                return hit
+            devs = [d for d in self.devices if d.group == group and (d.fp64 or not binary.fp64)]
+            if not self._on_disk(devs):
+                self.cache.compiles += 1
+                program = self._build_source(binary.text, devs)
+                _check_kernels(program, binary, devs)
+                self._programs[key] = program
+                return program
+            built: list[Any] = []  # the program built from source, once, if any key misses
+
+            def build(dev: _Device, path: Path) -> None:
+                if not built:
+                    built.append(self._build_source(binary.text, devs))
+                path.write_bytes(_binary_for(built[0], dev, devs))
+
+            paths = [self.cache.get_or_build(self._cache_key(binary, d), functools.partial(build, d))
+                     for d in devs]
+            program = built[0] if built else self._build_binaries(binary.text, devs, paths)
+            _check_kernels(program, binary, devs)
+            self._programs[key] = program
+            return program
+
+    def _on_disk(self, devs: Sequence[_Device]) -> bool:
+        if self.binary_cache == "auto":
+            return not any(d.is_cpu for d in devs)
+        return self.binary_cache == "always"
+
+    @staticmethod
+    def _cache_key(binary: _Binary, dev: _Device) -> str:
+        return content_key(
+            "opencl-binary-v1", _cl_name(dev.platform.name), _cl_name(dev.platform.version),
+            dev.info.name, _cl_name(dev.device.driver_version), dev.options, binary.text,
+        )
+
+    def _build_source(self, text: str, devs: Sequence[_Device]) -> Any:
+        ctx = devs[0].context
+        program = cl._cl._Program(ctx, text)  # the raw program: pyopencl's own cache stays out of it
+        try:
+            _build(program, devs)
+        except cl.Error as e:
+            raise _compile_error(program, text, devs, e) from None
+        return program
+
+    def _build_binaries(self, text: str, devs: Sequence[_Device], paths: Sequence[Path]) -> Any:
+        try:
+            program = cl._cl._Program(devs[0].context, [d.device for d in devs], [p.read_bytes() for p in paths])
+            _build(program, devs)
+            return program
+        except (cl.Error, OSError):
+            # A stale or damaged cache entry: build from source and replace it.
+            program = self._build_source(text, devs)
+            for d, p in zip(devs, paths):
+                p.write_bytes(_binary_for(program, d, devs))
+            return program
+
+    def load(self, ordinal: int, binary: _Binary) -> _Module:
+        dev = self._dev(ordinal)
+        if binary.fp64 and not dev.fp64:
+            raise UnsupportedError(
+                f"the batch uses float64, but OpenCL device {ordinal} ({dev.info.name}) has no "
+                f"cl_khr_fp64; cast to float32 or use another device"
+            )
+        return _Module(self._program(binary, dev.group), dev)
+
+    def prepare(
+        self, ordinal: int, module: _Module, kernels: Sequence[tuple[KernelSpec, Sequence[tuple[Any, int]]]]
+    ) -> _Prepared:
+        dev = module.dev
+        launches: list[_Launch] = []
+        keep: list[Any] = []
+        for spec, args in kernels:
+            kernel = cl.Kernel(module.program, spec.name)
+            pos = 0
+            for buf, offset in args:
+                kernel.set_arg(pos, buf)
+                kernel.set_arg(pos + 1, np.uint64(offset))
+                keep.append(buf)
+                pos += 2
+            glob, local = _fit_launch(spec.launch, kernel, dev)
+            launches.append(_Launch(kernel, glob, local, pos))
+        return _Prepared(tuple(launches), tuple(keep))
+
+    def launch(self, stream: _Stream, prepared: _Prepared, statics: Sequence[int]) -> None:
+        # The hot path of every run(): the kernels' buffers are bound, only statics change.
+        queue = stream.queue
+        enqueue = cl.enqueue_nd_range_kernel
+        ev = None
+        if statics:
+            for ln in prepared.launches:
+                kernel = ln.kernel
+                for pos, value in enumerate(statics, ln.first_static):
+                    kernel.set_arg(pos, np.int64(value))
+                ev = enqueue(queue, kernel, ln.global_size, ln.local_size)
+        else:
+            for kernel, gsize, lsize in prepared.calls:
+                ev = enqueue(queue, kernel, gsize, lsize)
+        if ev is not None:
+            stream.seq += len(prepared.calls)
+            stream.last = ev
+
+
+def _check_kernels(program: Any, binary: _Binary, devs: Sequence[_Device]) -> None:
+    """A build can succeed yet drop kernels (PoCL does, after some ABI warnings): say so now,
+    with the log, rather than fail later in clCreateKernel."""
+    if not binary.names:
+        return
+    found = set(str(program.get_info(cl.program_info.KERNEL_NAMES)).split(";"))
+    missing = [k for k in binary.names if k not in found]
+    if missing:
+        err = _compile_error(program, binary.text, devs, RuntimeError("no build log"))
+        raise CompileError(f"the OpenCL program was built without kernels {', '.join(missing)}\n{err}",
+                           source=binary.text, log=err.log)
+
+
+def _build(program: Any, devs: Sequence[_Device]) -> None:
+    with warnings.catch_warnings():
+        # Warnings about generated code (an always-true comparison of a bool) are noise here.
+        warnings.simplefilter("ignore", cl.CompilerWarning)
+        program.build(devs[0].options.encode(), [d.device for d in devs])
+
+
+def _binary_for(program: Any, dev: _Device, built_for: Sequence[_Device]) -> bytes:
+    """The device's binary. The program holds every device of the context, but some drivers
+    (PoCL) list binaries only for the devices it was built for, in the program's order."""
+    devices = list(program.get_info(cl.program_info.DEVICES))
+    binaries = list(program.get_info(cl.program_info.BINARIES))
+    if len(binaries) != len(devices):
+        wanted = [d.device for d in built_for]
+        devices = [d for d in devices if d in wanted]
+    if len(binaries) == len(devices):
+        for d, b in zip(devices, binaries):
+            if d == dev.device and len(b):
+                return bytes(b)
+    raise CompileError(f"the OpenCL program holds no binary for {dev.info.name}")
+
+
+def _compile_error(program: Any, text: str, devs: Sequence[_Device], err: Exception) -> CompileError:
+    logs: list[str] = []
+    for d in devs:
+        try:
+            log = str(program.get_build_info(d.device, cl.program_build_info.LOG)).strip()
+        except cl.Error:
+            log = ""
+        if log and log not in logs:
+            logs.append(log)
+    log = "\n".join(logs) or str(err)
+    dev = devs[0]
+    message = (
+        f"OpenCL C build failed on {dev.info.name} ({_cl_name(dev.platform.name)}), "
+        f"options {dev.options!r}:\n{log}\n\n{source_excerpt(text, log)}"
+    )
+    return CompileError(message, source=text, log=log)
+
+
+def _fit_launch(launch: LaunchConfig, kernel: Any, dev: _Device) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+    """The launch configuration, with the work-group shrunk (halved: the rounded global size
+    stays a multiple) to what this kernel may use on this device. On CPU devices, kernels that
+    do not require a work-group size let the driver choose: PoCL picks larger work-groups than
+    a GPU wants (about 10% faster on a memory-bound copy), and every kernel guards its range."""
+    glob = tuple(launch.global_size)
+    if launch.local_size is None:
+        return glob, None
+    required = tuple(kernel.get_work_group_info(cl.kernel_work_group_info.COMPILE_WORK_GROUP_SIZE,
+                                                dev.device))
+    if dev.is_cpu and not any(required):
+        return glob, None
+    local = list(launch.local_size)
+    limit = int(kernel.get_work_group_info(cl.kernel_work_group_info.WORK_GROUP_SIZE, dev.device))
+    dims = list(dev.device.max_work_item_sizes)
+    for d in range(len(local)):
+        while local[d] > dims[d] and local[d] % 2 == 0:
+            local[d] //= 2
+    while math.prod(local) > limit:
+        d = max(range(len(local)), key=lambda k: local[k])
+        if local[d] % 2:
+            break
+        local[d] //= 2
+    if math.prod(local) > limit or any(lsz > mx for lsz, mx in zip(local, dims)):
+        raise UnsupportedError(
+            f"kernel {kernel.function_name} needs work-groups of {tuple(launch.local_size)}, "
+            f"but {dev.info.name} allows {limit} work-items ({tuple(dims)} per dimension)"
+        )
+    return glob, tuple(local)
+
+
+def create_backend(platform: str | None = None, matmul_variant: str = "auto",
+                   binary_cache: str | None = None) -> Backend:
+    """The OpenCL backend. ``platform`` overrides ``$POLYJIT_OPENCL_PLATFORM`` (a name substring
+    or an index); ``matmul_variant`` is "auto", "local" or "off"; ``binary_cache`` is "auto",
+    "always" or "never" (see OpenCLDriver)."""
+    return Backend(OpenCLDriver(platform, matmul_variant, binary_cache))
