@@ -1121,8 +1121,9 @@ class Plan:
                 if ri in changed:
                     _ok(cu.cuGraphExecKernelNodeSetParams(self._exec, node, p), "cuGraphExecKernelNodeSetParams")
         stream = self.stream
-        device.tracker.ordered(stream, self._reads, self._writes,
-                               lambda: _ok(cu.cuGraphLaunch(self._exec, stream.handle.handle), "cuGraphLaunch"))
+        tracker = device.tracker
+        tracker.ordered(stream, tracker.states(self._reads), tracker.states(self._writes),
+                        lambda: _ok(cu.cuGraphLaunch(self._exec, stream.handle.handle), "cuGraphLaunch"))
 
     def close(self) -> None:
         """Destroy the graph (the routines stay usable)."""

@@ -163,27 +163,39 @@ class Tracker:
         if st.readers:
             st.readers = {}
 
-    def ordered(self, stream: Stream, reads: Sequence[BufferLoc], writes: Sequence[BufferLoc],
-                enqueue: Callable[[], None]) -> Event:
-        """Enqueue work on ``stream`` after the device-side waits its buffers need, and record
-        it as their new reader / writer. Every launch path (routines, graph replays) uses this."""
-        for loc in reads:
-            self.before_read(loc, stream)
-        for loc in writes:
-            self.before_write(loc, stream)
-        enqueue()
+    def states(self, locs: Sequence[BufferLoc]) -> tuple[_NodeEvents, ...]:
+        """The event records of some buffers, resolved once (at link or capture time) so that
+        each launch touches them without hashing."""
+        return tuple(self.state(loc) for loc in locs)
+
+    @staticmethod
+    def ordered(stream: Stream, reads: Sequence[_NodeEvents], writes: Sequence[_NodeEvents],
+                enqueue: Callable[..., None], *args: Any) -> Event:
+        """Enqueue ``enqueue(*args)`` on ``stream`` after the device-side waits its buffers need,
+        and record it as their new reader / writer. Every launch path (routines, graph replays)
+        goes through here."""
+        for st in reads:
+            _wait_unless_done(stream, st.writer)
+        for st in writes:
+            st.wait_for_write(stream)
+        enqueue(*args)
         ev = Event(stream, stream.driver.record(stream.handle))
-        for loc in reads:
-            self.after_read(loc, ev)
-        for loc in writes:
-            self.after_write(loc, ev)
+        for st in reads:
+            st.readers[stream] = ev
+        for st in writes:
+            st.writer = ev
+            if st.readers:
+                st.readers = {}
         return ev
 
     def drain_pool(self, pool_id: int) -> None:
-        """Wait on the host for all work touching a pool, then forget it."""
+        """Wait on the host for all work touching a pool, then forget it. The merge pool's records
+        stay (emptied): routines hold them across the merge buffer's moves."""
         for loc in [loc for loc in self.locs if loc.pool_id == pool_id]:
-            for ev in self.locs.pop(loc).events():
+            st = self.locs[loc] if pool_id == MERGE_POOL else self.locs.pop(loc)
+            for ev in st.events():
                 ev.sync()
+            st.writer, st.readers = None, {}
 
 
 # ---------------------------------------------------------------------------
@@ -741,6 +753,8 @@ class Routine:
         self.read_locs = tuple(dict.fromkeys(locs[n] for n in stored if n not in written))
         if comp.merge_input is not None:
             self.read_locs += (BufferLoc(MERGE_POOL, 0),)
+        self._read_states = device.tracker.states(self.read_locs)
+        self._write_states = device.tracker.states(self.write_locs)
         self._prepared: Any = None
         self._merge_generation = -1
         if comp.merge_input is None or device.merge.handle is not None:
@@ -799,9 +813,8 @@ class Routine:
                 self._prepare()
         statics = self.static_values() if self.statics else ()
         stream = ctx.stream
-        prepared, launch = self._prepared, device.driver.launch
-        device.tracker.ordered(stream, self.read_locs, self.write_locs,
-                               lambda: launch(stream.handle, prepared, statics))
+        Tracker.ordered(stream, self._read_states, self._write_states,
+                        device.driver.launch, stream.handle, self._prepared, statics)
 
 
 class TransferRoutine:
