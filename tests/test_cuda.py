@@ -43,7 +43,7 @@ from polyjit.core.errors import CompileError
 from polyjit.core.ir import AccumOp, Node, Op, StaticSymbol, Symbol
 from polyjit.core.lower import LoweredBatch, lower
 from polyjit.testing import ConformanceSuite
-from polyjit.testing.harness import compare, program_nodes, program_rng
+from polyjit.testing.harness import compare, group_programs, program_rng
 from polyjit.testing.programs import Program, catalog, program, values
 from polyjit.testing.reference import run_reference
 
@@ -123,20 +123,7 @@ def all_programs() -> list[Program]:
 
 
 def _groups(programs: Sequence[Program], size: int = 48) -> list[list[Program]]:
-    """Consecutive programs, at most ``size`` a group, no two of a group sharing a node."""
-    groups: list[list[Program]] = []
-    group: list[Program] = []
-    seen: set[Node] = set()
-    for p in programs:
-        nodes = program_nodes(p)
-        if len(group) >= size or nodes & seen:
-            groups.append(group)
-            group, seen = [], set()
-        group.append(p)
-        seen |= nodes
-    if group:
-        groups.append(group)
-    return groups
+    return group_programs(programs, size)
 
 
 def _batch(group: Sequence[Program]) -> tuple[LoweredBatch, Source, list[tuple[int, int]]]:

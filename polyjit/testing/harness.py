@@ -154,7 +154,7 @@ def program_nodes(p: Program) -> set[Node]:
     return nodes
 
 
-def _groups(programs: Sequence[Program], size: int) -> list[list[Program]]:
+def group_programs(programs: Sequence[Program], size: int) -> list[list[Program]]:
     """Consecutive programs, at most ``size`` a group, no two of a group sharing a node."""
     groups: list[list[Program]] = []
     group: list[Program] = []
@@ -186,7 +186,7 @@ def run_programs(
     one so that the failure names the program at fault.
     """
     failures: list[Failure] = []
-    for group in _groups(programs, max(1, batch_size)):
+    for group in group_programs(programs, max(1, batch_size)):
         try:
             failures += _run_group(backend, ordinal, group, seed)
         except Exception as e:
