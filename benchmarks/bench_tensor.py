@@ -2,8 +2,9 @@
 
 - MLP 784-256-10 training step (SGD with momentum), batch 256, float32: polyjit on the
   CPU backend vs the same model in numpy with hand-written gradients, and PyTorch's CPU
-  build beside them when it is importable (samples/s);
-- the char_lm model of examples/char_lm.py in compiled mode (samples/s);
+  build beside them when it is importable (samples/s; target: polyjit >= numpy);
+- the char_lm model of examples/char_lm.py in compiled mode (samples/s), on the CPU or on
+  the device ``--lm-device`` names (``--lm-device cuda:0 --only char_lm`` on a GPU);
 - host time per step, compiled vs dynamic dispatch (target: compiled <= 20% of dynamic);
 - data parallel on 2 CPU devices of one core each vs 1 device of one core
   (target: >= 1.6x), with the all-reduce time per step, and the ceiling this machine
@@ -37,6 +38,7 @@ from polyjit.tensor.plan import Mode
 Array = np.ndarray[Any, Any]
 ROOT = Path(__file__).resolve().parent.parent
 TARGETS = [
+    ("mlp", "polyjit_vs_numpy", ">=", 1.0),
     ("dispatch", "host_ratio", "<=", 0.2),
     ("data_parallel", "speedup", ">=", 1.6),
 ]
@@ -148,7 +150,7 @@ def bench_mlp(batch: int, steps: int) -> dict[str, float]:
 # char_lm and dispatch modes
 
 
-def char_lm_plan(batch: int, mode: Mode) -> tuple[pt.Plan, Callable[[], dict[str, Array]]]:
+def char_lm_plan(batch: int, mode: Mode, device: str = "cpu") -> tuple[pt.Plan, Callable[[], dict[str, Array]]]:
     sys.path.insert(0, str(ROOT / "examples"))
     try:
         import char_lm
@@ -158,7 +160,8 @@ def char_lm_plan(batch: int, mode: Mode) -> tuple[pt.Plan, Callable[[], dict[str
     contexts, targets = context_windows(codes, char_lm.CONTEXT)
     model = char_lm.CharModel()
     ctx, nxt = pt.input("context", (batch, char_lm.CONTEXT), "int32"), pt.input("next", (batch,), "int32")
-    plan = pt.compile(loss=pt.cross_entropy(model(ctx), nxt), optimizer=pt.AdamW(lr=0.01), mode=mode)
+    plan = pt.compile(loss=pt.cross_entropy(model(ctx), nxt), optimizer=pt.AdamW(lr=0.01), mode=mode,
+                      device=device)
     rng = np.random.default_rng(0)
     batches = []
     for _ in range(8):
@@ -168,8 +171,8 @@ def char_lm_plan(batch: int, mode: Mode) -> tuple[pt.Plan, Callable[[], dict[str
     return plan, lambda: batches[next(it) % len(batches)]
 
 
-def bench_char_lm(batch: int, steps: int) -> dict[str, float]:
-    plan, data = char_lm_plan(batch, "compiled")
+def bench_char_lm(batch: int, steps: int, device: str) -> dict[str, float]:
+    plan, data = char_lm_plan(batch, "compiled", device)
     return {"compiled_samples_s": best_rates({"lm": lambda: plan.step(**data())}, batch, steps)["lm"]}
 
 
@@ -258,6 +261,8 @@ def main(argv: Sequence[str] = ()) -> int:
     p.add_argument("--dp-batch", type=int, default=1024,
                    help="global batch of the data-parallel MLP (512 per device on 2 devices)")
     p.add_argument("--lm-batch", type=int, default=128, help="char_lm batch")
+    p.add_argument("--lm-device", default="cpu",
+                   help="device of the char_lm group, e.g. cuda:0 (the other groups run on the CPU)")
     p.add_argument("--only", default="", help="comma-separated subset: mlp,char_lm,dispatch,data_parallel")
     p.add_argument("--json", help="write the results to this file")
     args = p.parse_args(list(argv))
@@ -269,7 +274,8 @@ def main(argv: Sequence[str] = ()) -> int:
     if "mlp" in wanted:
         results["mlp"] = bench_mlp(args.batch, args.steps)
     if "char_lm" in wanted:
-        results["char_lm"] = bench_char_lm(args.lm_batch, args.steps * 3)
+        results["char_lm"] = {"device": args.lm_device,
+                              **bench_char_lm(args.lm_batch, args.steps * 3, args.lm_device)}
     if "dispatch" in wanted:
         results["dispatch"] = bench_dispatch(args.lm_batch, args.steps)
     if "data_parallel" in wanted:
@@ -280,7 +286,7 @@ def main(argv: Sequence[str] = ()) -> int:
             continue
         print(f"[{group}]")
         for key, val in values.items():
-            print(f"  {key:24s} {val:14.3f}")
+            print(f"  {key:24s} {val:14.3f}" if isinstance(val, float) else f"  {key:24s} {val:>14}")
     print("[targets]")
     for group, key, cmp, bound in TARGETS:
         if group not in results:

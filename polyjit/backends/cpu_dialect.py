@@ -1,10 +1,16 @@
-"""The CPU backend's C dialect: the generic C emitter, plus two specialisations.
+"""The CPU backend's C dialect: the generic C emitter, plus three specialisations.
 
 A matmul-shaped kernel (``lower.match_contraction``) is emitted as tiles of
 MR rows x NV vectors of the output held in registers while k runs, with GCC
 vector extensions (portable across x86 and Arm, sized to the host's widest
-vector unit). Tiles are shared among OpenMP threads j-panel by j-panel so a
+vector unit). Edge tiles run the same code with fewer rows or vectors and a
+last vector under a lane mask, so narrow outputs (a 256x10 classifier head)
+stay vectorized. Tiles are shared among OpenMP threads j-panel by j-panel so a
 panel of the right operand stays in cache while its i-tiles run.
+
+A column reduction (``x.sum(axis=0)``) keeps a block of outputs in a local
+array while the reduced axis runs outside it: the inner loop is contiguous and
+vectorizes, and every output still sums in order.
 
 A large contiguous elementwise kernel writes its output with non-temporal
 (streaming) stores where the host has AVX: the output is not read first
@@ -15,11 +21,25 @@ A large contiguous elementwise kernel writes its output with non-temporal
 from __future__ import annotations
 
 import functools
+import math
 from pathlib import Path
 
 from polyjit.core import dtypes, ir
 from polyjit.core.codegen import Dialect, Emitter, KernelSpec, Names
-from polyjit.core.lower import Contraction, Kernel, Load, Store, match_contraction, walk_exprs
+from polyjit.core.lower import (
+    Contraction,
+    Kernel,
+    Load,
+    Reduce,
+    Store,
+    match_contraction,
+    walk_exprs,
+)
+
+# Outputs of a column reduction accumulated together (a local array of this many).
+COLUMN_BLOCK = 512
+
+_VEC_SUFFIX = {dtypes.float32: "f32", dtypes.float64: "f64"}
 
 # Streaming stores bypass the cache: only worth it for outputs far larger than it.
 STREAMING_MIN_BYTES = 8 << 20
@@ -51,13 +71,54 @@ class CpuDialect(Dialect):
         self.vector_bytes = vector_bytes or host_vector_bytes()
 
     def prelude(self, batch_dtypes: set[dtypes.DType]) -> list[str]:
-        return ["#include <stdint.h>", "#include <math.h>", "#if defined(__AVX__)",
-                "#include <immintrin.h>", "#endif", ""]
+        lines = ["#include <stdint.h>", "#include <math.h>", "#if defined(__AVX__)",
+                 "#include <immintrin.h>", "#endif", ""]
+        for dt in sorted(batch_dtypes & set(_VEC_SUFFIX), key=lambda d: d.name):
+            lines += self._tail_helpers(dt)
+        return lines
+
+    def _tail_helpers(self, dt: dtypes.DType) -> list[str]:
+        """Load/store the first ``n`` lanes of a vector (the other lanes load as zero) with
+        AVX-512 masks or AVX2 lane masks where the host has them, else a short memcpy; ``n``
+        is a constant at every call, so the mask is too."""
+        t, sfx, vb = self.type_name(dt), _VEC_SUFFIX[dt], self.vector_bytes
+        v, ps, lanes = f"pj_v{sfx}", ("ps" if dt is dtypes.float32 else "pd"), vb // dt.itemsize
+        reg = f"__m{vb * 8}{'' if ps == 'ps' else 'd'}"
+        masked: tuple[str, str, str] | None = None  # (guard, load, store)
+        if vb == 64:
+            mask = f"(__mmask{max(8, lanes)})((1u << n) - 1u)"
+            masked = ("__AVX512F__", f"_mm512_maskz_loadu_{ps}({mask}, p)",
+                      f"_mm512_mask_storeu_{ps}(p, {mask}, ({reg})x)")
+        elif vb == 32:
+            bits, ramp = ("32", "0, 1, 2, 3, 4, 5, 6, 7") if ps == "ps" else ("64", "0, 1, 2, 3")
+            mask = f"_mm256_cmpgt_epi{bits}(_mm256_set1_epi{bits}{'x' if bits == '64' else ''}(n), _mm256_setr_epi{bits}{'x' if bits == '64' else ''}({ramp}))"
+            masked = ("__AVX2__", f"_mm256_maskload_{ps}(p, {mask})", f"_mm256_maskstore_{ps}(p, {mask}, ({reg})x)")
+        generic_load = [f"  {v} x = {{0}};", f"  __builtin_memcpy(&x, p, (unsigned)n * sizeof({t}));", "  return x;"]
+        generic_store = [f"  __builtin_memcpy(p, &x, (unsigned)n * sizeof({t}));"]
+        if masked is not None:
+            guard, load, store = masked
+            generic_load = [f"#if defined({guard})", f"  return ({v}){load};", "#else", *generic_load, "#endif"]
+            generic_store = [f"#if defined({guard})", f"  {store};", "#else", *generic_store, "#endif"]
+        return [
+            f"typedef {t} {v} __attribute__((vector_size({vb})));",
+            f"static inline {v} pj_load_tail_{sfx}(const {t}* p, int n) {{", *generic_load, "}",
+            f"static inline void pj_store_tail_{sfx}({t}* p, {v} x, int n) {{", *generic_store, "}",
+            "",
+        ]
+
+    def kernel_prefix(self, kernel: Kernel) -> list[str]:
+        # Tiles and column reductions vectorize across outputs, never along a reduction.
+        if match_contraction(kernel) is not None or _column_reduction(kernel) is not None:
+            return []
+        return super().kernel_prefix(kernel)
 
     def emit_kernel(self, em: Emitter, kernel: Kernel, spec: KernelSpec, names: Names) -> list[str]:
         c = match_contraction(kernel)
         if c is not None:
             return [*self.kernel_open(spec, names), *self._tiled(em, c, names), "}"]
+        r = _column_reduction(kernel)
+        if r is not None:
+            return [*self.kernel_open(spec, names), *self._column_reduce(em, kernel, r, names), "}"]
         if self._streams(kernel):
             return [*self.kernel_open(spec, names), *self._streaming(em, kernel, names), "}"]
         return super().emit_kernel(em, kernel, spec, names)
@@ -106,75 +167,138 @@ class CpuDialect(Dialect):
             "#endif",
         ]
 
-    def _tiled(self, em: Emitter, c: Contraction, names: Names) -> list[str]:
-        dt = c.reduce.node.dtype
-        t = self.type_name(dt)
-        lanes = self.vector_bytes // dt.itemsize
-        mr, nv, nr = self.mr, self.nv, self.nv * lanes
-        i, j, k = names.var(c.i), names.var(c.j), names.var(c.k)
-        out = f"{names.buffer(c.reduce.node)}[{em.index(c.reduce.index)}]"
-        x, y = em.expr(c.x), em.expr(c.y)
-        init_zero = c.reduce.init is not None
-        tiles_i, tiles_j = -(-c.m // mr), -(-c.n // nr)
-        work = c.kernel.work * c.kk
-        loops = [(names.var(s), n) for s, n in c.batch] + [("pj_tj", tiles_j), ("pj_ti", tiles_i)]
-        lines = [f"  typedef {t} pj_vec __attribute__((vector_size({self.vector_bytes})));"]
-        if work >= self.omp_min_work:
+    def _column_reduce(self, em: Emitter, kernel: Kernel, r: Reduce, names: Names) -> list[str]:
+        """``out[j] = sum_k x[k, j]``: a block of outputs accumulates in a local array while k
+        runs outside it, so the j loop vectorizes and reads rows contiguously; each output
+        still sums in k order, as the plain loop would."""
+        (j_sym, nj), outer = kernel.parallel[-1], kernel.parallel[:-1]
+        blocks = -(-nj // COLUMN_BLOCK)
+        width = min(nj, COLUMN_BLOCK)
+        last = nj - (blocks - 1) * width
+        t, j = self.type_name(r.node.dtype), names.var(j_sym)
+        loops = [(names.var(sym), n) for sym, n in outer] + [("pj_jb", blocks)]
+        lines = []
+        if kernel.work * math.prod(n for _, n in r.loops) >= self.omp_min_work * 8 and math.prod(
+                n for _, n in loops) > 1:
             lines.append(f"  #pragma omp parallel for collapse({len(loops)}) schedule(static)")
         depth = 1
         for v, n in loops:
             lines.append(f"{'  ' * depth}for (int64_t {v} = 0; {v} < {n}; ++{v}) {{")
             depth += 1
         p = "  " * depth
-        zero = em.literal(0, dt)
-        lines += [
-            f"{p}const int64_t pj_i0 = pj_ti * {mr}, pj_j0 = pj_tj * {nr};",
-            f"{p}if (pj_i0 + {mr} <= {c.m} && pj_j0 + {nr} <= {c.n}) {{",
-            f"{p}  pj_vec acc[{mr}][{nv}];",
-            f"{p}  #pragma GCC unroll {mr}",
-            f"{p}  for (int pj_r = 0; pj_r < {mr}; ++pj_r) {{",
-            f"{p}    const int64_t {i} = pj_i0 + pj_r;",
-            f"{p}    #pragma GCC unroll {nv}",
-            f"{p}    for (int pj_v = 0; pj_v < {nv}; ++pj_v) {{",
-            f"{p}      const int64_t {j} = pj_j0 + pj_v * {lanes};",
-            (f"{p}      acc[pj_r][pj_v] = (pj_vec){{0}};" if init_zero
-             else f"{p}      __builtin_memcpy(&acc[pj_r][pj_v], &{out}, sizeof(pj_vec));"),
-            f"{p}    }}",
-            f"{p}  }}",
-            f"{p}  for (int64_t {k} = 0; {k} < {c.kk}; ++{k}) {{",
-            f"{p}    pj_vec bv[{nv}];",
-            f"{p}    #pragma GCC unroll {nv}",
-            f"{p}    for (int pj_v = 0; pj_v < {nv}; ++pj_v) {{",
-            f"{p}      const int64_t {j} = pj_j0 + pj_v * {lanes};",
-            f"{p}      __builtin_memcpy(&bv[pj_v], &{y}, sizeof(pj_vec));",
-            f"{p}    }}",
-            f"{p}    #pragma GCC unroll {mr}",
-            f"{p}    for (int pj_r = 0; pj_r < {mr}; ++pj_r) {{",
-            f"{p}      const int64_t {i} = pj_i0 + pj_r;",
-            f"{p}      const {t} pj_a = {x};",
-            f"{p}      #pragma GCC unroll {nv}",
-            f"{p}      for (int pj_v = 0; pj_v < {nv}; ++pj_v) acc[pj_r][pj_v] += pj_a * bv[pj_v];",
-            f"{p}    }}",
-            f"{p}  }}",
-            f"{p}  #pragma GCC unroll {mr}",
-            f"{p}  for (int pj_r = 0; pj_r < {mr}; ++pj_r) {{",
-            f"{p}    const int64_t {i} = pj_i0 + pj_r;",
-            f"{p}    #pragma GCC unroll {nv}",
-            f"{p}    for (int pj_v = 0; pj_v < {nv}; ++pj_v) {{",
-            f"{p}      const int64_t {j} = pj_j0 + pj_v * {lanes};",
-            f"{p}      __builtin_memcpy(&{out}, &acc[pj_r][pj_v], sizeof(pj_vec));",
-            f"{p}    }}",
-            f"{p}  }}",
-            f"{p}}} else {{  /* an edge tile: plain loops */",
-            f"{p}  for (int64_t {i} = pj_i0; {i} < pj_i0 + {mr} && {i} < {c.m}; ++{i}) {{",
-            f"{p}    for (int64_t {j} = pj_j0; {j} < pj_j0 + {nr} && {j} < {c.n}; ++{j}) {{",
-            f"{p}      {t} pj_acc = {zero if init_zero else out};",
-            f"{p}      for (int64_t {k} = 0; {k} < {c.kk}; ++{k}) pj_acc += {x} * {y};",
-            f"{p}      {out} = pj_acc;",
-            f"{p}    }}",
-            f"{p}  }}",
-            f"{p}}}",
-        ]
+        target = f"{names.buffer(r.node)}[{em.index(r.index)}]"
+        init = target if r.init is None else em.expr(r.init)
+        each = f"for (int64_t pj_jj = 0; pj_jj < pj_jn; ++pj_jj) {{ const int64_t {j} = pj_jb * {width} + pj_jj;"
+        lines += [f"{p}{t} pj_acc[{width}];",
+                  f"{p}const int64_t pj_jn = " + (f"pj_jb < {blocks - 1} ? {width} : {last};" if last != width else f"{width};"),
+                  f"{p}{each} pj_acc[pj_jj] = {init}; }}"]
+        for d, (sym, n) in enumerate(r.loops):
+            v = names.var(sym)
+            lines.append(f"{p}{'  ' * d}for (int64_t {v} = 0; {v} < {n}; ++{v}) {{")
+        q = p + "  " * len(r.loops)
+        value = em.combine(r.accum, r.node.dtype, "pj_acc[pj_jj]", em.expr(r.value))
+        lines.append(f"{q}{each} pj_acc[pj_jj] = {value}; }}")
+        for d in range(len(r.loops) - 1, -1, -1):
+            lines.append(f"{p}{'  ' * d}}}")
+        lines.append(f"{p}{each} {target} = pj_acc[pj_jj]; }}")
         for d in range(depth - 1, 0, -1):
             lines.append(f"{'  ' * d}}}")
         return lines
+
+    def _tiled(self, em: Emitter, c: Contraction, names: Names) -> list[str]:
+        """Tiles of ``mr`` rows x ``nv`` vectors; edge tiles are the same code with fewer rows,
+        fewer vectors, and a last vector loaded and stored under a lane mask, so no part of
+        the output falls back to scalar loops (a 256x10 head is all edge)."""
+        dt = c.reduce.node.dtype
+        lanes = self.vector_bytes // dt.itemsize
+        mr, nr = self.mr, self.nv * lanes
+        full_i, rows_left = divmod(c.m, mr)
+        full_j, cols_left = divmod(c.n, nr)
+        tiles_i, tiles_j = full_i + (rows_left > 0), full_j + (cols_left > 0)
+        loops = [(names.var(s), n) for s, n in c.batch] + [("pj_tj", tiles_j), ("pj_ti", tiles_i)]
+        lines = [f"  typedef {self.type_name(dt)} pj_vec __attribute__((vector_size({self.vector_bytes})));"]
+        if c.kernel.work * c.kk >= self.omp_min_work:
+            lines.append(f"  #pragma omp parallel for collapse({len(loops)}) schedule(static)")
+        depth = 1
+        for v, n in loops:
+            lines.append(f"{'  ' * depth}for (int64_t {v} = 0; {v} < {n}; ++{v}) {{")
+            depth += 1
+        p = "  " * depth
+        lines.append(f"{p}const int64_t pj_i0 = pj_ti * {mr}, pj_j0 = pj_tj * {nr};")
+        # (rows, full vectors, lanes of a masked last vector) of each kind of tile that occurs
+        row_kinds = [(f"pj_ti < {full_i}", mr)] if full_i else []
+        row_kinds += [("1", rows_left)] if rows_left else []
+        col_kinds = [(f"pj_tj < {full_j}", self.nv, 0)] if full_j else []
+        col_kinds += [("1", *divmod(cols_left, lanes))] if cols_left else []
+        branches = [(" && ".join(x for x in (ri, cj) if x != "1") or "1", rows, vecs, tail)
+                    for ri, rows in row_kinds for cj, vecs, tail in col_kinds]
+        for n, (cond, rows, vecs, tail) in enumerate(branches):
+            if len(branches) == 1:
+                opener = "{"
+            elif n == 0:
+                opener = f"if ({cond}) {{"
+            else:
+                opener = "} else {" if n == len(branches) - 1 else f"}} else if ({cond}) {{"
+            lines.append(p + opener)
+            lines += [f"{p}  {ln}" for ln in self._tile(em, c, names, rows, vecs, tail, lanes)]
+        lines.append(f"{p}}}")
+        for d in range(depth - 1, 0, -1):
+            lines.append(f"{'  ' * d}}}")
+        return lines
+
+    def _tile(self, em: Emitter, c: Contraction, names: Names, rows: int, vecs: int, tail: int,
+              lanes: int) -> list[str]:
+        """One tile at (pj_i0, pj_j0): ``rows`` x (``vecs`` vectors + one of ``tail`` lanes)."""
+        dt = c.reduce.node.dtype
+        t, suffix = self.type_name(dt), _VEC_SUFFIX[dt]
+        i, j, k = names.var(c.i), names.var(c.j), names.var(c.k)
+        out = f"{names.buffer(c.reduce.node)}[{em.index(c.reduce.index)}]"
+        x, y = em.expr(c.x), em.expr(c.y)
+        nvt = vecs + (tail > 0)
+
+        def load(dst: str, src: str, v: int) -> str:
+            if tail and v == vecs:
+                return f"{dst} = pj_load_tail_{suffix}(&{src}, {tail});"
+            return f"__builtin_memcpy(&{dst}, &{src}, sizeof(pj_vec));"
+
+        def store(dst: str, src: str, v: int) -> str:
+            if tail and v == vecs:
+                return f"pj_store_tail_{suffix}(&{dst}, {src}, {tail});"
+            return f"__builtin_memcpy(&{dst}, &{src}, sizeof(pj_vec));"
+
+        lines = [f"pj_vec acc[{rows}][{nvt}];"]
+        for r in range(rows):
+            for v in range(nvt):
+                if c.reduce.init is not None:
+                    lines.append(f"acc[{r}][{v}] = (pj_vec){{0}};")
+                else:
+                    lines += ["{", f"  const int64_t {i} = pj_i0 + {r}, {j} = pj_j0 + {v * lanes};",
+                              f"  {load(f'acc[{r}][{v}]', out, v)}", "}"]
+        lines += [f"for (int64_t {k} = 0; {k} < {c.kk}; ++{k}) {{", f"  pj_vec bv[{nvt}];"]
+        for v in range(nvt):
+            lines += ["  {", f"    const int64_t {j} = pj_j0 + {v * lanes};", f"    {load(f'bv[{v}]', y, v)}", "  }"]
+        for r in range(rows):
+            lines += ["  {", f"    const int64_t {i} = pj_i0 + {r};", f"    const {t} pj_a = {x};"]
+            lines += [f"    acc[{r}][{v}] += pj_a * bv[{v}];" for v in range(nvt)]
+            lines.append("  }")
+        lines.append("}")
+        for r in range(rows):
+            for v in range(nvt):
+                lines += ["{", f"  const int64_t {i} = pj_i0 + {r}, {j} = pj_j0 + {v * lanes};",
+                          f"  {store(out, f'acc[{r}][{v}]', v)}", "}"]
+        return lines
+
+
+def _column_reduction(kernel: Kernel) -> Reduce | None:
+    """A reduction whose innermost output axis is contiguous in the output and in what it
+    reads, while the reduced axes are strided (``x.sum(axis=0)``): the plain loop would
+    walk a column per output."""
+    r = kernel.body
+    if not isinstance(r, Reduce) or not kernel.parallel or kernel.parallel[-1][1] < 4:
+        return None
+    j = kernel.parallel[-1][0]
+    loads = [e for e in walk_exprs(r) if isinstance(e, Load)]
+    if r.index.coeff(j) != 1 or any(ld.node is r.node or ld.index.coeff(j) not in (0, 1) for ld in loads):
+        return None
+    reduced = {sym for sym, _ in r.loops}
+    return r if any(ld.index.coeff(j) == 1 and any(ld.index.coeff(s) for s in reduced) for ld in loads) else None

@@ -441,6 +441,10 @@ def _matmuls() -> list[Program]:
         (dtypes.float32, (13, 17, 11)),
         (dtypes.float32, (24, 9, 64)),  # full register tiles
         (dtypes.float32, (50, 31, 37)),  # full and edge tiles
+        (dtypes.float32, (5, 33, 20)),  # fewer rows than a tile; a vector and a few lanes
+        (dtypes.float32, (7, 12, 48)),  # whole vectors past the last whole tile
+        (dtypes.float32, (256, 16, 10)),  # a classifier head: every tile is narrow
+        (dtypes.float64, (11, 6, 24)),
         (dtypes.float64, (13, 17, 37)),
         (dtypes.int32, (7, 5, 9)),
         (dtypes.int64, (12, 20, 33)),

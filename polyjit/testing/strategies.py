@@ -5,6 +5,9 @@
   lowering, or stored when a node is read twice);
 - :func:`einsum_programs`: random einsum specs (transposes, reductions, products)
   with each AccumOp, with and without ``init_neutral``;
+- :func:`matmul_programs`: matmul-shaped einsums of sizes that cut register and
+  work-group tiles at every edge (rows, whole vectors, lanes), with transposed
+  operands, a batch axis, and accumulation onto what the context holds;
 - :func:`affine_programs`: random affine projections (offsets, strides, reversed
   axes, fixed indices, diagonals, non-injective and non-surjective writes).
 
@@ -36,6 +39,7 @@ __all__ = [
     "describe",
     "einsum_programs",
     "elementwise_programs",
+    "matmul_programs",
     "programs",
     "shapes",
 ]
@@ -447,6 +451,33 @@ def einsum_programs(draw: st.DrawFn) -> Program:
                                        f"dtype={dt} extents={extents}\n" + describe(p.comps))
 
 
+@st.composite
+def matmul_programs(draw: st.DrawFn) -> Program:
+    """``[b]ik,[b]kj->[b]ij`` (operands possibly stored transposed) with m, k, n up to 70:
+    enough to cross the CPU's 6-row x 2-vector tiles and the GPUs' 16..64-wide tiles."""
+    m, k, n = (draw(st.integers(1, 70)) for _ in range(3))
+    batch = draw(st.sampled_from(["", "b"]))
+    a_spec = batch + draw(st.sampled_from(["ik", "ki"]))
+    b_spec = draw(st.sampled_from([batch, ""])) + draw(st.sampled_from(["kj", "jk"]))
+    extents = {"b": draw(st.integers(1, 3)), "i": m, "k": k, "j": n}
+    dt = draw(st.sampled_from([dtypes.float32, dtypes.float64]))
+    init_neutral = draw(st.booleans())
+    a = Node("a", tuple(extents[c] for c in a_spec), dt)
+    b = Node("b", tuple(extents[c] for c in b_spec), dt)
+    out = Node("out", tuple(extents[c] for c in batch + "ij"), dt)
+    inputs: list[tuple[Node, Gen]] = [(a, _input_gen(dt, a.shape, -2.0, 2.0, False)),
+                                      (b, _input_gen(dt, b.shape, -2.0, 2.0, False))]
+    if not init_neutral:
+        inputs.append((out, _input_gen(dt, out.shape, -2.0, 2.0, False)))
+    spec = f"{a_spec},{b_spec}->{batch}ij"
+    acc = ir.einsum(spec, a, b, into=out, init_neutral=init_neutral)
+    eps = _EPS[dt]
+    p = Program(f"hypothesis.matmul[{spec}]", (ir.Comp.of(acc),), tuple(inputs), (out,),
+                rtol=4 * eps, atol=4 * eps * (k + 2) * (4 * k + 2))
+    return attrs.evolve(p, description=f"  matmul {spec!r} init_neutral={init_neutral} dtype={dt} "
+                                       f"extents={extents}\n" + describe(p.comps))
+
+
 # ---------------------------------------------------------------------------
 # Affine projections
 
@@ -503,4 +534,4 @@ def affine_programs(draw: st.DrawFn) -> Program:
 
 def programs() -> st.SearchStrategy[Program]:
     """Any of the random program strategies."""
-    return st.one_of(elementwise_programs(), einsum_programs(), affine_programs())
+    return st.one_of(elementwise_programs(), einsum_programs(), matmul_programs(), affine_programs())

@@ -365,6 +365,12 @@ def check_random_einsum_programs(backend: Backend) -> None:
 
 
 @_register()
+def check_random_matmul_programs(backend: Backend) -> None:
+    """Hypothesis: matmuls of sizes that cut every kind of tile edge match the reference."""
+    _hypothesis_check(backend, "matmul_programs")
+
+
+@_register()
 def check_random_affine_programs(backend: Backend) -> None:
     """Hypothesis: random affine projections (strides, offsets, repeated writes) match the reference."""
     _hypothesis_check(backend, "affine_programs")
