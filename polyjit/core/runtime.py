@@ -623,8 +623,13 @@ class Context:
         self.device.tracker.after_write(loc, self.stream.record())
         return True
 
-    def to_host(self, node: Node, array: np.ndarray) -> bool:
-        """Copy the node's buffer into ``array`` (blocking); returns False if the node has none."""
+    def to_host(self, node: Node, array: np.ndarray, *, blocking: bool = True) -> bool:
+        """Copy the node's buffer into ``array``; returns False if the node has none.
+
+        ``blocking=False`` (like pyopencl's ``is_blocking=False``) only enqueues the copy:
+        ``array`` holds the value once the stream gets past this point
+        (``stream.synchronize()``), which lets a caller fetch several outputs with one wait.
+        """
         self.check_alive()
         self._host_array(node, array, "to_host")
         loc = self.buffers.get(node)
@@ -636,7 +641,8 @@ class Context:
         self.device.driver.copy_to_host(self.stream.handle, self.device.pool_handle(loc.pool_id), loc.offset, array)
         ev = self.stream.record()
         self.device.tracker.after_read(loc, ev)
-        ev.sync()
+        if blocking:
+            ev.sync()
         return True
 
     def read(self, node: Node) -> np.ndarray:

@@ -1,9 +1,7 @@
 """Host staging for plans: feeding inputs and fetching outputs without allocating per run.
 
-``Context.to_host`` blocks; a pipelined run needs the device-to-host copies
-enqueued, with one sync at the end, so :func:`enqueue_to_host` does what
-``to_host`` does minus the wait (through the same device tracker, so the copy
-still waits on the device side for the node's last writer).
+A pipelined run enqueues its device-to-host copies (``to_host(...,
+blocking=False)``) and waits once at the end.
 """
 
 from __future__ import annotations
@@ -31,13 +29,8 @@ def enqueue_to_host(ctx: Context, node: Node, array: Array) -> None:
     The array must stay untouched until the stream has passed this point
     (``ctx.stream.synchronize()``).
     """
-    loc = ctx.buffers.get(node)
-    if loc is None:
+    if not ctx.to_host(node, array, blocking=False):
         raise NodeNotInContextError(f"{node.label} has no buffer in {ctx!r}")
-    dev, stream = ctx.device, ctx.stream
-    dev.tracker.before_read(loc, stream)
-    dev.driver.copy_to_host(stream.handle, dev.pool_handle(loc.pool_id), loc.offset, array)
-    dev.tracker.after_read(loc, stream.record())
 
 
 class Feed:

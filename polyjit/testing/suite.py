@@ -250,7 +250,7 @@ def _random(dt: dtypes.DType, shape: tuple[int, ...], rng: np.random.Generator) 
 
 @_register()
 def check_host_round_trips(backend: Backend) -> None:
-    """init_from_host / from_host / to_host / read for every dtype, 0-d and empty shapes."""
+    """init_from_host / from_host / to_host (blocking or not) / read for every dtype, 0-d and empty shapes."""
     _require_devices(backend, 1)
     dev = backend.get_device(0)
     rng = np.random.default_rng(2)
@@ -271,6 +271,13 @@ def check_host_round_trips(backend: Backend) -> None:
                 if ctx.to_host(node, out) is not True:
                     raise AssertionError(f"to_host of a node with a buffer must return True ({label})")
                 _assert_equal(f"to_host after from_host, {label}", out, second)
+                # a non-blocking to_host holds the value once the stream is past it
+                third, late = _random(dt, shape, rng), np.empty(shape, dt.np)
+                ctx.from_host(node, third)
+                if ctx.to_host(node, late, blocking=False) is not True:
+                    raise AssertionError(f"a non-blocking to_host must return True ({label})")
+                ctx.stream.synchronize()
+                _assert_equal(f"to_host(blocking=False) after a sync, {label}", late, third)
                 # a non-contiguous source array is accepted (copied)
                 if len(shape) >= 1 and shape[0] > 1 and np.prod(shape) > 0:
                     wide = _random(dt, (shape[0] * 2, *shape[1:]), rng)
