@@ -141,3 +141,44 @@ def test_narrow_matmuls_and_column_sums_stay_vectorized() -> None:
         in_order += row
     np.testing.assert_array_equal(colsum.context.read(col), in_order)
     ctx.finalize()
+
+
+def _ulps(got: np.ndarray, exact: np.ndarray) -> float:
+    """Largest error in float32 ulps of the exact value, over exact values float32 can hold."""
+    held = np.isfinite(exact) & (np.abs(exact) < np.finfo(np.float32).max)
+    got, exact = got[held].astype(np.float64), exact[held]
+    spacing = np.spacing(np.abs(exact).astype(np.float32)).astype(np.float64)
+    return float((np.abs(got - exact) / spacing).max())
+
+
+def test_vectorized_float32_exp_and_tanh_are_within_two_ulps() -> None:
+    """The C dialect's own float32 exp/tanh (libm's vectorize no loop): ulps against float64
+    numpy, and the special values libm gives."""
+    backend = get_backend("cpu")
+    n = 1 << 18
+    x, t, e = ir.Node("x", (n,)), ir.Node("t", (n,)), ir.Node("e", (n,))
+    code = backend.compile_batch([ir.Comp.of(ir.apply(ir.Op.TANH, x, into=t)),
+                                  ir.Comp.of(ir.apply(ir.Op.EXP, x, into=e))], names=["tanh32", "exp32"])
+    assert "pj_tanh_f32(" in code.source.text and "pj_exp_f32(" in code.source.text
+    rng = np.random.default_rng(11)
+    special = [np.nan, np.inf, -np.inf, 0.0, -0.0, 88.8, -88.0, -120.0, 1e-30, 0.55, -0.55, 9.5]
+    xv = np.concatenate([special, rng.uniform(-110, 90, n // 2 - len(special)), rng.uniform(-2, 2, n // 2)])
+    xv = xv.astype(np.float32)
+    ctx = backend.get_device(0).make_context().init_from_host(x, xv)
+    th, ex = ctx.link_batch(code)
+    th.run()
+    ex.run()
+    got_t, got_e = th.context.read(t), th.context.read(e)
+    with np.errstate(over="ignore"):
+        exact_t, exact_e = np.tanh(xv.astype(np.float64)), np.exp(xv.astype(np.float64))
+    assert _ulps(got_t, exact_t) <= 2.0
+    normal = exact_e >= np.finfo(np.float32).tiny
+    assert _ulps(got_e[normal], exact_e[normal]) <= 1.0
+    tiny = exact_e < np.finfo(np.float32).tiny  # subnormal or zero results (not NaN)
+    assert np.abs(got_e[tiny] - exact_e[tiny]).max() <= 2 * np.finfo(np.float32).smallest_subnormal
+    np.testing.assert_array_equal(got_t[:8], exact_t[:8].astype(np.float32))  # nan, +-1, +-0, -1
+    assert np.signbit(got_t[4]) and not np.signbit(got_t[3])
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(got_e[:5], np.exp(xv[:5]))
+        assert np.isinf(got_e[5]) and got_e[7] == 0.0
+    ctx.finalize()
