@@ -12,40 +12,16 @@ import argparse
 import ctypes
 import json
 import platform
-import statistics
-import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
+from common import linked_matmul
+from timing import best_of, best_of_each, median_ns
 
 from polyjit.backends import get_backend
 from polyjit.backends.cpu import cpu_model
 from polyjit.core import ir
 from polyjit.demo import chain_program
-
-
-def best_of(fn: Callable[[], Any], repeat: int = 10, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
-def median_ns(fn: Callable[[], Any], n: int = 20000) -> float:
-    for _ in range(2000):
-        fn()
-    samples = []
-    clock = time.perf_counter_ns
-    for _ in range(n):
-        t0 = clock()
-        fn()
-        samples.append(clock() - t0)
-    return float(statistics.median(samples))
 
 
 def bench_chain(n: int) -> dict[str, float]:
@@ -64,14 +40,8 @@ def bench_chain(n: int) -> dict[str, float]:
     src, dst = ir.Node("src", (n,)), ir.Node("dst", (n,))
     copy_ctx = dev.make_context().init_from_host(src, host[inputs[0]])
     copy = copy_ctx.link(backend.compile(ir.Comp.of(ir.apply(ir.Op.ID, src, into=dst)), name="bench_copy"))
-    t_copy_pj = best_of(lambda: (copy.run(), copy.context.stream.synchronize()))
     a, b, c, d, e = (host[node] for node in inputs)
-    y = np.empty_like(a)
-    t_copy_np = best_of(lambda: np.copyto(y, a))
-    copy_bw = 2 * a.nbytes / min(t_copy_pj, t_copy_np)
-
-    t_pj = best_of(lambda: (routine.run(), stream.synchronize()))
-    tmp = np.empty_like(a)
+    y, tmp = np.empty_like(a), np.empty_like(a)
 
     def numpy_chain() -> None:
         np.multiply(a, b, out=y)
@@ -79,7 +49,12 @@ def bench_chain(n: int) -> dict[str, float]:
         np.add(y, tmp, out=y)
         np.subtract(y, e, out=y)
 
-    t_np = best_of(numpy_chain)
+    # in turns: the VM's memory bandwidth drifts, and the targets are ratios
+    t = best_of_each({"chain": lambda: (routine.run(), stream.synchronize()), "numpy_chain": numpy_chain,
+                      "copy": lambda: (copy.run(), copy.context.stream.synchronize()),
+                      "numpy_copy": lambda: np.copyto(y, a)})
+    t_pj, t_np = t["chain"], t["numpy_chain"]
+    copy_bw = 2 * a.nbytes / min(t["copy"], t["numpy_copy"])
     chain_bw = 6 * a.nbytes / t_pj
     copy.context.finalize()
     routine.context.finalize()
@@ -120,16 +95,10 @@ def bench_launch() -> dict[str, float]:
 
 
 def bench_matmul(m: int) -> dict[str, float]:
-    backend = get_backend("cpu")
-    a, b, c = ir.Node("a", (m, m)), ir.Node("b", (m, m)), ir.Node("c", (m, m))
-    code = backend.compile(ir.Comp.of(ir.einsum("ik,kj->ij", a, b, into=c)), name="bench_matmul")
-    rng = np.random.default_rng(0)
-    xa, xb = rng.random((m, m), dtype=np.float32), rng.random((m, m), dtype=np.float32)
-    ctx = backend.get_device(0).make_context().init_from_host(a, xa).init_from_host(b, xb)
-    routine = ctx.link(code)
+    routine, xa, xb, c = linked_matmul("cpu", m)
     stream = routine.context.stream
-    t_pj = best_of(lambda: (routine.run(), stream.synchronize()), repeat=5)
-    t_np = best_of(lambda: xa @ xb, repeat=5)
+    t = best_of_each({"polyjit": lambda: (routine.run(), stream.synchronize()), "numpy": lambda: xa @ xb}, repeat=5)
+    t_pj, t_np = t["polyjit"], t["numpy"]
     err = float(np.abs(routine.context.read(c) - xa @ xb).max() / np.abs(xa @ xb).max())
     routine.context.finalize()
     flops = 2 * m**3

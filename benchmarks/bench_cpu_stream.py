@@ -12,9 +12,9 @@ from __future__ import annotations
 import ctypes
 import statistics
 import time
-from collections.abc import Callable
 
 import numpy as np
+from timing import median_ns, median_per_call
 
 from polyjit.backends.cc import build_shared
 from polyjit.backends.cpu_native import load_runtime
@@ -26,28 +26,6 @@ void tiny(void* const* b, const int64_t* s) {
     for (int64_t i = 0; i < 4; i++) x[i] += (float)s[0];
 }
 """
-
-
-def _median_us(fn: Callable[[], object], *, reps: int, rounds: int) -> float:
-    """Median over rounds of the mean time of one call in a round of ``reps`` calls."""
-    samples: list[float] = []
-    for _ in range(rounds):
-        t0 = time.perf_counter_ns()
-        for _ in range(reps):
-            fn()
-        samples.append((time.perf_counter_ns() - t0) / reps / 1e3)
-    return statistics.median(samples)
-
-
-def _median_single_us(fn: Callable[[], object], *, reps: int) -> float:
-    """Median of individually timed calls (shows latency, not throughput)."""
-    samples = []
-    clock = time.perf_counter_ns
-    for _ in range(reps):
-        t0 = clock()
-        fn()
-        samples.append(clock() - t0)
-    return statistics.median(samples) / 1e3
 
 
 def measure_launch_overhead(reps: int = 2000, rounds: int = 15) -> dict[str, float]:
@@ -83,13 +61,14 @@ def measure_launch_overhead(reps: int = 2000, rounds: int = 15) -> dict[str, flo
 
     try:
         for f in (bare, streamed, streamed_raw):  # warm up caches, the worker, predictors
-            _median_us(f, reps=reps, rounds=2)
-        bare_us = _median_us(bare, reps=reps, rounds=rounds)
-        stream_us = _median_us(streamed, reps=reps, rounds=rounds)
-        raw_us = _median_us(streamed_raw, reps=reps, rounds=rounds)
-        bare_single = _median_single_us(bare, reps=reps * 5)
-        stream_single = _median_single_us(streamed, reps=reps * 5)
-        enq_us = _median_us(enqueue_only, reps=min(reps, 1000), rounds=rounds)
+            median_per_call(f, reps=reps, rounds=2, warmup=0)
+        # Throughput: median over rounds of the mean call in a round; latency: single calls.
+        bare_us = median_per_call(bare, reps=reps, rounds=rounds, warmup=0) * 1e6
+        stream_us = median_per_call(streamed, reps=reps, rounds=rounds, warmup=0) * 1e6
+        raw_us = median_per_call(streamed_raw, reps=reps, rounds=rounds, warmup=0) * 1e6
+        bare_single = median_ns(bare, reps * 5, warmup=0) / 1e3
+        stream_single = median_ns(streamed, reps * 5, warmup=0) / 1e3
+        enq_us = median_per_call(enqueue_only, reps=min(reps, 1000), rounds=rounds, warmup=0) * 1e6
         sync(stream, rt.last_ticket(stream))
         # One launch after the worker has fallen asleep: the cold wake-up path.
         cold: list[float] = []

@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from timing import median_per_call
 
 from polyjit import device_to_device
 from polyjit.backends import cuda
@@ -41,20 +39,6 @@ def _cupy() -> Any:
         return cupy
     except Exception:
         return None
-
-
-def _time(fn: Callable[[], object], sync: Callable[[], object], *, reps: int, rounds: int = 5) -> float:
-    """Median over rounds of the seconds per call of ``reps`` calls followed by one sync."""
-    fn()
-    sync()
-    samples = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        sync()
-        samples.append((time.perf_counter() - t0) / reps)
-    return statistics.median(samples)
 
 
 def _line(name: str, value: float, unit: str, ref: float | None = None, ref_name: str = "") -> Result:
@@ -90,17 +74,17 @@ def bench_bandwidth(backend: cuda.CudaBackend, cp: Any, n: int) -> list[Result]:
         drv._use(0)
         cu.cuMemcpyDtoDAsync(dst_ptr, src_ptr, n * 4, stream.handle)
 
-    t_copy = _time(memcpy, sync, reps=20)
+    t_copy = median_per_call(memcpy, sync, reps=20)
     copy_bw = nbytes / t_copy / 1e9
     out.append(_line("cuMemcpyDtoDAsync", copy_bw, "GB/s"))
-    out.append(_line("elementwise y = 2 x", nbytes / _time(scale.run, sync, reps=20) / 1e9, "GB/s",
-                     copy_bw, "memcpy"))
-    out.append(_line("fused chain z = tanh(1.5 x + 0.25)", nbytes / _time(chain.run, sync, reps=20) / 1e9, "GB/s",
-                     copy_bw, "memcpy"))
+    out.append(_line("elementwise y = 2 x", nbytes / median_per_call(scale.run, sync, reps=20) / 1e9,
+                     "GB/s", copy_bw, "memcpy"))
+    out.append(_line("fused chain z = tanh(1.5 x + 0.25)",
+                     nbytes / median_per_call(chain.run, sync, reps=20) / 1e9, "GB/s", copy_bw, "memcpy"))
     if cp is not None:
         cx = cp.asarray(host)
-        out.append(_line("cupy y = 2 x", nbytes / _time(lambda: cx * 2.0, cp.cuda.Device().synchronize, reps=20)
-                         / 1e9, "GB/s"))
+        t_cupy = median_per_call(lambda: cx * 2.0, cp.cuda.Device().synchronize, reps=20)
+        out.append(_line("cupy y = 2 x", nbytes / t_cupy / 1e9, "GB/s"))
     for c in (chain.context, scale.context, ctx):
         c.finalize()
     return out
@@ -115,18 +99,18 @@ def bench_launch(backend: cuda.CudaBackend, cp: Any, reps: int) -> list[Result]:
     r = ctx.link(code)
     sync = ctx.stream.synchronize
     out: list[Result] = []
-    t_run = _time(r.run, sync, reps=reps) * 1e6
+    t_run = median_per_call(r.run, sync, reps=reps) * 1e6
     prepared = r._prepared
     drv = backend.driver
     stream = ctx.stream.handle
-    t_bare = _time(lambda: drv.launch(stream, prepared, ()), sync, reps=reps) * 1e6
+    t_bare = median_per_call(lambda: drv.launch(stream, prepared, ()), sync, reps=reps) * 1e6
     ref = None
     if cp is not None:
         spec = code.batch.source.all_kernels[0]
         kern = cp.RawKernel(code.source, spec.name, options=("--std=c++17",))
         ca, cb = cp.ones(1, cp.float32), cp.zeros(1, cp.float32)
         grid, block = cuda.grid_and_block(spec.launch)
-        ref = _time(lambda: kern(grid, block, (cb, ca)), cp.cuda.Device().synchronize, reps=reps) * 1e6
+        ref = median_per_call(lambda: kern(grid, block, (cb, ca)), cp.cuda.Device().synchronize, reps=reps) * 1e6
     out.append(_line("Routine.run()", t_run, "us", ref, "cupy RawKernel"))
     out.append(_line("driver.launch (cuLaunchKernel, prepared args)", t_bare, "us", ref, "cupy RawKernel"))
     r.context.finalize()
@@ -147,9 +131,9 @@ def bench_graph(backend: cuda.CudaBackend, kernels: int, reps: int) -> list[Resu
         for r in routines:
             r.run()
 
-    t_runs = _time(run_all, sync, reps=max(1, reps // kernels)) / kernels * 1e6
+    t_runs = median_per_call(run_all, sync, reps=max(1, reps // kernels)) / kernels * 1e6
     plan = cuda.capture(routines)
-    t_replay = _time(plan.replay, sync, reps=max(1, reps // kernels)) / kernels * 1e6
+    t_replay = median_per_call(plan.replay, sync, reps=max(1, reps // kernels)) / kernels * 1e6
     want = np.full(1024, float(kernels), np.float32)
     got = routines[-1].context.read(nodes[-1])
     assert np.array_equal(got, want), "graph replay computed a wrong result"
@@ -169,11 +153,12 @@ def bench_matmul(backend: cuda.CudaBackend, cp: Any, n: int) -> list[Result]:
     ctx = dev.make_context().init_from_host(a, ha).init_from_host(b, hb)
     r = ctx.link(backend.compile(ir.Comp.of(ir.einsum("ik,kj->ij", a, b, into=c)), name="matmul"))
     flops = 2.0 * n**3
-    t = _time(r.run, ctx.stream.synchronize, reps=5, rounds=3)
+    t = median_per_call(r.run, ctx.stream.synchronize, reps=5, rounds=3)
     ref = None
     if cp is not None:
         ca, cb = cp.asarray(ha), cp.asarray(hb)
-        ref = flops / _time(lambda: cp.matmul(ca, cb), cp.cuda.Device().synchronize, reps=5, rounds=3) / 1e12
+        t_ref = median_per_call(lambda: cp.matmul(ca, cb), cp.cuda.Device().synchronize, reps=5, rounds=3)
+        ref = flops / t_ref / 1e12
     got = r.context.read(c)
     rows = slice(0, 64)
     err = float(np.max(np.abs(got[rows] - ha[rows].astype(np.float64) @ hb)))
@@ -195,7 +180,7 @@ def bench_copy(backend: cuda.CudaBackend, nbytes: int) -> list[Result]:
     routine = device_to_device(x, dst=c1, src=c0)
     assert routine is not None
     sync = c1.stream.synchronize
-    t = _time(routine.run, sync, reps=5)
+    t = median_per_call(routine.run, sync, reps=5)
     drv, cu = backend.driver, cuda._cu()
     sloc, dloc = c0.buffers[x], c1.buffers[x]
     sptr = d0.pool_handle(sloc.pool_id).ptr + sloc.offset
@@ -206,7 +191,7 @@ def bench_copy(backend: cuda.CudaBackend, nbytes: int) -> list[Result]:
         drv._use(d1.ordinal)
         cu.cuMemcpyPeerAsync(dptr, drv._ctx(d1.ordinal), sptr, drv._ctx(d0.ordinal), nbytes, stream.handle)
 
-    t_peer = _time(peer, sync, reps=5)
+    t_peer = median_per_call(peer, sync, reps=5)
     out = [_line("device_to_device routine", nbytes / t / 1e9, "GB/s", nbytes / t_peer / 1e9, "cuMemcpyPeerAsync")]
     c1.finalize()
     c0.finalize()

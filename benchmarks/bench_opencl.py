@@ -20,42 +20,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+from common import linked_matmul
+from timing import best_of, best_of_each
 
 Report = Callable[[str, float, str], None]
 
 
 def print_report(name: str, value: float, unit: str) -> None:
     print(f"  {name:40s} {value:12.3f} {unit}", flush=True)
-
-
-def best_of(fn: Callable[[], Any], repeat: int = 10, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def best_of_pair(f: Callable[[], Any], g: Callable[[], Any], repeat: int = 10) -> tuple[float, float]:
-    """The best times of f and of g, run alternately so that both see the same machine load."""
-    f(), g()
-    tf = tg = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        f()
-        t1 = time.perf_counter()
-        g()
-        t2 = time.perf_counter()
-        tf, tg = min(tf, t1 - t0), min(tg, t2 - t1)
-    return tf, tg
 
 
 def _queue_of(routine: Any) -> Any:
@@ -129,7 +105,8 @@ def bench_elementwise(report: Report, n: int = 1 << 24, repeat: int = 30) -> dic
         def hand_run(queue: Any = queue, kernel: Any = kernel) -> None:
             cl.enqueue_nd_range_kernel(queue, kernel, (n,), None).wait()
 
-        t_pj, t_hand = best_of_pair(polyjit_run, hand_run, repeat)
+        t = best_of_each({"polyjit": polyjit_run, "hand": hand_run}, repeat)
+        t_pj, t_hand = t["polyjit"], t["hand"]
         want = np.empty(n, np.float32)
         cl.enqueue_copy(queue, want, res)
         got = routine.context.read(out)
@@ -162,16 +139,7 @@ __kernel void naive(__global const float* a, __global const float* b, __global f
 def bench_matmul(report: Report, m: int = 1024, repeat: int = 5) -> dict[str, float]:
     import pyopencl as cl
 
-    from polyjit.backends import get_backend
-    from polyjit.core import ir
-
-    backend = get_backend("opencl")
-    a, b, c = ir.Node("a", (m, m)), ir.Node("b", (m, m)), ir.Node("c", (m, m))
-    code = backend.compile(ir.Comp.of(ir.einsum("ik,kj->ij", a, b, into=c)), name="bench_matmul")
-    rng = np.random.default_rng(0)
-    xa, xb = rng.random((m, m), dtype=np.float32), rng.random((m, m), dtype=np.float32)
-    ctx = backend.get_device(0).make_context().init_from_host(a, xa).init_from_host(b, xb)
-    routine = ctx.link(code)
+    routine, xa, xb, c = linked_matmul("opencl", m)
     stream = routine.context.stream
     def polyjit_run() -> None:
         routine.run()
@@ -242,7 +210,8 @@ def bench_launch(report: Report, calls: int = 500, rounds: int = 40) -> dict[str
         queue.finish()
 
     # Many short rounds, alternating: the minimum of each is the least disturbed.
-    t_pj, t_bare = best_of_pair(polyjit, bare, rounds)
+    t = best_of_each({"polyjit": polyjit, "bare": bare}, rounds)
+    t_pj, t_bare = t["polyjit"], t["bare"]
     routine.context.finalize()
     out = {"bare_enqueue_us": t_bare / calls * 1e6, "routine_run_us": t_pj / calls * 1e6,
            "ratio": t_pj / t_bare}
@@ -288,7 +257,8 @@ def bench_d2d(report: Report, nbytes: int = 64 << 20, repeat: int = 20) -> dict[
     def bare_copy() -> None:
         cl.enqueue_copy(queue, dbuf, sbuf, byte_count=nbytes).wait()
 
-    t_pj, t_cl = best_of_pair(polyjit_copy, bare_copy, repeat)
+    t = best_of_each({"polyjit": polyjit_copy, "bare": bare_copy}, repeat)
+    t_pj, t_cl = t["polyjit"], t["bare"]
     dst.finalize()
     src.finalize()
     out = {"polyjit_GBs": nbytes / t_pj / 1e9, "enqueue_copy_GBs": nbytes / t_cl / 1e9,

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from timing import best_of
 
 from polyjit import tensor as pt
 from polyjit.backends import get_backend
@@ -224,16 +225,14 @@ def concurrent_scaling(dp: pt.DataParallel, repeats: int = 20) -> float:
     """How much faster two devices get through their compute routines together than one after
     the other: 2.0 on independent cores; less where the cores share execution units."""
     def seconds(replicas: list[Any]) -> float:
-        best = float("inf")
-        for _ in range(5):
-            t0 = time.perf_counter()
+        def block() -> None:
             for _ in range(repeats):
                 for rep in replicas:
                     rep.compute.run()
                 for rep in replicas:
                     rep.linked.stream.synchronize()
-            best = min(best, (time.perf_counter() - t0) / repeats)
-        return best
+
+        return best_of(block, repeat=5, warmup=0) / repeats
 
     alone = sum(seconds([rep]) for rep in dp.replicas)
     return alone / seconds(dp.replicas)

@@ -74,6 +74,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"no benchmark suite {args.suite!r} at {path} (benchmarks live in the source checkout)",
               file=sys.stderr)
         return 2
+    if str(path.parent) not in sys.path:  # the suites import their shared helpers (timing.py, ...)
+        sys.path.insert(0, str(path.parent))
     spec = importlib.util.spec_from_file_location(f"polyjit_bench_{args.suite}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

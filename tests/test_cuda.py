@@ -934,10 +934,11 @@ def test_fake_driver_copies_across_streams_and_devices(fake_cuda: Any) -> None:
         ctx.finalize()
 
 
-def _bench_module() -> Any:
+def _bench_module(monkeypatch: pytest.MonkeyPatch) -> Any:
     import importlib.util
 
     path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_cuda.py"
+    monkeypatch.syspath_prepend(str(path.parent))  # as `polyjit bench` does: timing.py beside it
     spec = importlib.util.spec_from_file_location("bench_cuda", path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
@@ -953,8 +954,9 @@ def test_benchmark_without_a_gpu_says_why() -> None:
     assert "skipped, no CUDA device: disabled by POLYJIT_CUDA_DISABLE" in proc.stdout
 
 
-def test_benchmark_code_runs_on_the_fake_driver(fake_cuda: Any, capsys: pytest.CaptureFixture[str]) -> None:
-    bench = _bench_module()
+def test_benchmark_code_runs_on_the_fake_driver(fake_cuda: Any, capsys: pytest.CaptureFixture[str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    bench = _bench_module(monkeypatch)
     results = []
     results += bench.bench_bandwidth(fake_cuda, None, 4096)
     results += bench.bench_launch(fake_cuda, None, 3)

@@ -1,0 +1,33 @@
+"""Set-up shared by the benchmark suites in this folder (imported as ``common``, like
+``timing``)."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from polyjit.backends import get_backend
+from polyjit.core import ir
+from polyjit.core.runtime import Routine
+
+Array = np.ndarray[Any, Any]
+
+
+class Matmul(NamedTuple):
+    routine: Routine  # c = a @ b, linked on device 0
+    a: Array  # the host values of a and b
+    b: Array
+    c: ir.Node  # the output: routine.context.read(c)
+
+
+def linked_matmul(backend: str, m: int, name: str = "bench_matmul") -> Matmul:
+    """float32 ``c = a @ b`` through ``ir.einsum("ik,kj->ij")`` on random m x m inputs (seed 0),
+    compiled by the backend of that name and linked on its device 0."""
+    be = get_backend(backend)
+    a, b, c = ir.Node("a", (m, m)), ir.Node("b", (m, m)), ir.Node("c", (m, m))
+    code = be.compile(ir.Comp.of(ir.einsum("ik,kj->ij", a, b, into=c)), name=name)
+    rng = np.random.default_rng(0)
+    xa, xb = rng.random((m, m), dtype=np.float32), rng.random((m, m), dtype=np.float32)
+    ctx = be.get_device(0).make_context().init_from_host(a, xa).init_from_host(b, xb)
+    return Matmul(ctx.link(code), xa, xb, c)
