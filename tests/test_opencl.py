@@ -767,3 +767,43 @@ def test_benchmark_smoke(backend: Backend) -> None:
     assert bench_opencl.bench_launch(report, calls=20, rounds=2)["ratio"] > 0
     bench_opencl.bench_d2d(report, nbytes=1 << 16, repeat=2)
     assert len(seen) >= 14
+
+
+def _long_reductions() -> list[Any]:
+    """Few cells, long reductions: every AccumOp, integer and float, onto what the context
+    holds too (init_neutral=False), with and without a parallel nest."""
+    from polyjit.testing.programs import program, values
+
+    out = []
+    every = list(AccumOp)
+    for dt, accums in ((dtypes.float32, every), (dtypes.int32, every), (dtypes.float64, [AccumOp.ADD])):
+        for accum in accums:
+            kind = "unit" if accum is AccumOp.MUL else ("quarter" if dt.is_float else "any")
+            for spec, shape in (("i->", (3000,)), ("ij->i", (5, 1200)), ("ij->j", (900, 7)),
+                                ("ijk->j", (9, 3, 80))):
+                x = Node("x", shape, dt)
+                out_shape = tuple(n for c, n in zip(spec.split("->")[0], shape) if c in spec.split("->")[1])
+                o = Node("o", out_shape, dt)
+                for neutral in (True, False):
+                    inputs = [(x, values(dt, shape, kind))] + ([] if neutral else [(o, values(dt, out_shape, kind))])
+                    out.append(program(f"group.{dt}.{accum.value}.{spec}.{neutral}",
+                                       ir.einsum(spec, x, into=o, accum=accum, init_neutral=neutral),
+                                       inputs=inputs, outputs=[o], rtol=1e-4, atol=1e-4))
+    return out
+
+
+def test_group_reductions_match_the_reference() -> None:
+    """The work-group-per-cell reduction (core/group_reduce.py; the default on GPU platforms,
+    off on PoCL's CPU devices) forced on, against the reference interpreter."""
+    from polyjit.testing import run_programs
+
+    be = create_backend(group_reductions="on")
+    progs = _long_reductions()
+    x, o = Node("x", (4096,)), Node("o", ())
+    assert "pj_red[" in be.compile(ir.Comp.of(ir.einsum("i->", x, into=o)), name="g").source
+    failures = run_programs(be, progs)
+    assert not failures, "\n\n".join(str(f) for f in failures[:5])
+    # and the default on this platform of CPU devices: one work-item per cell
+    assert "pj_red[" not in create_backend().compile(ir.Comp.of(ir.einsum("i->", x, into=o)), name="g").source
+    with pytest.raises(ValueError, match="group_reductions"):
+        create_backend(group_reductions="sometimes")

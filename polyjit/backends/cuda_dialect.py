@@ -16,7 +16,8 @@ Each kernel gets one of four shapes, chosen from its sizes by :func:`plan_kernel
 ``block_reduce``
     few cells and a long reduction: one block per cell (grid-stride over cells),
     each thread accumulates a strided share of the reduction, then a tree in
-    shared memory with ``__syncthreads``.
+    shared memory with ``__syncthreads`` (``core/group_reduce.py``, shared with
+    the OpenCL dialect).
 ``matmul``
     a float32 ``Reduce`` with one ADD loop whose value is the product of two
     loads, one indexed by (m, k) and one by (k, n), over a parallel (m, n)
@@ -37,7 +38,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from polyjit.core import dtypes, ir
+from polyjit.core import dtypes, group_reduce, ir
 from polyjit.core.codegen import Dialect, Emitter, KernelSpec, LaunchConfig, Names
 from polyjit.core.dtypes import DType
 from polyjit.core.ir import Affine, StaticSymbol, Symbol
@@ -47,11 +48,6 @@ THREADS = 256  # threads per block of grid-stride and most block-reduce kernels
 MAX_BLOCKS = 1 << 16  # blocks of a 1-D launch in the configuration (the driver caps further)
 MAX_GRID_YZ = 65535
 
-# block_reduce: a reduction at least this long, over at most this many cells
-BLOCK_REDUCE_MIN_LENGTH = 512
-BLOCK_REDUCE_MAX_CELLS = 1 << 22
-# ... unless the cells are contiguous in memory and many: one thread per cell then coalesces
-THREAD_PER_CELL_MIN_CELLS = 4096
 # matmul: at least this many multiply-adds, and both output sides at least this long
 MATMUL_MIN_FLOPS = 1 << 18
 MATMUL_MIN_SIDE = 32
@@ -125,14 +121,6 @@ def _threads_for(work: int) -> int:
     return THREADS if work >= THREADS else max(32, _ceil_div(work, 32) * 32)
 
 
-def _loads(e: object) -> list[Load]:
-    if isinstance(e, Load):
-        return [e]
-    if isinstance(e, Call):
-        return [x for a in e.args for x in _loads(a)]
-    return []
-
-
 def _grid_plan(work: int) -> KernelPlan:
     threads = _threads_for(work)
     return KernelPlan("grid", threads, (max(1, min(_ceil_div(work, threads), MAX_BLOCKS)), 1, 1))
@@ -140,41 +128,20 @@ def _grid_plan(work: int) -> KernelPlan:
 
 def plan_kernel(kernel: Kernel) -> KernelPlan:
     """The shape and launch configuration of one kernel (see the module docstring)."""
-    if not kernel.parallel:
-        body = kernel.body
-        if isinstance(body, Reduce) and math.prod(n for _, n in body.loops) >= BLOCK_REDUCE_MIN_LENGTH:
-            return _block_reduce_plan(kernel, body)
-        return KernelPlan("single", 1, (1, 1, 1))
     body = kernel.body
-    if isinstance(body, Reduce):
+    if isinstance(body, Reduce) and kernel.parallel:
         mm = matmul_shape(kernel)
         if mm is not None:
             t = mm.tiles
             M, N, _, nb = mm.sizes
             return KernelPlan("matmul", t.threads, (_ceil_div(N, t.bn), _ceil_div(M, t.bm), nb), mm)
-        if _wants_block_reduce(kernel, body):
-            return _block_reduce_plan(kernel, body)
+    if group_reduce.wants_group_reduce(kernel):
+        assert isinstance(body, Reduce)
+        long_and_few = kernel.work <= 64 and group_reduce.reduction_length(body) >= 1 << 16
+        return KernelPlan("block_reduce", 1024 if long_and_few else THREADS, (group_reduce.group_count(kernel), 1, 1))
+    if not kernel.parallel:
+        return KernelPlan("single", 1, (1, 1, 1))
     return _grid_plan(kernel.work)
-
-
-def _wants_block_reduce(kernel: Kernel, r: Reduce) -> bool:
-    length = math.prod(n for _, n in r.loops)
-    cells = kernel.work
-    if length < BLOCK_REDUCE_MIN_LENGTH or cells > BLOCK_REDUCE_MAX_CELLS or not r.loops:
-        return False
-    inner_cell = kernel.parallel[-1][0]
-    inner_red = r.loops[-1][0]
-    loads = _loads(r.value)
-    cell_contiguous = any(ld.index.coeff(inner_cell) == 1 for ld in loads)
-    red_contiguous = any(ld.index.coeff(inner_red) == 1 for ld in loads)
-    return not (cell_contiguous and not red_contiguous and cells >= THREAD_PER_CELL_MIN_CELLS)
-
-
-def _block_reduce_plan(kernel: Kernel, r: Reduce) -> KernelPlan:
-    length = math.prod(n for _, n in r.loops)
-    cells = kernel.work  # 1 without a parallel nest
-    threads = 1024 if (cells <= 64 and length >= 1 << 16) else THREADS
-    return KernelPlan("block_reduce", threads, (max(1, min(cells, MAX_BLOCKS)), 1, 1))
 
 
 def _only(a: Affine, allowed: set[Symbol]) -> bool:
@@ -307,7 +274,7 @@ class CudaDialect(Dialect):
             return _emit_matmul(em, kernel, plan.matmul, names)
         if plan.kind == "block_reduce":
             assert isinstance(kernel.body, Reduce)
-            return _emit_block_reduce(em, kernel, kernel.body, names, plan.threads)
+            return group_reduce.emit_group_reduce(em, kernel, kernel.body, names, plan.threads, group_reduce.CUDA)
         if plan.kind == "single":
             return ["  if (blockIdx.x != 0 || threadIdx.x != 0) return;", *em.stmt(kernel.body, 1)]
         return _emit_grid(em, kernel, names)
@@ -322,68 +289,14 @@ class CudaDialect(Dialect):
 # Emission
 
 
-def _index_type(total: int) -> tuple[str, str]:
-    """The flat-index type and its literal suffix: 32-bit unsigned when it cannot overflow."""
-    return ("unsigned int", "u") if total < (1 << 31) else ("unsigned long long", "ull")
-
-
-def _decompose(flat: str, nest: Sequence[tuple[Symbol, int]], names: Names, suffix: str, pad: str) -> list[str]:
-    """``const long long iK = (flat / stride) % extent`` for each symbol of a row-major nest."""
-    out = []
-    stride = 1
-    strides = []
-    for _, n in reversed(nest):
-        strides.append(stride)
-        stride *= n
-    strides.reverse()
-    for pos, ((sym, n), st) in enumerate(zip(nest, strides)):
-        e = flat if st == 1 else f"({flat} / {st}{suffix})"
-        if pos > 0:
-            e = f"({e} % {n}{suffix})"
-        out.append(f"{pad}const long long {names.var(sym)} = (long long){e};")
-    return out
-
-
 def _emit_grid(em: Emitter, kernel: Kernel, names: Names) -> list[str]:
     work = kernel.work
-    ft, suf = _index_type(work + MAX_BLOCKS * THREADS)
+    ft, suf = group_reduce.index_type(work + MAX_BLOCKS * THREADS, group_reduce.CUDA)
     lines = [f"  for ({ft} pj_flat = ({ft})blockIdx.x * blockDim.x + threadIdx.x; pj_flat < {work}{suf}; "
              f"pj_flat += ({ft})gridDim.x * blockDim.x) {{"]
-    lines += _decompose("pj_flat", kernel.parallel, names, suf, "    ")
+    lines += group_reduce.decompose("pj_flat", kernel.parallel, names, suf, "    ", group_reduce.CUDA)
     lines += em.stmt(kernel.body, 2)
     lines.append("  }")
-    return lines
-
-
-def _emit_block_reduce(em: Emitter, kernel: Kernel, r: Reduce, names: Names, threads: int) -> list[str]:
-    t = em.d.type_name(r.node.dtype)
-    dt = r.node.dtype
-    cells = kernel.work  # 1 without a parallel nest, 0 for an empty one
-    length = math.prod(n for _, n in r.loops)
-    cft, csuf = _index_type(cells + MAX_BLOCKS)
-    rft, rsuf = _index_type(length + threads)
-    neutral = em.literal(r.accum.neutral(dt), dt)
-    target = f"{names.buffer(r.node)}[{em.index(r.index)}]"
-    start = target if r.init is None else em.expr(r.init)
-    lines = [f"  __shared__ {t} pj_red[{threads}];",
-             f"  for ({cft} pj_cell = blockIdx.x; pj_cell < {cells}{csuf}; pj_cell += gridDim.x) {{"]
-    lines += _decompose("pj_cell", kernel.parallel, names, csuf, "    ")
-    lines += [f"    {t} pj_acc = {neutral};",
-              f"    for ({rft} pj_r = threadIdx.x; pj_r < {length}{rsuf}; pj_r += blockDim.x) {{"]
-    lines += _decompose("pj_r", r.loops, names, rsuf, "      ")
-    lines += [f"      pj_acc = {em.combine(r.accum, dt, 'pj_acc', em.expr(r.value))};",
-              "    }",
-              "    pj_red[threadIdx.x] = pj_acc;",
-              "    __syncthreads();",
-              "    for (unsigned int pj_s = blockDim.x >> 1; pj_s > 0u; pj_s >>= 1) {",
-              "      if (threadIdx.x < pj_s) {",
-              f"        pj_red[threadIdx.x] = {em.combine(r.accum, dt, 'pj_red[threadIdx.x]', 'pj_red[threadIdx.x + pj_s]')};",
-              "      }",
-              "      __syncthreads();",
-              "    }",
-              f"    if (threadIdx.x == 0) {target} = {em.combine(r.accum, dt, start, 'pj_red[0]')};",
-              "    __syncthreads();",
-              "  }"]
     return lines
 
 
