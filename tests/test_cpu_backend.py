@@ -182,3 +182,27 @@ def test_vectorized_float32_exp_and_tanh_are_within_two_ulps() -> None:
         np.testing.assert_array_equal(got_e[:5], np.exp(xv[:5]))
         assert np.isinf(got_e[5]) and got_e[7] == 0.0
     ctx.finalize()
+
+
+def test_row_sums_of_exp_stage_the_values_and_sum_them_in_order() -> None:
+    """``sum_j exp(x[i, j])``: exps into a local array (a loop that vectorizes), then an in-order
+    sum of it; the kernel equals that sum of the kernel's own exps bit for bit."""
+    backend = get_backend("cpu")
+    x, e, s = ir.Node("x", (128, 27)), ir.Node("e", (128, 27)), ir.Node("s", (128,))
+    exps = ir.Comp.of(ir.apply(ir.Op.EXP, x, into=e))
+    tmp = ir.Node("tmp", (128, 27))
+    staged = ir.Comp.of(ir.apply(ir.Op.EXP, x, into=tmp), ir.einsum("ij->i", tmp, into=s))
+    code = backend.compile_batch([exps, staged], names=["exps", "sumexp"])
+    assert "pj_vals[" in code.source.text
+    xv = np.random.default_rng(4).uniform(-3, 3, (128, 27)).astype(np.float32)
+    ctx = backend.get_device(0).make_context().init_from_host(x, xv)
+    r_exps, r_sum = ctx.link_batch(code)
+    r_exps.run()
+    r_sum.run()
+    ev, sv = r_exps.context.read(e), r_sum.context.read(s)
+    in_order = np.zeros(128, np.float32)
+    for j in range(27):
+        in_order += ev[:, j]
+    np.testing.assert_array_equal(sv, in_order)
+    np.testing.assert_allclose(sv, np.exp(xv.astype(np.float64)).sum(1), rtol=1e-6)
+    ctx.finalize()

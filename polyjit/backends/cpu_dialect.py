@@ -28,6 +28,7 @@ from pathlib import Path
 from polyjit.core import dtypes, ir
 from polyjit.core.codegen import Dialect, Emitter, KernelSpec, Names
 from polyjit.core.lower import (
+    Call,
     Contraction,
     Kernel,
     Load,
@@ -163,7 +164,7 @@ class CpuDialect(Dialect):
 
     def kernel_prefix(self, kernel: Kernel) -> list[str]:
         # Tiles and column reductions vectorize across outputs, never along a reduction.
-        if match_contraction(kernel) is not None or _column_reduction(kernel) is not None:
+        if any(f(kernel) is not None for f in (match_contraction, _column_reduction, _staged_reduction)):
             return []
         return super().kernel_prefix(kernel)
 
@@ -174,6 +175,8 @@ class CpuDialect(Dialect):
         r = _column_reduction(kernel)
         if r is not None:
             return [*self.kernel_open(spec, names), *self._column_reduce(em, kernel, r, names), "}"]
+        if _staged_reduction(kernel) is not None:
+            return super().emit_kernel(_StagingEmitter(self, names), kernel, spec, names)
         if self._streams(kernel):
             return [*self.kernel_open(spec, names), *self._streaming(em, kernel, names), "}"]
         return super().emit_kernel(em, kernel, spec, names)
@@ -327,6 +330,46 @@ class CpuDialect(Dialect):
                 lines += ["{", f"  const int64_t {i} = pj_i0 + {r}, {j} = pj_j0 + {v * lanes};",
                           f"  {store(out, f'acc[{r}][{v}]', v)}", "}"]
         return lines
+
+
+class _StagingEmitter(Emitter):
+    """Emits a row reduction as map, then fold: the values (with their exp or tanh) go to a
+    local array in a loop that vectorizes, then a plain loop sums them in order."""
+
+    def reduce(self, r: Reduce, indent: int, pragma: str | None = None) -> list[str]:
+        if pragma is not None:
+            return super().reduce(r, indent, pragma)
+        (sym, n), = r.loops
+        pad, t, k = "  " * indent, self.d.type_name(r.node.dtype), self.names.var(sym)
+        target = f"{self.names.buffer(r.node)}[{self.index(r.index)}]"
+        init = target if r.init is None else self.expr(r.init)
+        return [f"{pad}{{",
+                f"{pad}  {t} pj_vals[{n}];",
+                f"{pad}  for (int64_t {k} = 0; {k} < {n}; ++{k}) pj_vals[{k}] = {self.expr(r.value)};",
+                f"{pad}  {t} pj_acc = {init};",
+                f"{pad}  for (int64_t {k} = 0; {k} < {n}; ++{k}) "
+                f"pj_acc = {self.combine(r.accum, r.node.dtype, 'pj_acc', f'pj_vals[{k}]')};",
+                f"{pad}  {target} = pj_acc;",
+                f"{pad}}}"]
+
+
+# Values worth staging: what the vector unit computes much faster than a scalar loop.
+_STAGED_OPS = frozenset({ir.Op.EXP, ir.Op.TANH, ir.Op.SIGMOID, ir.Op.SQRT, ir.Op.DIV})
+STAGED_MAX_LENGTH = 4096  # the local array: 16 KiB of float32
+
+
+def _staged_reduction(kernel: Kernel) -> Reduce | None:
+    """A float reduction along one short loop whose value costs more than its loads
+    (``sum_j exp(x[i, j] - m[i])``): staged by :class:`_StagingEmitter`. The fold reads the
+    staged values forwards, so GCC may vectorize it in order without the miscompile that
+    ``Dialect.kernel_prefix`` guards against (reads with a negative stride)."""
+    r = kernel.body
+    if not isinstance(r, Reduce) or r.node.dtype not in _VEC_SUFFIX or len(r.loops) != 1:
+        return None
+    if not 8 <= r.loops[0][1] <= STAGED_MAX_LENGTH:
+        return None
+    costly = any(isinstance(e, Call) and e.op in _STAGED_OPS for e in walk_exprs(r))
+    return r if costly else None
 
 
 def _open_nest(loops: list[tuple[str, int]], parallel: bool) -> tuple[list[str], int]:
