@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -206,3 +208,33 @@ def test_row_sums_of_exp_stage_the_values_and_sum_them_in_order() -> None:
     np.testing.assert_array_equal(sv, in_order)
     np.testing.assert_allclose(sv, np.exp(xv.astype(np.float64)).sum(1), rtol=1e-6)
     ctx.finalize()
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 vector widths: the host is not x86")
+@pytest.mark.parametrize(("vector_bytes", "march"), [(32, "-march=haswell"), (16, "-march=x86-64")])
+def test_narrower_vector_units_take_their_own_paths(vector_bytes: int, march: str) -> None:
+    """The dialect's AVX2 (lane masks) and SSE (memcpy tails) paths, compiled for those
+    targets (this host runs both), on every catalog program with a matmul, reduction or exp."""
+    from polyjit.backends.cc import CPU_FLAGS, build_shared
+    from polyjit.backends.cpu import CpuDriver
+    from polyjit.backends.cpu_dialect import CpuDialect
+    from polyjit.core.codegen import Source
+    from polyjit.testing import catalog, run_programs
+
+    class NarrowDriver(CpuDriver):
+        def __init__(self) -> None:
+            super().__init__(1)
+            self.dialect = CpuDialect(vector_bytes=vector_bytes)
+
+        def compile(self, source: Source) -> Path:
+            flags = tuple(march if f.startswith("-march=") else f for f in CPU_FLAGS)
+            return build_shared(source.text, flags=flags)
+
+    backend = Backend(NarrowDriver())
+    a, b, c = ir.Node("a", (7, 5)), ir.Node("b", (5, 10)), ir.Node("c", (7, 10))
+    text = backend.compile(ir.Comp.of(ir.einsum("ik,kj->ij", a, b, into=c)), name="narrow").source
+    assert f"vector_size({vector_bytes})" in text and ("_mm256_maskload_ps" in text) == (vector_bytes == 32)
+    picked = [p for p in catalog() if any(w in p.name for w in ("matmul", "reduce", "exp", "tanh", "sum"))]
+    assert len(picked) > 20
+    failures = run_programs(backend, picked)
+    assert not failures, "\n\n".join(str(f) for f in failures[:5])
