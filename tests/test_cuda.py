@@ -571,6 +571,7 @@ class _FakeCuda:
         self.memory: dict[int, Array] = {}
         self.freed: list[Array] = []
         self.launches = 0
+        self.graph_launches = 0
         self.peer_enabled: set[tuple[int, int]] = set()
 
     class CUDA_KERNEL_NODE_PARAMS:  # the bindings' name
@@ -776,6 +777,7 @@ class _FakeCuda:
 
     def cuGraphLaunch(self, ex: _FakeGraph, s: _FakeStream) -> tuple[Any]:
         nodes = [tuple(n) for n in ex.nodes]  # the launch uses the parameters set so far
+        self.graph_launches += 1
 
         def run() -> None:
             for n in nodes:
@@ -902,6 +904,39 @@ def test_fake_driver_statics_and_graph_replay(fake_cuda: Any) -> None:
     ctx.finalize()
 
 
+def _check_tensor_plans_replay_a_graph(backend: Any) -> int:
+    """mode="compiled" runs the fused batch once, then replays it as one CUDA graph; the
+    losses match the CPU backend's step for step, and dynamic mode's. Returns the replays."""
+    from polyjit import tensor as pt
+
+    rng = np.random.default_rng(0)
+    xs, ys = rng.standard_normal((24, 12)).astype(np.float32), rng.integers(0, 3, 24).astype(np.int32)
+
+    def losses(device: Any, mode: str) -> tuple[list[float], Any]:
+        x, y = pt.input("x", (24, 12)), pt.input("y", (24,), "int32")
+        mlp = pt.MLP("mlp", [12, 16, 3], seed=1)
+        plan = pt.compile(loss=pt.cross_entropy(mlp(x), y), optimizer=pt.SGD(0.1, momentum=0.9),
+                          device=device, mode=mode)
+        return [plan.step(x=xs, y=ys) for _ in range(4)], plan
+
+    want, cpu_plan = losses("cpu", "compiled")
+    got, plan = losses(backend.get_device(0), "compiled")
+    assert isinstance(plan._linked.replay, cuda.Plan)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    dynamic, dyn_plan = losses(backend.get_device(0), "dynamic")
+    assert dyn_plan._linked.replay is None
+    np.testing.assert_allclose(dynamic, want, rtol=1e-5)
+    for p in (plan, dyn_plan, cpu_plan):
+        p.close()
+    return 3  # steps 2..4 of the compiled plan
+
+
+def test_tensor_plans_replay_a_cuda_graph_on_the_fake_driver(fake_cuda: Any) -> None:
+    before = fake_cuda.fake.graph_launches
+    replays = _check_tensor_plans_replay_a_graph(fake_cuda)
+    assert fake_cuda.fake.graph_launches - before == replays
+
+
 def test_fake_driver_copies_across_streams_and_devices(fake_cuda: Any) -> None:
     from polyjit import device_to_device
     from polyjit.core.protocol import MergeBuffer
@@ -982,6 +1017,11 @@ def cuda_backend() -> Any:
     if backend.num_devices() == 0:
         pytest.skip(f"no CUDA device: {_no_gpu_reason()}")
     return backend
+
+
+@gpu
+def test_tensor_plans_replay_a_cuda_graph(cuda_backend: Any) -> None:
+    _check_tensor_plans_replay_a_graph(cuda_backend)
 
 
 @gpu

@@ -251,3 +251,22 @@ def test_profile_kernels_times_every_kernel() -> None:
     assert all(t.seconds > 0 for t in times)
     assert "kernels" in format_profile(times)
     plan.close()
+
+
+def test_compiled_plans_replay_a_capture_after_their_first_run() -> None:
+    from polyjit.core.errors import InvalidProgramError
+    from polyjit.core.runtime import Replay
+
+    x = pt.input("x", (4, 3))
+    plan = pt.compile({"y": (x * 2.0).sum()})
+    assert plan._linked is None
+    first = plan.run(x=np.ones((4, 3), np.float32))["y"].copy()
+    replay = plan._linked.replay  # type: ignore[union-attr]
+    assert isinstance(replay, Replay) and len(replay.routines) >= 1
+    np.testing.assert_array_equal(plan.run(x=np.ones((4, 3), np.float32))["y"], first)
+    np.testing.assert_array_equal(plan.run(x=np.full((4, 3), 2, np.float32))["y"], 48.0)
+    with pytest.raises(InvalidProgramError, match="another stream"):
+        plan.backend.capture(replay.routines, stream=plan.device.new_stream())
+    with pytest.raises(InvalidProgramError, match="at least one routine"):
+        plan.backend.capture([])
+    plan.close()

@@ -56,7 +56,7 @@ from polyjit.core.errors import (
 )
 from polyjit.core.ir import StaticSymbol
 from polyjit.core.protocol import DeviceInfo
-from polyjit.core.runtime import Backend, Routine, Stream
+from polyjit.core.runtime import Backend, Replay, Routine, Stream
 
 __all__ = [
     "BASE_ALIGNMENT",
@@ -967,6 +967,10 @@ class CudaBackend(Backend):
         """Why this backend has no devices here (None when it has some)."""
         return self.driver.unavailable_reason
 
+    def capture(self, routines: Sequence[Routine], *, stream: Stream | None = None) -> Plan:
+        """The routines recorded into a CUDA graph: one launch a replay (see :func:`capture`)."""
+        return capture(routines, stream=stream)
+
     def static_properties(self) -> dict[str, Any]:
         props = super().static_properties()
         props["unavailable_reason"] = self.driver.unavailable_reason
@@ -991,7 +995,7 @@ def create_backend(*, fast_math: bool = False) -> CudaBackend:
 # Graph replay
 
 
-class Plan:
+class Plan(Replay):
     """Linked routines captured once into a CUDA graph, replayed with one launch.
 
     ``bindings`` maps each static symbol of the routines to its value (initially the

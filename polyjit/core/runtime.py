@@ -281,6 +281,13 @@ class Backend:
     def static_properties(self) -> dict[str, Any]:
         return {"name": self.name, "dialect": self.driver.dialect.name, "num_devices": self.num_devices()}
 
+    def capture(self, routines: Sequence[Routine], *, stream: Stream | None = None) -> Replay:
+        """Routines to run again and again as one unit, in this order: ``replay()`` does what
+        ``run()`` of each would. Here that is all it does; a backend with something cheaper
+        to launch overrides it (CUDA records a graph: ``CudaBackend.capture``). ``stream``:
+        where to replay (default: the first routine's context stream)."""
+        return Replay(routines, stream)
+
     def compile(
         self, comp: ir.Comp, name: str | None = None, bindings: Mapping[StaticSymbol, int] | None = None
     ) -> Code:
@@ -731,6 +738,28 @@ def _plan_requests(
 
 # ---------------------------------------------------------------------------
 # Routines
+
+
+class Replay:
+    """Linked routines replayed as one unit (see :meth:`Backend.capture`); this generic one
+    runs them one after the other on their contexts' streams."""
+
+    def __init__(self, routines: Sequence[Routine], stream: Stream | None = None) -> None:
+        if not routines:
+            raise InvalidProgramError("capture() needs at least one routine")
+        self.routines = tuple(routines)
+        self.stream = stream or self.routines[0].context.stream
+        if any(r.context.stream is not self.stream for r in self.routines):
+            raise InvalidProgramError(
+                "capture(): the routines run on another stream than the one given; link them in a "
+                "context on that stream (Context.with_stream)")
+
+    def replay(self) -> None:
+        for r in self.routines:
+            r.run()
+
+    def close(self) -> None:
+        """Nothing to free here; a recorded graph frees its handles."""
 
 
 class Routine:

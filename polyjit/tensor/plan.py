@@ -21,7 +21,7 @@ import numpy as np
 
 from polyjit.core.errors import InvalidProgramError, NodeNotInContextError
 from polyjit.core.ir import MemoryMode
-from polyjit.core.runtime import Context, Device, Routine
+from polyjit.core.runtime import Backend, Context, Device, Replay, Routine
 from polyjit.tensor.autograd import grad, topo_order
 from polyjit.tensor.devices import DeviceLike, resolve_device
 from polyjit.tensor.hostio import Feed, check_names, enqueue_to_host
@@ -46,14 +46,31 @@ class SharesState(Protocol):
 
 
 class _Linked:
-    """A compiled batch linked into the state context."""
+    """A compiled batch linked into the state context; a fused batch is captured for replay
+    (``Backend.capture``: a CUDA graph on CUDA) after its first run."""
 
-    __slots__ = ("context", "kind", "routines")
+    __slots__ = ("context", "kind", "replay", "routines")
 
     def __init__(self, kind: str, routines: list[Routine], context: Context) -> None:
         self.kind = kind
         self.routines = routines
         self.context = context
+        self.replay: Replay | None = None
+
+    def run(self, backend: Backend) -> None:
+        if self.replay is not None:
+            self.replay.replay()
+            return
+        for r in self.routines:
+            r.run()
+        if self.kind == "fused" and self.routines:  # recorded on the first run, replayed after it
+            self.replay = backend.capture(self.routines)
+
+    def finalize(self) -> None:
+        if self.replay is not None:
+            self.replay.close()
+            self.replay = None
+        self.context.finalize()
 
 
 class _Slot:
@@ -153,7 +170,7 @@ class Plan:
         batch = self.program.batch(self.backend, kind)
         routines = self._base.link_batch(batch)
         if self._linked is not None:
-            self._linked.context.finalize()
+            self._linked.finalize()
         self._linked = _Linked(kind, routines, routines[0].context if routines else self._base)
         return self._linked
 
@@ -166,12 +183,13 @@ class Plan:
 
     def _launch(self, inputs: Mapping[str, Any], slot: _Slot | None) -> None:
         check_names(inputs, self._input_names, "plan inputs")
-        routines = self._routines()
+        self._routines()
+        linked = self._linked
+        assert linked is not None
         base = self._base
         for k, f in enumerate(self._feeds):
             base.from_host(f.node, f.host_array(inputs[f.name], None if slot is None else slot.inputs[k]))
-        for r in routines:
-            r.run()
+        linked.run(self.backend)
         self.runs += 1
 
     def run(self, **inputs: Any) -> dict[str, Array]:
@@ -254,7 +272,7 @@ class Plan:
     def close(self) -> None:
         """Free the device memory this plan allocated (plans sharing its state become unusable)."""
         if self._linked is not None:
-            self._linked.context.finalize()
+            self._linked.finalize()
             self._linked = None
         for ctx in reversed(self._owned):
             ctx.finalize()
