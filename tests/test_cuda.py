@@ -937,6 +937,34 @@ def test_tensor_plans_replay_a_cuda_graph_on_the_fake_driver(fake_cuda: Any) -> 
     assert fake_cuda.fake.graph_launches - before == replays
 
 
+def test_data_parallel_on_two_fake_gpus_matches_one_cpu_device(fake_cuda: Any) -> None:
+    """Two replicas over peer copies, merge buffers and replayed graphs give the parameters
+    one CPU device gets."""
+    from polyjit import tensor as pt
+
+    rng = np.random.default_rng(2)
+    xs, ys = rng.standard_normal((5, 16, 6)).astype(np.float32), rng.integers(0, 3, (5, 16)).astype(np.int32)
+
+    def train(devices: Any) -> dict[str, np.ndarray]:
+        mlp = pt.MLP("mlp", [6, 8, 3], seed=4)
+        dp = pt.data_parallel(lambda x, y: pt.cross_entropy(mlp(x), y),
+                              {"x": ((16, 6), "float32"), "y": ((16,), "int32")},
+                              optimizer=pt.SGD(0.1, momentum=0.9), devices=devices)
+        for k in range(5):
+            dp.step(x=xs[k], y=ys[k])
+        assert dp.replica_spread() == 0.0
+        params = dp.parameters()
+        dp.close()
+        return params
+
+    before = fake_cuda.fake.graph_launches
+    two = train(fake_cuda.devices())
+    assert fake_cuda.fake.graph_launches - before == 5 * 2 * 2  # compute and update, per replica
+    one = train(["cpu"])
+    for name, value in one.items():
+        np.testing.assert_allclose(two[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
 def test_fake_driver_copies_across_streams_and_devices(fake_cuda: Any) -> None:
     from polyjit import device_to_device
     from polyjit.core.protocol import MergeBuffer

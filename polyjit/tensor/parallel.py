@@ -27,6 +27,7 @@ from polyjit.core.runtime import (
     CodeBatch,
     Context,
     Device,
+    Replay,
     Routine,
     TransferRoutine,
     device_to_device,
@@ -65,6 +66,9 @@ class _Replica:
         self.loss = np.zeros(loss.shape, loss.dtype.np)
         self.compute: Routine | None = None
         self.update: Routine | None = None
+        # what a step runs: the two routines captured (one CUDA graph each on CUDA)
+        self.compute_replay: Replay | None = None
+        self.update_replay: Replay | None = None
         self.linked: Context = self.base
 
     def add_buffer(self, node: ir.Node, value: Array) -> None:
@@ -154,6 +158,9 @@ class DataParallel:
             main, _ = self._compiled(rep.device.backend)
             rep.compute, rep.update = rep.base.link_batch(main)
             rep.linked = rep.compute.context
+            backend = rep.device.backend
+            rep.compute_replay = backend.capture([rep.compute])
+            rep.update_replay = backend.capture([rep.update])
 
     def _link_allreduce(self) -> None:
         reps, g = self.replicas, self.grads_node
@@ -194,8 +201,8 @@ class DataParallel:
                     raise ShapeMismatchError(f"input {f.name!r}: batch of {np.shape(value)[:1]}, expected "
                                              f"{self.batch_size}")
                 rep.base.from_host(f.node, f.host_array(value[k * s : (k + 1) * s]))
-            assert rep.compute is not None
-            rep.compute.run()
+            assert rep.compute_replay is not None
+            rep.compute_replay.replay()
 
     def _allreduce(self) -> None:
         for xfer, add in self._reduce:
@@ -206,8 +213,8 @@ class DataParallel:
 
     def _update(self) -> float:
         for rep in self.replicas:
-            assert rep.update is not None
-            rep.update.run()
+            assert rep.update_replay is not None
+            rep.update_replay.replay()
             enqueue_to_host(rep.linked, self.loss_node, rep.loss)
         total = 0.0
         for rep in self.replicas:
@@ -270,6 +277,9 @@ class DataParallel:
     def close(self) -> None:
         for rep in self.replicas:
             rep.device.synchronize()
+            for replay in (rep.compute_replay, rep.update_replay):
+                if replay is not None:
+                    replay.close()
             rep.linked.finalize()
             for ctx in reversed(rep.owned):
                 ctx.finalize()
