@@ -134,14 +134,18 @@ def _err_name(err: Any) -> str:
     return str(err)
 
 
-def _ok(result: Any, what: str) -> Any:
-    """Check a cuda.bindings driver result tuple ``(err, *values)``; return the value(s)."""
-    err = result[0]
-    if err:
-        raise CudaDriverError(f"{what} failed: {_err_name(err)}")
+def _values(result: Any) -> Any:
+    """The value(s) of a cuda.bindings result tuple ``(err, *values)``: None, one, or a tuple."""
     if len(result) == 1:
         return None
     return result[1] if len(result) == 2 else result[1:]
+
+
+def _ok(result: Any, what: str) -> Any:
+    """Check a cuda.bindings driver result tuple; return the value(s)."""
+    if result[0]:
+        raise CudaDriverError(f"{what} failed: {_err_name(result[0])}")
+    return _values(result)
 
 
 # ---------------------------------------------------------------------------
@@ -149,12 +153,9 @@ def _ok(result: Any, what: str) -> Any:
 
 
 def _nvrtc_ok(result: Any, what: str) -> Any:
-    err = result[0]
-    if err:
-        raise CompileError(f"NVRTC {what} failed: {err}")
-    if len(result) == 1:
-        return None
-    return result[1] if len(result) == 2 else result[1:]
+    if result[0]:
+        raise CompileError(f"NVRTC {what} failed: {result[0]}")
+    return _values(result)
 
 
 _nvrtc_info: dict[str, Any] = {}
