@@ -286,6 +286,32 @@ def test_every_program_compiles_to_cubin(arch: str) -> None:
     assert not failures, "\n\n".join(failures)
 
 
+def test_the_tensor_examples_fused_steps_compile_to_cubin() -> None:
+    """The MLP 784-256-10 and char_lm training steps (what the tensor benchmarks run on a GPU)
+    through NVRTC for sm_90: every kernel shape they use (tiled matmuls, block reductions,
+    gathers) compiles."""
+    from polyjit import tensor as pt
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    try:
+        import char_lm
+    finally:
+        sys.path.pop(0)
+    x, y = pt.input("x", (256, 784)), pt.input("y", (256,), "int32")
+    mlp = pt.MLP("mlp", [784, 256, 10], seed=0)
+    ctx, nxt = pt.input("context", (128, char_lm.CONTEXT), "int32"), pt.input("next", (128,), "int32")
+    steps = [(pt.cross_entropy(mlp(x), y), pt.SGD(0.01, momentum=0.9)),
+             (pt.cross_entropy(char_lm.CharModel()(ctx), nxt), pt.AdamW(lr=0.01))]
+    for loss, opt in steps:
+        plan = pt.compile(loss=loss, optimizer=opt)  # on the CPU: only its program is used here
+        lowered = lower([plan.program.fused()], ["step"])
+        source = generate(lowered, CudaDialect())
+        kinds = {plan_kernel(k).kind for k in lowered.kernels}
+        assert cuda.nvrtc_compile(source.text, "sm_90")[:4] == b"\x7fELF"
+        assert {"matmul", "grid"} <= kinds, kinds
+        plan.close()
+
+
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas is not on PATH")
 def test_ptxas_accepts_the_ptx(tmp_path: Path) -> None:
     for k, (_, _, source, _) in enumerate(_all_batches()):
@@ -935,6 +961,32 @@ def test_tensor_plans_replay_a_cuda_graph_on_the_fake_driver(fake_cuda: Any) -> 
     before = fake_cuda.fake.graph_launches
     replays = _check_tensor_plans_replay_a_graph(fake_cuda)
     assert fake_cuda.fake.graph_launches - before == replays
+
+
+def test_char_lm_trains_on_the_fake_driver_like_on_the_cpu(fake_cuda: Any) -> None:
+    """examples/char_lm.py's model (gathers, reshape, tanh, AdamW) in compiled mode: the same
+    losses on the fake GPU (generated CUDA, graph replays) as on the CPU backend."""
+    from polyjit import tensor as pt
+    from polyjit.tensor.datasets import context_windows, encode_text
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    try:
+        import char_lm
+    finally:
+        sys.path.pop(0)
+    contexts, targets = context_windows(encode_text(char_lm.TEXT.read_text()), char_lm.CONTEXT)
+    rng = np.random.default_rng(3)
+    picks = [rng.integers(0, len(contexts), 32) for _ in range(4)]
+
+    def losses(device: Any) -> list[float]:
+        model = char_lm.CharModel()
+        ctx, nxt = pt.input("context", (32, char_lm.CONTEXT), "int32"), pt.input("next", (32,), "int32")
+        plan = pt.compile(loss=pt.cross_entropy(model(ctx), nxt), optimizer=pt.AdamW(lr=0.01), device=device)
+        out = [plan.step(context=contexts[idx], next=targets[idx]) for idx in picks]
+        plan.close()
+        return out
+
+    np.testing.assert_allclose(losses(fake_cuda.get_device(0)), losses("cpu"), rtol=2e-5)
 
 
 def test_data_parallel_on_two_fake_gpus_matches_one_cpu_device(fake_cuda: Any) -> None:
