@@ -102,7 +102,9 @@ def cuda_programs() -> tuple[Program, ...]:
     red("cuda.reduce.rows_block", "ij->i", (40, 3000), (40,))
     red("cuda.reduce.columns_threads", "ij->j", (600, 5000), (5000,))
     red("cuda.reduce.columns_block", "ij->j", (3000, 100), (100,))
-    red("cuda.reduce.full_max_1024_threads", "i->", (200_000,), (), accum=AccumOp.MAX, kind="any")
+    # a prime length stays one kernel (a block of 1024 threads); others split into partials
+    red("cuda.reduce.full_max_1024_threads", "i->", (65_537,), (), accum=AccumOp.MAX, kind="any")
+    red("cuda.reduce.full_sum_split", "i->", (200_000,), (), kind="quarter")
     red("cuda.reduce.rows_onto_context", "ij->i", (8, 2000), (8,), init=False, runs=({}, {}))
     red("cuda.reduce.uint8_min_block", "ij->i", (5, 1000), (5,), dt=dtypes.uint8, accum=AccumOp.MIN, kind="any")
     red("cuda.reduce.float64_prod_block", "ij->i", (3, 700), (3,), dt=dtypes.float64, accum=AccumOp.MUL, kind="unit",
@@ -345,6 +347,7 @@ def test_kernel_shapes_are_chosen_by_size() -> None:
     assert _plans("cuda.reduce.columns_threads") == ["grid"]
     assert _plans("cuda.reduce.columns_block") == ["block_reduce"]
     assert _plans("cuda.reduce.full_max_1024_threads") == ["block_reduce"]
+    assert _plans("cuda.reduce.full_sum_split") == ["block_reduce", "single"]  # 250 parts of 800
     assert set(_plans("reduce.add.float32")) == {"grid", "single"}  # short reductions: a thread per cell
     assert _plans("write.non_injective_convolution")[-1] == "single"
     for name in ("cuda.matmul.large_tiles_vec", "cuda.matmul.small_tiles_vec", "cuda.matmul.transposed_vec",

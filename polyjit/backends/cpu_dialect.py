@@ -235,7 +235,7 @@ class CpuDialect(Dialect):
         last = nj - (blocks - 1) * width
         t, j = self.type_name(r.node.dtype), names.var(j_sym)
         loops = [(names.var(sym), n) for sym, n in outer] + [("pj_jb", blocks)]
-        big = kernel.work * math.prod(n for _, n in r.loops) >= self.omp_min_work * 8
+        big = kernel.total_work >= self.omp_min_work * 8
         lines, depth = _open_nest(loops, big and math.prod(n for _, n in loops) > 1)
         p = "  " * depth
         target = f"{names.buffer(r.node)}[{em.index(r.index)}]"
@@ -266,7 +266,7 @@ class CpuDialect(Dialect):
         full_j, cols_left = divmod(c.n, nr)
         tiles_i, tiles_j = full_i + (rows_left > 0), full_j + (cols_left > 0)
         loops = [(names.var(s), n) for s, n in c.batch] + [("pj_tj", tiles_j), ("pj_ti", tiles_i)]
-        nest, depth = _open_nest(loops, c.kernel.work * c.kk >= self.omp_min_work)
+        nest, depth = _open_nest(loops, c.kernel.total_work >= self.omp_min_work)
         lines = [f"  typedef {self.type_name(dt)} pj_vec __attribute__((vector_size({self.vector_bytes})));", *nest]
         p = "  " * depth
         lines.append(f"{p}const int64_t pj_i0 = pj_ti * {mr}, pj_j0 = pj_tj * {nr};")

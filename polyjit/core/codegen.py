@@ -71,7 +71,8 @@ class Dialect:
     name = "c"
     function_qualifier = "static inline"
     restrict = "restrict"
-    # A parallel nest smaller than this runs on one thread: a team costs microseconds.
+    # A kernel of less work than this (innermost iterations) runs on one thread: a team
+    # costs microseconds.
     omp_min_work = 32768
 
     def type_name(self, dt: DType) -> str:
@@ -118,7 +119,7 @@ class Dialect:
         lines: list[str] = []
         nest = list(kernel.parallel)
         pad = "  " * indent
-        if nest and kernel.work >= self.omp_min_work:
+        if nest and kernel.total_work >= self.omp_min_work:
             collapse = 1
             if len(nest) > 1 and nest[0][1] < 64:  # a short outer loop: share the next ones too
                 collapse = len(nest) - 1

@@ -17,6 +17,7 @@ Each kernel reports its inputs and outputs *after* inlining.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Union
 
@@ -152,6 +153,17 @@ class Kernel:
     def work(self) -> int:
         """Iterations of the parallel nest (the dialects' launch size)."""
         return int(np.prod([n for _, n in self.parallel], dtype=np.int64))
+
+    @property
+    def total_work(self) -> int:
+        """Iterations of the innermost statement: the parallel nest times the loops inside it."""
+        inner = 1
+        for st in walk_stmts(self.body):
+            if isinstance(st, Reduce):
+                inner *= math.prod(n for _, n in st.loops)
+            elif isinstance(st, Loop):
+                inner *= st.extent
+        return self.work * inner
 
 
 def walk_stmts(s: Stmt) -> Iterator[Stmt]:
@@ -519,6 +531,53 @@ def simplify(k: Kernel) -> Kernel:
     return _merge_parallel(_drop_unit_loops(k))
 
 
+# A full reduction (no parallel nest) at least this long is split in two kernels.
+SPLIT_MIN_LENGTH = 1 << 15
+SPLIT_PARTS = 256  # partial results wanted (a divisor of a reduced extent near this is taken)
+SPLIT_MIN_CHUNK = 128  # each partial reduces at least this many values
+
+
+def _split_parts(loops: tuple[tuple[Symbol, int], ...]) -> tuple[int, int] | None:
+    """(which loop, into how many parts): the divisor of a loop's extent closest to
+    SPLIT_PARTS, between 32 and 1024, leaving chunks of at least SPLIT_MIN_CHUNK."""
+    length = math.prod(n for _, n in loops)
+    best: tuple[int, int, int] | None = None  # (distance, loop, parts)
+    for pos, (_, n) in enumerate(loops):
+        for parts in range(32, min(n, 1024) + 1):
+            if n % parts == 0 and length // parts >= SPLIT_MIN_CHUNK:
+                cand = (abs(parts - SPLIT_PARTS), pos, parts)
+                best = cand if best is None or cand < best else best
+    return None if best is None else (best[1], best[2])
+
+
+def split_long_reduction(k: Kernel) -> tuple[list[Kernel], Node | None]:
+    """A long full reduction as two kernels: ``parts[b] = reduce(chunk b)`` over a parallel
+    ``b``, then ``out = reduce(parts)``. Every backend then reduces in parallel (OpenMP
+    threads, work-items, blocks) with no atomics, in an order fixed by the sizes alone, so
+    results do not depend on the thread count. Returns the kernels and the new scratch node
+    of partial results (None: left whole)."""
+    r = k.body
+    if k.parallel or not isinstance(r, Reduce) or math.prod(n for _, n in r.loops) < SPLIT_MIN_LENGTH:
+        return [k], None
+    split = _split_parts(r.loops)
+    if split is None:
+        return [k], None
+    pos, parts = split
+    sym, n = r.loops[pos]
+    chunk = n // parts
+    b, c, b2 = Symbol(f"{sym.name}_part"), Symbol(f"{sym.name}_in"), Symbol(f"{sym.name}_parts")
+    whole = ir.as_affine(b).scale(chunk) + ir.as_affine(c)
+    partial = Node(f"{r.node.name}_parts", (parts,), r.node.dtype, mode=MemoryMode.LOCAL)
+    loops = (*r.loops[:pos], (c, chunk), *r.loops[pos + 1:])
+    value = _map_expr(r.value, lambda a: a.substitute({sym: whole}))
+    neutral = Const(r.accum.neutral(r.node.dtype), r.node.dtype)
+    first = Kernel(f"{k.name}_parts", ((b, parts),), Reduce(partial, ir.as_affine(b), r.accum, neutral, loops, value),
+                   f"{k.comment} (partial results)")
+    second = Kernel(k.name, (), Reduce(r.node, r.index, r.accum, r.init, ((b2, parts),),
+                                       Load(partial, ir.as_affine(b2))), f"{k.comment} (of {parts} partial results)")
+    return [first, second], partial
+
+
 # ---------------------------------------------------------------------------
 # The batch
 
@@ -560,6 +619,7 @@ def lower(comps: Sequence[ir.Comp], names: Sequence[str]) -> LoweredBatch:
         inputs: dict[Node, None] = {}
         constants: list[tuple[Node, np.ndarray]] = []
         merges: set[Node] = set()
+        partials: list[Node] = []  # scratch the lowering adds (split reductions)
         for k, leaf in enumerate(comp.leaves()):
             target = ir.writes(leaf)
             for x in ir.reads(leaf):
@@ -580,7 +640,12 @@ def lower(comps: Sequence[ir.Comp], names: Sequence[str]) -> LoweredBatch:
                 continue
             kname = f"{name}_{k}"
             raw = lowerer.lower_fetch(kname, leaf) if isinstance(leaf, ir.Fetch) else lowerer.lower_accum(kname, leaf)
-            kernels.extend(simplify(kern) for kern in raw)
+            for kern in raw:
+                pieces, partial = split_long_reduction(simplify(kern))
+                kernels.extend(pieces)
+                if partial is not None:
+                    partials.append(partial)
+                    inference.modes[partial] = MemoryMode.LOCAL
         if len(merges) > 1:
             labels = ", ".join(sorted(m.label for m in merges))
             raise InvalidProgramError(f"computation {name} reads several merge-buffer nodes: {labels}")
@@ -588,7 +653,7 @@ def lower(comps: Sequence[ir.Comp], names: Sequence[str]) -> LoweredBatch:
         outputs = tuple(n for n in dict.fromkeys(ir.writes(leaf) for leaf in comp.leaves())
                         if modes[n] in (MemoryMode.ON_DEVICE, MemoryMode.MATERIALIZED))
         scratch = tuple(n for n in dict.fromkeys(ir.writes(leaf) for leaf in comp.leaves())
-                        if modes[n] is MemoryMode.LOCAL)
+                        if modes[n] is MemoryMode.LOCAL) + tuple(partials)
         out.append(
             LoweredComp(name, tuple(kernels), tuple(inputs), outputs, scratch, tuple(constants),
                         next(iter(merges), None))
