@@ -538,16 +538,16 @@ SPLIT_MIN_CHUNK = 128  # each partial reduces at least this many values
 
 
 def _split_parts(loops: tuple[tuple[Symbol, int], ...]) -> tuple[int, int] | None:
-    """(which loop, into how many parts): the divisor of a loop's extent closest to
-    SPLIT_PARTS, between 32 and 1024, leaving chunks of at least SPLIT_MIN_CHUNK."""
+    """(which loop, into how many parts): the outermost reduced loop whose extent has a
+    divisor between 32 and 1024 that leaves chunks of at least SPLIT_MIN_CHUNK values, and
+    of its divisors the one closest to SPLIT_PARTS (the outermost, so that each chunk is a
+    contiguous run of memory when the loops walk it row-major)."""
     length = math.prod(n for _, n in loops)
-    best: tuple[int, int, int] | None = None  # (distance, loop, parts)
     for pos, (_, n) in enumerate(loops):
-        for parts in range(32, min(n, 1024) + 1):
-            if n % parts == 0 and length // parts >= SPLIT_MIN_CHUNK:
-                cand = (abs(parts - SPLIT_PARTS), pos, parts)
-                best = cand if best is None or cand < best else best
-    return None if best is None else (best[1], best[2])
+        fits = [d for d in range(32, min(n, 1024) + 1) if n % d == 0 and length // d >= SPLIT_MIN_CHUNK]
+        if fits:
+            return pos, min(fits, key=lambda d: (abs(d - SPLIT_PARTS), d))
+    return None
 
 
 def split_long_reduction(k: Kernel) -> tuple[list[Kernel], Node | None]:

@@ -786,6 +786,15 @@ def _large() -> list[Program]:
                               ir.Comp.of(ir.einsum("i->", x, into=mx, accum=AccumOp.MAX)),
                               ir.Comp.of(ir.einsum("i->", x, into=mn, accum=AccumOp.MIN))],
                        inputs=[(x, values(dtypes.int64, x.shape))], outputs=[s, mx, mn]))
+    # long enough to be split into partial results (core/lower.py: split_long_reduction)
+    xs = Node("xs", (2, 65_536), dtypes.int64)
+    ss, sx, sn = Node("ss", (), dtypes.int64), Node("sx", (), dtypes.int64), Node("sn", (), dtypes.int64)
+    out.append(program("large.full_reductions_split_int64",
+                       comps=[ir.Comp.of(ir.einsum("ij->", xs, into=ss)),
+                              ir.Comp.of(ir.einsum("ij->", xs, into=sx, accum=AccumOp.MAX)),
+                              ir.Comp.of(ir.einsum("ij->", xs, into=sn, accum=AccumOp.MIN, init_neutral=False))],
+                       inputs=[(xs, values(dtypes.int64, xs.shape)), (sn, values(dtypes.int64, ()))],
+                       outputs=[ss, sx, sn]))
     y = _f32("y", (400, 250))
     ys = _f32("ys", ())
     out.append(program("large.full_sum_float32", ir.einsum("ij->", y, into=ys),
