@@ -238,3 +238,26 @@ def test_narrower_vector_units_take_their_own_paths(vector_bytes: int, march: st
     assert len(picked) > 20
     failures = run_programs(backend, picked)
     assert not failures, "\n\n".join(str(f) for f in failures[:5])
+
+
+def test_long_full_reductions_split_and_vectorize_even_reading_backwards() -> None:
+    """A 2^18 sum is split into partial sums (core/lower.py) whose chunks the C dialect
+    vectorizes with omp simd; reading the input backwards (the negative stride that GCC 12
+    miscompiles in *ordered* float reductions) gives the same sum as reading it forwards."""
+    backend = get_backend("cpu")
+    n = 1 << 18
+    i = ir.Symbol("i")
+    x, fwd, bwd = ir.Node("x", (n,)), ir.Node("fwd", ()), ir.Node("bwd", ())
+    forwards = ir.Accum(fwd, ir.AccumOp.ADD, ir.Op.ID, (x,), ir.projections([(i, n)], [], [i]))
+    backwards = ir.Accum(bwd, ir.AccumOp.ADD, ir.Op.ID, (x,),
+                         ir.projections([(i, n)], [], [ir.affine((-1, i), const=n - 1)]))
+    code = backend.compile_batch([ir.Comp.of(forwards), ir.Comp.of(backwards)], names=["fwd", "bwd"])
+    assert "omp simd reduction(+:pj_acc)" in code.source.text and "fwd_0_parts" in code.source.text
+    xv = np.random.default_rng(8).integers(-8, 9, n).astype(np.float32) / 4  # every partial sum exact
+    ctx = backend.get_device(0).make_context().init_from_host(x, xv)
+    r_fwd, r_bwd = ctx.link_batch(code)
+    r_fwd.run()
+    r_bwd.run()
+    exact = float(xv.astype(np.float64).sum())
+    assert float(r_fwd.context.read(fwd)) == exact and float(r_bwd.context.read(bwd)) == exact
+    ctx.finalize()

@@ -139,6 +139,15 @@ class Dialect:
     def emit_kernel(self, em: Emitter, kernel: Kernel, spec: KernelSpec, names: Names) -> list[str]:
         return [*self.kernel_open(spec, names), *self.emit_parallel(em, kernel, names, 1), "}"]
 
+    def reduce_pragma(self, r: Reduce) -> str | None:
+        """C: a reduction whose order is free (``Reduce.reassociable``) vectorizes with one
+        accumulator per lane (``omp simd``)."""
+        op = _OMP_REDUCTION_OPS[r.accum]
+        if self.name != "c" or not r.reassociable or not r.node.dtype.is_float:
+            return None
+        collapse = f" collapse({len(r.loops)})" if len(r.loops) > 1 else ""
+        return f"#pragma omp simd reduction({op}:pj_acc){collapse}"
+
     def kernel_prefix(self, kernel: Kernel) -> list[str]:
         """Lines before a kernel's definition.
 
@@ -156,17 +165,20 @@ class Dialect:
 
 def _has_float_serial_accumulation(kernel: Kernel) -> bool:
     stmts = list(walk_stmts(kernel.body))
-    if any(isinstance(s, Reduce) and s.node.dtype.is_float for s in stmts):
+    if any(isinstance(s, Reduce) and s.node.dtype.is_float and not s.reassociable for s in stmts):
         return True
     serial = any(isinstance(s, Loop) for s in stmts)
     return serial and any(isinstance(s, Store) and s.accum is not None and s.node.dtype.is_float for s in stmts)
+
+
+_OMP_REDUCTION_OPS = {ir.AccumOp.ADD: "+", ir.AccumOp.MUL: "*", ir.AccumOp.MAX: "max", ir.AccumOp.MIN: "min"}
 
 
 def _omp_reduction_op(r: Reduce) -> str | None:
     """A full reduction (no parallel nest) worth splitting across threads with OpenMP."""
     if not r.loops or math.prod(n for _, n in r.loops) < 65536:
         return None
-    return {ir.AccumOp.ADD: "+", ir.AccumOp.MUL: "*", ir.AccumOp.MAX: "max", ir.AccumOp.MIN: "min"}[r.accum]
+    return _OMP_REDUCTION_OPS[r.accum]
 
 
 # ---------------------------------------------------------------------------
@@ -292,6 +304,7 @@ class Emitter:
         return self.reduce(s, indent)
 
     def reduce(self, r: Reduce, indent: int, pragma: str | None = None) -> list[str]:
+        pragma = pragma or self.d.reduce_pragma(r)
         pad = "  " * indent
         t = self.d.type_name(r.node.dtype)
         target = f"{self.names.buffer(r.node)}[{self.index(r.index)}]"

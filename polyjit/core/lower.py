@@ -91,6 +91,9 @@ class Reduce:
     init: Expr | None  # None: start from what the cell holds
     loops: tuple[tuple[Symbol, int], ...]
     value: Expr
+    # The values may be combined in any order (the partial results of a split reduction):
+    # a dialect may keep several accumulators (vector lanes). Otherwise: in loop order.
+    reassociable: bool = False
 
 
 @attrs.frozen
@@ -553,8 +556,8 @@ def _split_parts(loops: tuple[tuple[Symbol, int], ...]) -> tuple[int, int] | Non
 def split_long_reduction(k: Kernel) -> tuple[list[Kernel], Node | None]:
     """A long full reduction as two kernels: ``parts[b] = reduce(chunk b)`` over a parallel
     ``b``, then ``out = reduce(parts)``. Every backend then reduces in parallel (OpenMP
-    threads, work-items, blocks) with no atomics, in an order fixed by the sizes alone, so
-    results do not depend on the thread count. Returns the kernels and the new scratch node
+    threads, work-items, blocks) with no atomics, in an order fixed by the sizes (and, within
+    a chunk, the vector width: chunks are ``reassociable``), never by the thread count. Returns the kernels and the new scratch node
     of partial results (None: left whole)."""
     r = k.body
     if k.parallel or not isinstance(r, Reduce) or math.prod(n for _, n in r.loops) < SPLIT_MIN_LENGTH:
@@ -571,7 +574,8 @@ def split_long_reduction(k: Kernel) -> tuple[list[Kernel], Node | None]:
     loops = (*r.loops[:pos], (c, chunk), *r.loops[pos + 1:])
     value = _map_expr(r.value, lambda a: a.substitute({sym: whole}))
     neutral = Const(r.accum.neutral(r.node.dtype), r.node.dtype)
-    first = Kernel(f"{k.name}_parts", ((b, parts),), Reduce(partial, ir.as_affine(b), r.accum, neutral, loops, value),
+    first = Kernel(f"{k.name}_parts", ((b, parts),),
+                   Reduce(partial, ir.as_affine(b), r.accum, neutral, loops, value, reassociable=True),
                    f"{k.comment} (partial results)")
     second = Kernel(k.name, (), Reduce(r.node, r.index, r.accum, r.init, ((b2, parts),),
                                        Load(partial, ir.as_affine(b2))), f"{k.comment} (of {parts} partial results)")
