@@ -15,7 +15,7 @@ import platform
 from collections.abc import Sequence
 
 import numpy as np
-from common import linked_matmul
+from common import Target, linked_matmul, print_targets
 from timing import best_of, best_of_each, median_ns
 
 from polyjit.backends import get_backend
@@ -118,7 +118,7 @@ def bench_cached_compile() -> dict[str, float]:
     return {"cached_compile_ms": t * 1e3}
 
 
-TARGETS = [
+TARGETS: list[Target] = [
     ("chain", "speedup_vs_numpy", ">=", 2.0),
     ("chain", "fraction_of_copy_bw", ">=", 0.75),
     ("launch", "overhead_us", "<=", 5.0),
@@ -146,13 +146,7 @@ def main(argv: Sequence[str] = ()) -> int:
         print(f"[{group}]")
         for key, val in results[group].items():
             print(f"  {key:24s} {val:10.3f}")
-    print("[targets]")
-    ok = True
-    for group, key, cmp, bound in TARGETS:
-        val = results[group][key]
-        met = val >= bound if cmp == ">=" else val <= bound
-        ok &= met
-        print(f"  {group}.{key} = {val:.3f} (target {cmp} {bound}): {'met' if met else 'MISSED'}")
+    print_targets(results, TARGETS)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-from common import linked_matmul
+from common import Target, linked_matmul, print_targets
 from timing import best_of, best_of_each
 
 Report = Callable[[str, float, str], None]
@@ -269,7 +269,7 @@ def bench_d2d(report: Report, nbytes: int = 64 << 20, repeat: int = 20) -> dict[
     return out
 
 
-TARGETS = [
+TARGETS: list[Target] = [
     ("elementwise", "copy_ratio", ">=", 0.9),
     ("elementwise", "add_ratio", ">=", 0.9),
     ("elementwise", "chain_ratio", ">=", 0.9),
@@ -299,19 +299,6 @@ def run(report: Report = print_report, *, size: int = 1 << 24, matmul: int = 102
     return results
 
 
-def check_targets(results: dict[str, dict[str, float]]) -> bool:
-    ok = True
-    for group, key, cmp, bound in TARGETS:
-        if key not in results.get(group, {}):
-            print(f"  {group}.{key}: not measured")
-            continue
-        val = results[group][key]
-        met = val >= bound if cmp == ">=" else val <= bound
-        ok &= met
-        print(f"  {group}.{key} = {val:.3f} (target {cmp} {bound}): {'met' if met else 'MISSED'}")
-    return ok
-
-
 def main(argv: Sequence[str] = ()) -> int:
     p = argparse.ArgumentParser(prog="polyjit bench opencl")
     p.add_argument("--size", type=int, default=1 << 24, help="elements of the elementwise benchmarks")
@@ -320,8 +307,7 @@ def main(argv: Sequence[str] = ()) -> int:
     args = p.parse_args(list(argv))
     os.environ.setdefault("POCL_DEVICES", "pthread pthread")  # before OpenCL starts: two PoCL devices
     results = run(size=args.size, matmul=args.matmul)
-    print("[targets]")
-    check_targets(results)
+    print_targets(results, TARGETS)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from common import Target, print_targets
 from timing import best_of
 
 from polyjit import tensor as pt
@@ -39,7 +40,7 @@ from polyjit.tensor.plan import Mode
 
 Array = np.ndarray[Any, Any]
 ROOT = Path(__file__).resolve().parent.parent
-TARGETS = [
+TARGETS: list[Target] = [
     ("mlp", "polyjit_vs_numpy", ">=", 1.0),
     ("dispatch", "host_ratio", "<=", 0.2),
     ("data_parallel", "speedup", ">=", 1.6),
@@ -301,13 +302,7 @@ def main(argv: Sequence[str] = ()) -> int:
         print(f"[{group}]")
         for key, val in values.items():
             print(f"  {key:24s} {val:14.3f}" if isinstance(val, float) else f"  {key:24s} {val:>14}")
-    print("[targets]")
-    for group, key, cmp, bound in TARGETS:
-        if group not in results:
-            continue
-        val = results[group][key]
-        met = val >= bound if cmp == ">=" else val <= bound
-        print(f"  {group}.{key} = {val:.3f} (target {cmp} {bound}): {'met' if met else 'MISSED'}")
+    print_targets(results, TARGETS)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -31,3 +32,21 @@ def linked_matmul(backend: str, m: int, name: str = "bench_matmul") -> Matmul:
     xa, xb = rng.random((m, m), dtype=np.float32), rng.random((m, m), dtype=np.float32)
     ctx = be.get_device(0).make_context().init_from_host(a, xa).init_from_host(b, xb)
     return Matmul(ctx.link(code), xa, xb, c)
+
+
+Target = tuple[str, str, str, float]  # (group, key, ">=" or "<=", bound)
+
+
+def print_targets(results: Mapping[str, Mapping[str, Any]], targets: Sequence[Target]) -> bool:
+    """Print ``[targets]``: each target's value and met / MISSED (a group the run left out
+    is skipped); returns whether every measured one is met."""
+    print("[targets]")
+    ok = True
+    for group, key, cmp, bound in targets:
+        if key not in results.get(group, {}):
+            continue
+        val = results[group][key]
+        met = val >= bound if cmp == ">=" else val <= bound
+        ok &= met
+        print(f"  {group}.{key} = {val:.3f} (target {cmp} {bound}): {'met' if met else 'MISSED'}")
+    return ok
