@@ -195,9 +195,11 @@ static void wait_work(pj_stream* s, uint64_t head) {
     atomic_store_explicit(&s->sleeping, 0, memory_order_relaxed);
 }
 
-static void parallel_memcpy(void* dst, const void* src, size_t n) {
+/* Copy n bytes from src to dst, or set them to value when src is NULL: in 1 MiB chunks
+   shared by the OpenMP team when the range is large. */
+static void parallel_bytes(void* dst, const void* src, int value, size_t n) {
     if (n < PJ_PARALLEL_COPY || omp_get_max_threads() < 2) {
-        memcpy(dst, src, n);
+        if (src) memcpy(dst, src, n); else memset(dst, value, n);
         return;
     }
     const size_t chunk = 1u << 20;
@@ -206,22 +208,8 @@ static void parallel_memcpy(void* dst, const void* src, size_t n) {
     for (long c = 0; c < nchunks; c++) {
         size_t off = (size_t)c * chunk;
         size_t len = n - off < chunk ? n - off : chunk;
-        memcpy((char*)dst + off, (const char*)src + off, len);
-    }
-}
-
-static void parallel_memset(void* dst, int value, size_t n) {
-    if (n < PJ_PARALLEL_COPY || omp_get_max_threads() < 2) {
-        memset(dst, value, n);
-        return;
-    }
-    const size_t chunk = 1u << 20;
-    const long nchunks = (long)((n + chunk - 1) / chunk);
-#pragma omp parallel for schedule(static)
-    for (long c = 0; c < nchunks; c++) {
-        size_t off = (size_t)c * chunk;
-        size_t len = n - off < chunk ? n - off : chunk;
-        memset((char*)dst + off, value, len);
+        if (src) memcpy((char*)dst + off, (const char*)src + off, len);
+        else memset((char*)dst + off, value, len);
     }
 }
 
@@ -244,10 +232,10 @@ static void* worker_main(void* arg) {
                     t->u.launch.fn(t->u.launch.bufs, t->statics);
                     break;
                 case PJ_MEMCPY:
-                    parallel_memcpy(t->u.copy.dst, t->u.copy.src, t->u.copy.n);
+                    parallel_bytes(t->u.copy.dst, t->u.copy.src, 0, t->u.copy.n);
                     break;
                 case PJ_MEMSET:
-                    parallel_memset(t->u.copy.dst, t->value, t->u.copy.n);
+                    parallel_bytes(t->u.copy.dst, NULL, t->value, t->u.copy.n);
                     break;
                 case PJ_WAIT:
                     wait_done(t->u.wait.other, t->u.wait.ticket);
