@@ -238,8 +238,7 @@ class CpuDialect(Dialect):
         big = kernel.total_work >= self.omp_min_work * 8
         lines, depth = _open_nest(loops, big and math.prod(n for _, n in loops) > 1)
         p = "  " * depth
-        target = f"{names.buffer(r.node)}[{em.index(r.index)}]"
-        init = target if r.init is None else em.expr(r.init)
+        target, init = em.reduce_cell(r)
         each = f"for (int64_t pj_jj = 0; pj_jj < pj_jn; ++pj_jj) {{ const int64_t {j} = pj_jb * {width} + pj_jj;"
         lines += [f"{p}{t} pj_acc[{width}];",
                   f"{p}const int64_t pj_jn = " + (f"pj_jb < {blocks - 1} ? {width} : {last};" if last != width else f"{width};"),
@@ -341,8 +340,7 @@ class _StagingEmitter(Emitter):
             return super().reduce(r, indent, pragma)
         (sym, n), = r.loops
         pad, t, k = "  " * indent, self.d.type_name(r.node.dtype), self.names.var(sym)
-        target = f"{self.names.buffer(r.node)}[{self.index(r.index)}]"
-        init = target if r.init is None else self.expr(r.init)
+        target, init = self.reduce_cell(r)
         return [f"{pad}{{",
                 f"{pad}  {t} pj_vals[{n}];",
                 f"{pad}  for (int64_t {k} = 0; {k} < {n}; ++{k}) pj_vals[{k}] = {self.expr(r.value)};",

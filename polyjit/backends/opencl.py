@@ -200,6 +200,10 @@ class OpenCLDialect(Dialect):
             return None
         return c
 
+    def group_reduction(self, kernel: Kernel) -> bool:
+        """Whether the kernel gets a work-group per output cell (core/group_reduce.py)."""
+        return self.group_reductions and group_reduce.wants_group_reduce(kernel)
+
     @staticmethod
     def dims(kernel: Kernel) -> list[list[tuple[Symbol, int]]]:
         """The parallel loops on each global dimension: dim 0 is the innermost loop; beyond
@@ -217,7 +221,7 @@ class OpenCLDialect(Dialect):
             gy = _ceil_div(c.m, t.bm) * t.ly
             nb = math.prod(n for _, n in c.batch)
             return LaunchConfig((gx, gy, nb), (t.lx, t.ly, 1))
-        if self.group_reductions and group_reduce.wants_group_reduce(kernel):
+        if self.group_reduction(kernel):
             return LaunchConfig((group_reduce.group_count(kernel) * self.work_group,), (self.work_group,))
         if not kernel.parallel:
             return LaunchConfig((1,), (1,))
@@ -237,7 +241,7 @@ class OpenCLDialect(Dialect):
         c = self.contraction(kernel)
         if c is not None:
             return [*self.kernel_open(spec, names, "PJ_MATMUL_WG "), *_emit_matmul(self, em, c, names), "}"]
-        if self.group_reductions and group_reduce.wants_group_reduce(kernel):
+        if self.group_reduction(kernel):
             assert isinstance(kernel.body, Reduce)
             body = group_reduce.emit_group_reduce(em, kernel, kernel.body, names, self.work_group, group_reduce.OPENCL)
             size = f"__attribute__((reqd_work_group_size({self.work_group}, 1, 1))) "

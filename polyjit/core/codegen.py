@@ -303,12 +303,17 @@ class Emitter:
                     *self.stmt(s.body, indent + 1), f"{pad}}}"]
         return self.reduce(s, indent)
 
+    def reduce_cell(self, r: Reduce) -> tuple[str, str]:
+        """A reduction's output cell and the value it starts from (the cell itself when the
+        reduction accumulates onto what the context holds)."""
+        target = f"{self.names.buffer(r.node)}[{self.index(r.index)}]"
+        return target, target if r.init is None else self.expr(r.init)
+
     def reduce(self, r: Reduce, indent: int, pragma: str | None = None) -> list[str]:
         pragma = pragma or self.d.reduce_pragma(r)
         pad = "  " * indent
         t = self.d.type_name(r.node.dtype)
-        target = f"{self.names.buffer(r.node)}[{self.index(r.index)}]"
-        init = target if r.init is None else self.expr(r.init)
+        target, init = self.reduce_cell(r)
         lines = [f"{pad}{{", f"{pad}  {t} pj_acc = {init};"]
         depth = indent + 1
         for k, (sym, n) in enumerate(r.loops):

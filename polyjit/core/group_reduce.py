@@ -24,7 +24,7 @@ import attrs
 
 from polyjit.core.codegen import Emitter, Names
 from polyjit.core.ir import Symbol
-from polyjit.core.lower import Call, Kernel, Load, Reduce
+from polyjit.core.lower import Kernel, Load, Reduce, walk_exprs
 
 # A reduction at least this long, over at most this many cells...
 MIN_LENGTH = 512
@@ -55,14 +55,6 @@ OPENCL = GroupIds("get_group_id(0)", "get_num_groups(0)", "get_local_id(0)", "ge
                   "barrier(CLK_LOCAL_MEM_FENCE);", "__local", "long", ("uint", "u"), ("ulong", "UL"))
 
 
-def _loads(e: object) -> list[Load]:
-    if isinstance(e, Load):
-        return [e]
-    if isinstance(e, Call):
-        return [x for a in e.args for x in _loads(a)]
-    return []
-
-
 def reduction_length(r: Reduce) -> int:
     return math.prod(n for _, n in r.loops)
 
@@ -78,7 +70,7 @@ def wants_group_reduce(kernel: Kernel) -> bool:
     if cells > MAX_CELLS:
         return False
     inner_cell, inner_red = kernel.parallel[-1][0], r.loops[-1][0]
-    loads = _loads(r.value)
+    loads = [e for e in walk_exprs(r) if isinstance(e, Load)]
     cell_contiguous = any(ld.index.coeff(inner_cell) == 1 for ld in loads)
     red_contiguous = any(ld.index.coeff(inner_red) == 1 for ld in loads)
     return not (cell_contiguous and not red_contiguous and cells >= WORK_ITEM_PER_CELL_MIN_CELLS)
@@ -117,8 +109,7 @@ def emit_group_reduce(em: Emitter, kernel: Kernel, r: Reduce, names: Names, thre
     cft, csuf = index_type(cells + MAX_GROUPS, ids)
     rft, rsuf = index_type(length + threads, ids)
     neutral = em.literal(r.accum.neutral(dt), dt)
-    target = f"{names.buffer(r.node)}[{em.index(r.index)}]"
-    start = target if r.init is None else em.expr(r.init)
+    target, start = em.reduce_cell(r)
     shared = f"pj_red[{ids.local}]"
     lines = [f"  {ids.shared} {t} pj_red[{threads}];",
              f"  for ({cft} pj_cell = {ids.group}; pj_cell < {cells}{csuf}; pj_cell += {ids.groups}) {{"]
