@@ -557,8 +557,8 @@ def split_long_reduction(k: Kernel) -> tuple[list[Kernel], Node | None]:
     """A long full reduction as two kernels: ``parts[b] = reduce(chunk b)`` over a parallel
     ``b``, then ``out = reduce(parts)``. Every backend then reduces in parallel (OpenMP
     threads, work-items, blocks) with no atomics, in an order fixed by the sizes (and, within
-    a chunk, the vector width: chunks are ``reassociable``), never by the thread count. Returns the kernels and the new scratch node
-    of partial results (None: left whole)."""
+    a chunk, the vector width: chunks are ``reassociable``), never by the thread count.
+    Returns the kernels and the new scratch node of partial results (None: left whole)."""
     r = k.body
     if k.parallel or not isinstance(r, Reduce) or math.prod(n for _, n in r.loops) < SPLIT_MIN_LENGTH:
         return [k], None
@@ -570,7 +570,7 @@ def split_long_reduction(k: Kernel) -> tuple[list[Kernel], Node | None]:
     chunk = n // parts
     b, c, b2 = Symbol(f"{sym.name}_part"), Symbol(f"{sym.name}_in"), Symbol(f"{sym.name}_parts")
     whole = ir.as_affine(b).scale(chunk) + ir.as_affine(c)
-    partial = Node(f"{r.node.name}_parts", (parts,), r.node.dtype, mode=MemoryMode.LOCAL)
+    partial = Node(f"{r.node.name}_parts", (parts,), r.node.dtype)  # LOCAL: lower() records it
     loops = (*r.loops[:pos], (c, chunk), *r.loops[pos + 1:])
     value = _map_expr(r.value, lambda a: a.substitute({sym: whole}))
     neutral = Const(r.accum.neutral(r.node.dtype), r.node.dtype)
