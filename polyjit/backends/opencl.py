@@ -544,8 +544,10 @@ class OpenCLDriver:
 
     @property
     def dialect(self) -> OpenCLDialect:
-        if self._group_reductions == "auto":  # depends on the devices: find them first
-            self._dialect.group_reductions = not all(d.is_cpu for d in self.devices)
+        if self._group_reductions == "auto":  # depends on the devices: resolved once, on first use
+            on = not all(d.is_cpu for d in self.devices)
+            self._dialect.group_reductions = on
+            self._group_reductions = "on" if on else "off"
         return self._dialect
 
     # -- devices -----------------------------------------------------------------
