@@ -3,6 +3,9 @@
 - ``POLYJIT_REQUIRE_BACKENDS`` (comma-separated names): each must load and have at
   least one device, or the run fails at once (instead of skipping its tests);
 - ``POLYJIT_CACHE_DIR``: a fresh directory per session unless already set;
+- ``OCL_ICD_VENDORS``: unless already set, a PoCL that builds kernels on this host (pip's,
+  else the system's; see ``polyjit.backends.opencl.working_pocl_icd``), so a system OpenCL
+  install does not change what runs, and a host CPU too new for pip's PoCL does not stop it;
 - hypothesis: no deadline (the first example of a program compiles C).
 """
 
@@ -34,6 +37,14 @@ def pytest_configure(config: pytest.Config) -> None:
     if not os.environ.get("POLYJIT_CACHE_DIR"):
         _OWN_CACHE = tempfile.mkdtemp(prefix="polyjit-test-cache-")
         os.environ["POLYJIT_CACHE_DIR"] = _OWN_CACHE
+    if "OCL_ICD_VENDORS" not in os.environ:  # read when OpenCL first starts in this process
+        try:
+            from polyjit.backends.opencl import working_pocl_icd
+        except ImportError:
+            return
+        icd = working_pocl_icd()
+        if icd:
+            os.environ["OCL_ICD_VENDORS"] = icd
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -1,7 +1,7 @@
-"""The OpenCL backend (pyopencl), tested on pip's PoCL.
+"""The OpenCL backend (pyopencl), tested on PoCL.
 
-``OCL_ICD_VENDORS`` is pointed at the ``pocl.icd`` inside pyopencl's wheel unless it is
-set already (so a system OpenCL install does not change what runs). Tests that need two
+``OCL_ICD_VENDORS`` is pointed at a PoCL that builds on this host by ``tests/conftest.py``
+(pip's, else the system's), unless it is set already. Tests that need two
 devices run here when the platform shows two (``POCL_DEVICES="pthread pthread"``);
 otherwise ``test_two_device_tests_in_a_subprocess`` runs them in a subprocess with that
 variable set, so one plain ``pytest`` run covers them.
@@ -22,21 +22,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from polyjit.backends.opencl import OpenCLDialect, OpenCLDriver, create_backend, pip_pocl_icd
-
-_ICD = pip_pocl_icd()
-if _ICD and "OCL_ICD_VENDORS" not in os.environ:  # read when OpenCL first starts, not at import
-    os.environ["OCL_ICD_VENDORS"] = _ICD
-
-from polyjit.backends import get_backend  # noqa: E402
-from polyjit.core import dtypes, ir  # noqa: E402
-from polyjit.core.codegen import Source, generate  # noqa: E402
-from polyjit.core.errors import CompileError, PoolExhaustedError, UnsupportedError  # noqa: E402
-from polyjit.core.ir import AccumOp, Node, Op, StaticSymbol  # noqa: E402
-from polyjit.core.lower import lower  # noqa: E402
-from polyjit.core.protocol import MergeBuffer  # noqa: E402
-from polyjit.core.runtime import Backend, device_to_device, init_from_device  # noqa: E402
-from polyjit.testing import ConformanceSuite  # noqa: E402
+from polyjit.backends import get_backend
+from polyjit.backends.opencl import OpenCLDialect, OpenCLDriver, create_backend
+from polyjit.core import dtypes, ir
+from polyjit.core.codegen import Source, generate
+from polyjit.core.errors import CompileError, PoolExhaustedError, UnsupportedError
+from polyjit.core.ir import AccumOp, Node, Op, StaticSymbol
+from polyjit.core.lower import lower
+from polyjit.core.protocol import MergeBuffer
+from polyjit.core.runtime import Backend, device_to_device, init_from_device
+from polyjit.testing import ConformanceSuite
 
 cl: Any = pytest.importorskip("pyopencl")
 

@@ -38,6 +38,7 @@ pthread"`` makes PoCL show two CPU devices.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import importlib.util
 import math
@@ -74,6 +75,7 @@ PLATFORM_ENV = "POLYJIT_OPENCL_PLATFORM"
 BINARY_CACHE_ENV = "POLYJIT_OPENCL_BINARY_CACHE"
 MIN_BASE_ALIGNMENT = 64  # bytes; pool offsets are multiples of max(this, the device's alignment)
 CPU_BUILD_OPTION = "-D PJ_CPU=1"  # selects the CPU variant of tiled kernels
+PROBE_KERNEL = "__kernel void pj_probe(__global int* a) { a[0] = 1; }"
 
 
 def pip_pocl_icd() -> str | None:
@@ -88,6 +90,34 @@ def pip_pocl_icd() -> str | None:
         return None
     icd = Path(spec.origin).parent / ".libs" / "pocl.icd"
     return str(icd) if icd.is_file() else None
+
+
+SYSTEM_POCL_ICDS = ("/etc/OpenCL/vendors/pocl.icd",)  # Debian's pocl-opencl-icd
+
+
+def working_pocl_icd() -> str | None:
+    """An ICD file of a PoCL that builds kernels on this host: pip's (see :func:`pip_pocl_icd`)
+    when it can, else the system's. pip's PoCL 3.0 is built on LLVM 14, which does not know
+    CPUs newer than it (AMD Zen 5: "unknown target CPU 'generic'"); Debian's PoCL does.
+    Each candidate is tried in a child process: OpenCL reads ``OCL_ICD_VENDORS`` once."""
+    import subprocess
+    import sys
+
+    probe = ("import pyopencl as cl\n"
+             "for p in cl.get_platforms():\n"
+             "    cl.Program(cl.Context(devices=p.get_devices()), PROBE).build()\n")
+    for icd in (pip_pocl_icd(), *SYSTEM_POCL_ICDS):
+        if not icd or not Path(icd).is_file():
+            continue
+        env = {**os.environ, "OCL_ICD_VENDORS": icd}
+        code = f"PROBE = {PROBE_KERNEL!r}\n{probe}"
+        try:
+            done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=120)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if done.returncode == 0:
+            return icd
+    return None
 
 
 # ---------------------------------------------------------------------------
@@ -589,6 +619,11 @@ class OpenCLDriver:
             except cl.Error as e:
                 problems.append(f"{_cl_name(plat.name)}: {e}")
                 continue
+            broken = _cannot_build(ctx, devs) if devs else None
+            if broken:
+                problems.append(f"{_cl_name(plat.name)} ({_cl_name(plat.version)}) cannot build kernels "
+                                f"here: {broken}")
+                continue
             for dk, dev in enumerate(devs):
                 is_cpu = bool(dev.type & cl.device_type.CPU)
                 options = CPU_BUILD_OPTION if (is_cpu and self.matmul_variant == "auto") else ""
@@ -888,6 +923,27 @@ class OpenCLDriver:
         if ev is not None:
             stream.seq += len(prepared.calls)
             stream.last = ev
+
+
+def _cannot_build(ctx: Any, devs: Sequence[Any]) -> str | None:
+    """Why a platform cannot build a trivial kernel (None when it can). A platform whose
+    compiler does not know this host (pip's PoCL 3.0 on CPUs newer than its LLVM 14) is left
+    out at discovery, with the reason, instead of failing every later build."""
+    program = cl._cl._Program(ctx, PROBE_KERNEL)
+    try:
+        program.build(b"", devs)
+    except cl.Error as e:
+        logs = []
+        for d in devs:
+            with contextlib.suppress(cl.Error):
+                logs.append(str(program.get_build_info(d, cl.program_build_info.LOG)).strip())
+        log = " ".join(ln for ln in "\n".join(logs).splitlines() if ln.strip()) or str(e)
+        hint = ""
+        if "unknown target CPU" in log:
+            hint = ("; its LLVM does not know this CPU: install a newer PoCL (Debian: "
+                    "apt install pocl-opencl-icd) and point OCL_ICD_VENDORS at its .icd file")
+        return log[:500] + hint
+    return None
 
 
 def _check_kernels(program: Any, binary: _Binary, devs: Sequence[_Device]) -> None:
