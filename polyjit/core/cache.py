@@ -1,27 +1,251 @@
-"""The compile cache: content-addressed binaries, in memory and on disk.
+"""The compile cache: content-addressed, verified binaries, in memory and on disk.
 
 Keys hash everything that changes the binary (source, dialect, compiler and
 its version, flags), so a second process that compiles the same batch finds
 the file and never calls the compiler.
+
+Trust rules (see docs/reliability.md, "The compile cache"):
+
+- every entry ``<key><suffix>`` has a sidecar ``<key><suffix>.sha256`` holding the
+  sha256 of its bytes and its own name, in ``sha256sum`` format; an entry is returned
+  only after its bytes, read through one file descriptor, match the sidecar. An entry
+  that is empty, damaged, swapped, planted without a hash or with a wrong one is
+  treated as absent and rebuilt;
+- a sidecar (not a header) because the files are loaded by other tools as they
+  are (``dlopen``, ``cuModuleLoadData``, ``clCreateProgramWithBinary``), and an
+  extended attribute does not survive every file system or copy;
+- the binary is published first, its sidecar second, each by ``os.replace``: a
+  reader that comes between the two sees a mismatch and rebuilds, never a binary
+  without its hash;
+- directories are created 0700; a cache directory owned by another user, or
+  writable by group or others (or below such an ancestor without the sticky bit),
+  is refused with a :class:`CacheDirWarning`, and the process uses a private
+  directory from ``tempfile.mkdtemp`` instead. Entry files must be regular files
+  owned by us and not writable by group or others.
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
+import hmac
 import os
+import re
+import shutil
+import stat
 import tempfile
+import threading
+import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
+
+from polyjit.core.errors import CompileError, PolyjitError
+
+__all__ = [
+    "HASH_SUFFIX",
+    "BinaryCache",
+    "CacheDirWarning",
+    "CacheError",
+    "cache_dir",
+    "content_key",
+]
+
+HASH_SUFFIX = ".sha256"
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_BINARY = getattr(os, "O_BINARY", 0)
+_SIDECAR_MAX = 4096
+_SIDECAR_RE = re.compile(r"([0-9a-f]{64})  (\S+)\n?")
+_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*")
+_SUFFIX_RE = re.compile(r"(\.[A-Za-z0-9_]+)*")
 
 
-def cache_dir() -> Path:
-    """``$POLYJIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/polyjit``, else ``~/.cache/polyjit``."""
+class CacheDirWarning(UserWarning):
+    """A cache directory was refused (unsafe or unusable); a private temporary one is used."""
+
+
+class CacheError(PolyjitError, OSError):
+    """Not even a private temporary cache directory could be created or written."""
+
+
+def _euid() -> int | None:
+    return os.geteuid() if hasattr(os, "geteuid") else None  # None: no owners to check (Windows)
+
+
+def _writers(mode: int) -> str:
+    who = [name for bit, name in ((stat.S_IWGRP, "group"), (stat.S_IWOTH, "others")) if mode & bit]
+    return " and ".join(who)
+
+
+def _dir_problem(st: os.stat_result) -> str | None:
+    """Why a directory with this stat may not hold cache entries, or None."""
+    if not stat.S_ISDIR(st.st_mode):
+        return "it is not a directory"
+    uid = _euid()
+    if uid is not None and st.st_uid != uid:
+        return f"it is owned by uid {st.st_uid}, not by this user (uid {uid})"
+    if st.st_mode & 0o022:
+        return f"it is writable by {_writers(st.st_mode)} (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def _ancestor_problem(path: Path) -> str | None:
+    """Another user who can rename an ancestor can swap the whole tree after we checked it."""
+    uid = _euid()
+    if uid is None:
+        return None
+    for parent in path.parents:
+        try:
+            st = os.stat(parent)
+        except OSError as e:
+            return f"its ancestor {parent} cannot be read ({e.strerror})"
+        if st.st_uid not in (uid, 0):
+            return f"its ancestor {parent} is owned by uid {st.st_uid}"
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            return f"its ancestor {parent} is writable by {_writers(st.st_mode)} without the sticky bit"
+    return None
+
+
+def _file_problem(st: os.stat_result) -> bool:
+    if not stat.S_ISREG(st.st_mode) or st.st_mode & 0o022:
+        return True
+    uid = _euid()
+    return uid is not None and st.st_uid != uid
+
+
+def _make_dirs(path: Path) -> str | None:
+    """Create path and its missing ancestors, each 0700; a reason on failure."""
+    missing: list[Path] = []
+    p = path
+    while not os.path.lexists(p) and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    for q in reversed(missing):
+        try:
+            os.mkdir(q, 0o700)
+        except FileExistsError:
+            continue  # a concurrent process made it; checked below like any other
+        except OSError as e:
+            return f"it cannot be created ({e.strerror or e})"
+        try:
+            os.chmod(q, 0o700)  # the umask may have taken bits we need
+        except OSError as e:
+            return f"it cannot be made private ({e.strerror or e})"
+    return None
+
+
+def _usable_root(path: Path) -> tuple[Path | None, str | None]:
+    """The real path of a safe, writable cache root (created if missing), or the reason not."""
+    problem = _make_dirs(path)
+    if problem is not None:
+        return None, problem
+    # The real path from here on: a symlink planted in a shared directory cannot be retargeted.
+    real = Path(os.path.realpath(path))
+    try:
+        st = os.stat(real)
+    except OSError as e:
+        return None, f"it cannot be read ({e.strerror or e})"
+    problem = _dir_problem(st) or _ancestor_problem(real)
+    if problem is None and not os.access(real, os.W_OK | os.X_OK):
+        problem = "it is not writable by this user"
+    return (None, problem) if problem else (real, None)
+
+
+def _private_dir(path: Path) -> str | None:
+    """Create path (0700) unless it exists; a reason if it is not ours alone. No symlinks."""
+    try:
+        os.mkdir(path, 0o700)
+        os.chmod(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        return f"it cannot be created ({e.strerror or e})"
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        return f"it cannot be read ({e.strerror or e})"
+    if stat.S_ISLNK(st.st_mode):
+        return "it is a symbolic link"
+    problem = _dir_problem(st)
+    if problem is None and not os.access(path, os.W_OK | os.X_OK):
+        problem = "it is not writable by this user"
+    return problem
+
+
+_warned: set[str] = set()
+_fallback_lock = threading.Lock()
+_fallback: tuple[int, Path] | None = None  # (pid, dir): one per process, reused
+_fallbacks_made: list[tuple[int, Path]] = []
+
+
+def _warn(place: Path, reason: str) -> None:
+    message = (
+        f"polyjit compile cache: refusing {place}: {reason}; "
+        "using a private temporary directory instead (binaries are not kept across processes)"
+    )
+    with _fallback_lock:
+        if message in _warned:
+            return
+        _warned.add(message)
+    warnings.warn(message, CacheDirWarning, stacklevel=2)
+
+
+def _fallback_root() -> Path:
+    """This process's private cache root, made by mkdtemp (0700) on first use."""
+    global _fallback
+    with _fallback_lock:
+        pid = os.getpid()
+        if _fallback is not None and _fallback[0] == pid:
+            try:
+                if _dir_problem(os.lstat(_fallback[1])) is None:
+                    return _fallback[1]
+            except OSError:
+                pass  # removed under us: make another
+        try:
+            made = Path(tempfile.mkdtemp(prefix="polyjit-cache-"))
+        except OSError as e:
+            raise CacheError(f"polyjit compile cache: no private temporary directory: {e}") from e
+        if not _fallbacks_made:
+            atexit.register(_remove_fallbacks)
+        _fallbacks_made.append((pid, made))
+        _fallback = (pid, made)
+        return made
+
+
+def _remove_fallbacks() -> None:
+    pid = os.getpid()  # a forked child must not remove its parent's directory
+    for owner, path in _fallbacks_made:
+        if owner == pid:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _configured_root() -> Path | None:
     env = os.environ.get("POLYJIT_CACHE_DIR")
     if env:
         return Path(env)
     xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg) if xdg else Path.home() / ".cache"
+    try:
+        base = Path(xdg) if xdg else Path.home() / ".cache"
+    except RuntimeError:  # no $HOME and no passwd entry
+        return None
     return base / "polyjit"
+
+
+def cache_dir() -> Path:
+    """The cache root in use: ``$POLYJIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/polyjit``, else
+    ``~/.cache/polyjit``, created 0700; a private temporary directory (with a
+    :class:`CacheDirWarning`) when that one is unsafe or unusable."""
+    root = _configured_root()
+    if root is None:
+        _warn(Path("~/.cache/polyjit"), "there is no home directory")
+        return _fallback_root()
+    real, problem = _usable_root(root)
+    if real is None:
+        _warn(root, problem or "it is unusable")
+        return _fallback_root()
+    return real
 
 
 def content_key(*parts: str | bytes) -> str:
@@ -33,34 +257,273 @@ def content_key(*parts: str | bytes) -> str:
     return h.hexdigest()[:40]
 
 
+class _Ident(NamedTuple):
+    """What changes when a file is replaced or rewritten (ctime cannot be set back by utime)."""
+
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+
+def _ident(st: os.stat_result) -> _Ident:
+    return _Ident(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+class _Seen(NamedTuple):
+    path: Path
+    ident: _Ident
+
+
+def _digest_line(name: str, data: bytes) -> str:
+    return f"{hashlib.sha256(data).hexdigest()}  {name}\n"  # sha256sum -c can check it
+
+
+def _read_sidecar(path: Path) -> str | None:
+    """The hex digest recorded for path, or None if the sidecar is missing or not trusted."""
+    try:
+        fd = os.open(f"{path}{HASH_SUFFIX}", os.O_RDONLY | _NOFOLLOW | _CLOEXEC | _BINARY)
+    except OSError:
+        return None
+    try:
+        if _file_problem(os.fstat(fd)):
+            return None
+        text = os.read(fd, _SIDECAR_MAX + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if len(text) > _SIDECAR_MAX:
+        return None
+    m = _SIDECAR_RE.fullmatch(text.decode("ascii", "replace"))
+    # The name inside catches a sidecar moved along with another entry's binary.
+    return m.group(1) if m and m.group(2) == path.name else None
+
+
+def _read_fd(fd: int) -> bytes:
+    with open(fd, "rb", closefd=False) as f:
+        return f.read()
+
+
+def _verified(path: Path) -> tuple[bytes, _Ident] | None:
+    """The bytes of path and its identity, if they match their sidecar; else None."""
+    expected = _read_sidecar(path)
+    if expected is None:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC | _BINARY)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if _file_problem(st) or st.st_size == 0:
+            return None
+        data = _read_fd(fd)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if not data or not hmac.compare_digest(hashlib.sha256(data).hexdigest(), expected):
+        return None
+    return data, _ident(st)
+
+
+def _unchanged(seen: _Seen) -> bool:
+    try:
+        st = os.lstat(seen.path)
+    except OSError:
+        return False
+    return not _file_problem(st) and _ident(st) == seen.ident
+
+
+def _write_sidecar(path: Path, line: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}{HASH_SUFFIX}.", dir=path.parent)
+    try:
+        with open(fd, "w", encoding="ascii") as f:
+            f.write(line)
+        os.replace(tmp, f"{path}{HASH_SUFFIX}")
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+
+
+def _open_built(tmp: str, name: str) -> tuple[int, bytes]:
+    """An fd on a freshly built tmp file (made private) and its bytes."""
+    fd = os.open(tmp, os.O_RDONLY | _NOFOLLOW | _CLOEXEC | _BINARY)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CacheError(f"polyjit compile cache: the build of {name} is not a regular file")
+        if st.st_mode & 0o022 and hasattr(os, "fchmod"):
+            os.fchmod(fd, stat.S_IMODE(st.st_mode) & ~0o022)  # compilers follow the umask
+        data = _read_fd(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    if not data:
+        os.close(fd)
+        raise CompileError(f"the build of cache entry {name} wrote nothing")
+    return fd, data
+
+
+def _commit(fd: int, tmp: str, path: Path, data: bytes) -> _Ident:
+    """Publish tmp (open as fd, holding data, in path's directory) as path, then its sidecar."""
+    os.replace(tmp, path)  # the binary first: a reader never trusts it before its hash lands
+    _write_sidecar(path, _digest_line(path.name, data))
+    return _ident(os.fstat(fd))  # the published inode (the rename changed its ctime)
+
+
 class BinaryCache:
-    """Binaries by key: a dict in front of files under ``cache_dir()/<namespace>``."""
+    """Binaries by key: a dict in front of verified files under ``cache_dir()/<namespace>``.
+
+    ``get_or_build`` returns a path (for loaders that take one, like ``dlopen``);
+    ``get_or_build_bytes`` returns the verified bytes themselves, read once, so
+    nothing can change between the check and the use.
+    """
 
     def __init__(self, namespace: str, suffix: str) -> None:
+        if not _NAME_RE.fullmatch(namespace):
+            raise ValueError(f"cache namespace must be a plain name, not {namespace!r}")
+        if not _SUFFIX_RE.fullmatch(suffix) or suffix.endswith(HASH_SUFFIX):
+            raise ValueError(f"cache suffix must look like '.so', not {suffix!r}")
         self.namespace = namespace
         self.suffix = suffix
-        self._memory: dict[str, Path] = {}
+        self._memory: dict[str, _Seen] = {}  # key -> the file verified here, and its identity
         self.compiles = 0  # how many times build() really ran the compiler, for tests
+        self._lock = threading.Lock()
+        self._key_locks: dict[str, threading.Lock] = {}
+
+    # -- places -----------------------------------------------------------------------
+
+    def directory(self) -> Path:
+        """The namespace directory in use (created 0700), or its private fallback."""
+        root = cache_dir()
+        path = root / self.namespace
+        problem = _private_dir(path)
+        if problem is None:
+            return path
+        _warn(path, problem)
+        return self._fallback_dir()
+
+    def _fallback_dir(self) -> Path:
+        path = _fallback_root() / self.namespace
+        problem = _private_dir(path)
+        if problem is not None:
+            raise CacheError(f"polyjit compile cache: cannot use {path}: {problem}")
+        return path
+
+    def _name(self, key: str) -> str:
+        if not _NAME_RE.fullmatch(key):
+            raise ValueError(f"cache key must be a plain name (e.g. from content_key), not {key!r}")
+        return f"{key}{self.suffix}"
 
     def path_for(self, key: str) -> Path:
-        return cache_dir() / self.namespace / f"{key}{self.suffix}"
+        return self.directory() / self._name(key)
+
+    # -- lookups ----------------------------------------------------------------------
 
     def get_or_build(self, key: str, build: Callable[[Path], None]) -> Path:
-        """Return the cached file for key; else call build(tmp_path) and publish it atomically."""
-        hit = self._memory.get(key)
-        if hit is not None and hit.exists():
+        """The verified cached file for key; else call build(tmp_path), publish it, return it."""
+        return self._get(key, build, want_bytes=False)[0]
+
+    def get_or_build_bytes(self, key: str, build: Callable[[Path], None]) -> bytes:
+        """Like get_or_build, but the verified bytes themselves (no check-then-use gap)."""
+        data = self._get(key, build, want_bytes=True)[1]
+        assert data is not None
+        return data
+
+    def put(self, key: str, data: bytes) -> Path:
+        """Publish (or replace) the entry for key with data and its hash; return its path."""
+        if not data:
+            raise ValueError("a cache entry cannot be empty")
+        name = self._name(key)
+        with self._key_lock(key):
+            return self._publish(self.directory(), name, key, lambda tmp: tmp.write_bytes(data))[0]
+
+    def _key_lock(self, key: str) -> threading.Lock:
+        with self._lock:
+            lock = self._key_locks.get(key)
+            if lock is None:
+                lock = self._key_locks[key] = threading.Lock()
+            return lock
+
+    def _hit(self, key: str, path: Path, want_bytes: bool) -> tuple[Path, bytes | None] | None:
+        seen = self._memory.get(key)
+        if not want_bytes and seen is not None and seen.path == path and _unchanged(seen):
+            return path, None  # verified by this process, and still the same file
+        got = _verified(path)
+        if got is None:
+            return None
+        data, ident = got
+        self._memory[key] = _Seen(path, ident)
+        return path, data
+
+    def _get(self, key: str, build: Callable[[Path], None], want_bytes: bool) -> tuple[Path, bytes | None]:
+        name = self._name(key)
+        hit = self._hit(key, self.directory() / name, want_bytes)
+        if hit is not None:
             return hit
-        path = self.path_for(key)
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{key}.", suffix=self.suffix, dir=path.parent)
-            os.close(fd)
-            try:
+        with self._key_lock(key):  # threads of one process build a key once
+            directory = self.directory()
+            hit = self._hit(key, directory / name, want_bytes)
+            if hit is not None:
+                return hit
+            with self._lock:
                 self.compiles += 1
-                build(Path(tmp))
-                os.replace(tmp, path)  # atomic: a concurrent process sees all or nothing
+            return self._publish(directory, name, key, build)
+
+    def _new_tmp(self, directory: Path, name: str) -> tuple[Path, str]:
+        """A fresh temp file for name in directory, else in the private fallback."""
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=self.suffix, dir=directory)
+        except OSError as e:
+            _warn(directory, f"it cannot be written ({e.strerror or e})")
+            directory = self._fallback_dir()
+            try:
+                fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=self.suffix, dir=directory)
+            except OSError as e2:
+                raise CacheError(f"polyjit compile cache: cannot write in {directory}: {e2}") from e2
+        os.close(fd)
+        return directory, tmp
+
+    def _publish(
+        self, directory: Path, name: str, key: str, write: Callable[[Path], object]
+    ) -> tuple[Path, bytes]:
+        """Run write(tmp) in directory (or the fallback, if directory fails us) and publish."""
+        directory, tmp = self._new_tmp(directory, name)
+        try:
+            write(Path(tmp))  # its errors (CompileError, ...) go to the caller as they are
+            try:
+                fd, data = _open_built(tmp, name)
+            except OSError as e:
+                raise CacheError(f"polyjit compile cache: cannot read the build of {name}: {e}") from e
+            try:
+                ident = _commit(fd, tmp, directory / name, data)
+            except OSError as e:
+                # E.g. the entry's name is taken by a directory: keep the build, publish it privately.
+                _warn(directory / name, f"it cannot be replaced ({e.strerror or e})")
+                directory = self._fallback_dir()
+                ident = self._write_new(directory, name, data)
             finally:
-                if os.path.exists(tmp):
+                os.close(fd)
+        finally:
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
+        path = directory / name
+        self._memory[key] = _Seen(path, ident)
+        return path, data
+
+    def _write_new(self, directory: Path, name: str, data: bytes) -> _Ident:
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=self.suffix, dir=directory)
+            try:
+                with open(fd, "wb", closefd=False) as f:
+                    f.write(data)
+                return _commit(fd, tmp, directory / name, data)
+            finally:
+                os.close(fd)
+                if os.path.lexists(tmp):
                     os.unlink(tmp)
-        self._memory[key] = path
-        return path
+        except OSError as e:
+            raise CacheError(f"polyjit compile cache: cannot publish {name} in {directory}: {e}") from e

@@ -1,0 +1,398 @@
+"""The compile cache refuses what it cannot trust: every failure mode is rebuilt or refused.
+
+Damaged entries are never loaded in this process: a truncated shared library that is
+mapped can kill the process with SIGBUS, so each test checks the bytes before any
+``ctypes.CDLL``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from polyjit.backends.cc import build_shared
+from polyjit.core import cache as cache_mod
+from polyjit.core.cache import HASH_SUFFIX, BinaryCache, CacheDirWarning, cache_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+OTHER_UID = 65534  # nobody
+needs_root = pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root to chown"
+)
+
+
+def _source(value: int) -> str:
+    return f"int answer(void) {{ return {value}; }}\n"
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _sidecar(path: Path) -> Path:
+    return Path(f"{path}{HASH_SUFFIX}")
+
+
+def _assert_verified(path: Path) -> bytes:
+    """The entry's bytes match its sidecar (checked before anything loads it)."""
+    data = path.read_bytes()
+    assert data, f"{path} is empty"
+    assert _sidecar(path).read_text() == f"{_sha(data)}  {path.name}\n"
+    return data
+
+
+def _writer(data: bytes, calls: list[int] | None = None) -> Callable[[Path], None]:
+    def build(out: Path) -> None:
+        if calls is not None:
+            calls.append(1)
+        out.write_bytes(data)
+
+    return build
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+@pytest.fixture
+def cache_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    root = tmp_path / "cache"
+    monkeypatch.setenv("POLYJIT_CACHE_DIR", str(root))
+    yield root
+
+
+def _assert_private_fallback(refused: Path) -> Path:
+    used = cache_dir()
+    assert not used.is_relative_to(refused)
+    st = os.stat(used)
+    assert stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.geteuid()
+    return used
+
+
+# -- damaged entries ---------------------------------------------------------------------
+
+
+def test_truncated_library_is_rebuilt_not_loaded(cache_root: Path) -> None:
+    cache = BinaryCache("cpu", ".so")
+    path = build_shared(_source(41), cache=cache)
+    good = _assert_verified(path)
+    assert cache.compiles == 1
+
+    # The same cache object: its memory layer must notice the file changed.
+    os.truncate(path, len(good) // 2)
+    again = build_shared(_source(41), cache=cache)
+    assert cache.compiles == 2
+    assert len(_assert_verified(again)) == len(good)
+
+    # Another process (a fresh cache object) over a truncated file.
+    os.truncate(again, 100)
+    fresh = BinaryCache("cpu", ".so")
+    third = build_shared(_source(41), cache=fresh)
+    assert fresh.compiles == 1
+    _assert_verified(third)
+    assert ctypes.CDLL(str(third)).answer() == 41
+
+
+def test_empty_entry_is_rebuilt_even_with_a_matching_hash(cache_root: Path) -> None:
+    cache = BinaryCache("t", ".bin")
+    assert cache.get_or_build_bytes("k1", _writer(b"payload")) == b"payload"
+    path = cache.path_for("k1")
+    path.write_bytes(b"")
+    _sidecar(path).write_text(f"{_sha(b'')}  {path.name}\n")
+    fresh = BinaryCache("t", ".bin")
+    assert fresh.get_or_build(path.stem, _writer(b"payload")) == path
+    assert fresh.compiles == 1 and _assert_verified(path) == b"payload"
+
+
+def test_swapped_entry_is_rebuilt(cache_root: Path) -> None:
+    cache = BinaryCache("cpu", ".so")
+    one = build_shared(_source(1), cache=cache)
+    two = build_shared(_source(2), cache=cache)
+    one.write_bytes(two.read_bytes())  # a valid library, but another entry's
+    fresh = BinaryCache("cpu", ".so")
+    got = build_shared(_source(1), cache=fresh)
+    assert got == one and fresh.compiles == 1
+    _assert_verified(got)
+    assert ctypes.CDLL(str(got)).answer() == 1
+
+
+def test_entry_swapped_with_its_hash_is_rebuilt(cache_root: Path) -> None:
+    cache = BinaryCache("t", ".bin")
+    cache.put("a", b"entry a")
+    cache.put("b", b"entry b")
+    a, b = cache.path_for("a"), cache.path_for("b")
+    a.write_bytes(b.read_bytes())
+    _sidecar(a).write_bytes(_sidecar(b).read_bytes())  # hash and bytes agree, but name b
+    fresh = BinaryCache("t", ".bin")
+    assert fresh.get_or_build_bytes("a", _writer(b"entry a")) == b"entry a"
+    assert fresh.compiles == 1
+
+
+def test_planted_entry_without_a_hash_is_not_loaded(cache_root: Path) -> None:
+    cache = BinaryCache("cpu", ".so")
+    evil = build_shared(_source(666), cache=BinaryCache("evil", ".so"))
+    key_path = build_shared(_source(7), cache=cache)
+    key_path.write_bytes(evil.read_bytes())
+    _sidecar(key_path).unlink()
+    fresh = BinaryCache("cpu", ".so")
+    got = build_shared(_source(7), cache=fresh)
+    assert fresh.compiles == 1
+    _assert_verified(got)
+    assert ctypes.CDLL(str(got)).answer() == 7
+
+
+def test_planted_entry_with_a_forged_wrong_hash_is_rebuilt(cache_root: Path) -> None:
+    cache = BinaryCache("t", ".bin")
+    path = cache.path_for("k")
+    path.write_bytes(b"planted")
+    _sidecar(path).write_text(f"{_sha(b'something else')}  {path.name}\n")
+    assert cache.get_or_build_bytes("k", _writer(b"genuine")) == b"genuine"
+    assert cache.compiles == 1 and _assert_verified(path) == b"genuine"
+
+
+@needs_root
+def test_entry_owned_by_another_user_is_rebuilt(cache_root: Path) -> None:
+    cache = BinaryCache("t", ".bin")
+    path = cache.put("k", b"theirs")
+    os.chown(path, OTHER_UID, OTHER_UID)  # its hash matches; its owner does not
+    fresh = BinaryCache("t", ".bin")
+    assert fresh.get_or_build_bytes("k", _writer(b"ours")) == b"ours"
+    assert fresh.compiles == 1 and os.stat(path).st_uid == os.geteuid()
+
+
+def test_group_writable_entry_is_rebuilt(cache_root: Path) -> None:
+    cache = BinaryCache("t", ".bin")
+    path = cache.put("k", b"old")
+    path.chmod(0o666)
+    assert cache.get_or_build_bytes("k", _writer(b"new")) == b"new"
+    assert cache.compiles == 1 and not _mode(path) & 0o022
+
+
+def test_symlinked_entry_is_rebuilt(cache_root: Path, tmp_path: Path) -> None:
+    cache = BinaryCache("t", ".bin")
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"elsewhere")
+    path = cache.path_for("k")
+    path.symlink_to(outside)
+    _sidecar(path).write_text(f"{_sha(b'elsewhere')}  {path.name}\n")
+    assert cache.get_or_build_bytes("k", _writer(b"real")) == b"real"
+    assert not path.is_symlink() and outside.read_bytes() == b"elsewhere"
+
+
+def test_memory_layer_skips_rehash_but_notices_replacement(
+    cache_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = BinaryCache("t", ".bin")
+    path = cache.get_or_build("k", _writer(b"AAAA"))
+    checks: list[Path] = []
+    real = cache_mod._verified
+
+    def counting(p: Path) -> tuple[bytes, cache_mod._Ident] | None:
+        checks.append(p)
+        return real(p)
+
+    monkeypatch.setattr(cache_mod, "_verified", counting)
+    assert cache.get_or_build("k", _writer(b"AAAA")) == path
+    assert checks == []  # verified by this process and unchanged: not hashed again
+
+    # Rewritten in place, same size, mtime put back: the ctime still tells.
+    st = os.stat(path)
+    path.write_bytes(b"BBBB")
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert cache.get_or_build("k", _writer(b"AAAA")) == path
+    assert set(checks) == {path} and cache.compiles == 2 and path.read_bytes() == b"AAAA"
+
+
+def test_put_publishes_with_a_hash(cache_root: Path) -> None:
+    cache = BinaryCache("t", ".bin")
+    path = cache.put("k", b"given")
+    assert _assert_verified(path) == b"given"
+    assert BinaryCache("t", ".bin").get_or_build_bytes("k", _writer(b"never")) == b"given"
+    cache.put("k", b"replaced")
+    assert cache.get_or_build_bytes("k", _writer(b"never")) == b"replaced"
+    assert cache.compiles == 0
+    with pytest.raises(ValueError):
+        cache.put("k", b"")
+    with pytest.raises(ValueError):
+        cache.put("../escape", b"x")
+
+
+def test_failed_build_publishes_nothing(cache_root: Path) -> None:
+    cache = BinaryCache("t", ".bin")
+
+    def failing(out: Path) -> None:
+        out.write_bytes(b"half")
+        raise RuntimeError("compiler exploded")
+
+    with pytest.raises(RuntimeError, match="exploded"):
+        cache.get_or_build("k", failing)
+    assert list(cache.path_for("k").parent.iterdir()) == []
+
+
+# -- directories ---------------------------------------------------------------------------
+
+
+def test_directories_are_created_private(cache_root: Path) -> None:
+    old = os.umask(0)  # even a permissive umask gives 0700
+    try:
+        cache = BinaryCache("cpu", ".so")
+        path = build_shared(_source(3), cache=cache)
+    finally:
+        os.umask(old)
+    assert path.parent == cache_root / "cpu"
+    assert _mode(cache_root) == 0o700 and _mode(cache_root / "cpu") == 0o700
+    assert not _mode(path) & 0o022 and not _mode(_sidecar(path)) & 0o077
+
+
+def test_world_writable_cache_dir_is_refused(cache_root: Path) -> None:
+    cache_root.mkdir()
+    cache_root.chmod(0o777)
+    cache = BinaryCache("t", ".bin")
+    with pytest.warns(CacheDirWarning, match="writable by group and others"):
+        path = cache.get_or_build("k", _writer(b"data"))
+    used = _assert_private_fallback(cache_root)
+    assert path.parent == used / "t" and _mode(path.parent) == 0o700
+    assert list(cache_root.iterdir()) == []
+
+
+def test_group_writable_namespace_dir_is_refused(cache_root: Path) -> None:
+    (cache_root / "t").mkdir(parents=True)
+    (cache_root / "t").chmod(0o770)
+    cache_root.chmod(0o700)
+    cache = BinaryCache("t", ".bin")
+    with pytest.warns(CacheDirWarning, match="writable by group"):
+        path = cache.get_or_build("k", _writer(b"data"))
+    assert not path.is_relative_to(cache_root) and _mode(path.parent) == 0o700
+    assert list((cache_root / "t").iterdir()) == []
+
+
+@needs_root
+def test_cache_dir_owned_by_another_user_is_refused(cache_root: Path) -> None:
+    cache_root.mkdir(mode=0o700)
+    os.chown(cache_root, OTHER_UID, OTHER_UID)
+    with pytest.warns(CacheDirWarning, match=f"owned by uid {OTHER_UID}"):
+        path = BinaryCache("t", ".bin").get_or_build("k", _writer(b"data"))
+    assert not path.is_relative_to(cache_root)
+    _assert_private_fallback(cache_root)
+
+
+@needs_root
+def test_namespace_dir_owned_by_another_user_is_refused(cache_root: Path) -> None:
+    (cache_root / "t").mkdir(parents=True, mode=0o700)
+    os.chown(cache_root / "t", OTHER_UID, OTHER_UID)
+    with pytest.warns(CacheDirWarning, match=f"owned by uid {OTHER_UID}"):
+        path = BinaryCache("t", ".bin").get_or_build("k", _writer(b"data"))
+    assert not path.is_relative_to(cache_root)
+
+
+def test_ancestor_writable_by_others_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # no sticky bit: anyone may rename our directory away
+    monkeypatch.setenv("POLYJIT_CACHE_DIR", str(shared / "mine"))
+    with pytest.warns(CacheDirWarning, match="ancestor"):
+        _assert_private_fallback(shared)
+
+
+def test_cache_dir_that_is_a_file_falls_back(cache_root: Path) -> None:
+    cache_root.write_text("not a directory")
+    with pytest.warns(CacheDirWarning, match="not a directory|cannot be created"):
+        data = BinaryCache("t", ".bin").get_or_build_bytes("k", _writer(b"data"))
+    assert data == b"data"
+    _assert_private_fallback(cache_root)
+
+
+def test_unwritable_cache_dir_falls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    monkeypatch.setenv("POLYJIT_CACHE_DIR", str(blocker / "sub" / "cache"))
+    cache = BinaryCache("cpu", ".so")
+    with pytest.warns(CacheDirWarning, match="cannot be created"):
+        path = build_shared(_source(5), cache=cache)
+    _assert_verified(path)
+    assert ctypes.CDLL(str(path)).answer() == 5
+    _assert_private_fallback(blocker)
+
+
+def test_entry_name_taken_by_a_directory_falls_back(cache_root: Path) -> None:
+    cache = BinaryCache("t", ".bin")
+    cache.path_for("k").mkdir()
+    with pytest.warns(CacheDirWarning, match="cannot be replaced"):
+        assert cache.get_or_build_bytes("k", _writer(b"data")) == b"data"
+
+
+# -- concurrency ---------------------------------------------------------------------------
+
+_CHILD = textwrap.dedent(
+    """
+    import hashlib, os, sys, time
+    from pathlib import Path
+    from polyjit.core.cache import BinaryCache
+    go = Path(sys.argv[1])
+    print("ready", flush=True)
+    while not go.exists():
+        time.sleep(0.005)
+    def build(out):
+        time.sleep(0.05)
+        out.write_bytes(bytes(range(256)) * 64)
+    data = BinaryCache("conc", ".bin").get_or_build_bytes("samekey", build)
+    print(hashlib.sha256(data).hexdigest(), flush=True)
+    """
+)
+
+
+def test_concurrent_threads_and_processes_get_identical_verified_bytes(
+    cache_root: Path, tmp_path: Path
+) -> None:
+    payload = bytes(range(256)) * 64
+    go = tmp_path / "go"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    children = [
+        subprocess.Popen([sys.executable, "-c", _CHILD, str(go)], env=env, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for _ in range(2)
+    ]
+    for child in children:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+
+    cache = BinaryCache("conc", ".bin")
+    results: list[bytes] = []
+    errors: list[BaseException] = []
+    start = threading.Barrier(8)
+
+    def build(out: Path) -> None:
+        time.sleep(0.05)
+        out.write_bytes(payload)
+
+    def worker() -> None:
+        try:
+            start.wait()
+            results.append(cache.get_or_build_bytes("samekey", build))
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    go.touch()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    outs = [child.communicate(timeout=60) for child in children]
+    assert errors == []
+    assert [child.returncode for child in children] == [0, 0], [err for _, err in outs]
+    assert results == [payload] * 8 and cache.compiles <= 1
+    assert [out.strip() for out, _ in outs] == [_sha(payload)] * 2
+    assert _assert_verified(cache.path_for("samekey")) == payload
+    leftovers = [p.name for p in (cache_root / "conc").iterdir() if p.name.startswith(".")]
+    assert leftovers == []
