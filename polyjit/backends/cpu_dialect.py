@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -48,13 +49,15 @@ COLUMN_BLOCK = 512
 # x^17 below 0.55 (truncation < 2^-27 relative), 1 - 2 / (exp(2|x|) + 1) above. Measured
 # against float64 numpy over 4.6M points: exp within 0.92 ulp, tanh within 1.6 ulp (glibc's
 # tanhf: 2.1, numpy's: 1.4); NaN, +-inf, +-0 and subnormal results as libm gives them.
-_FLOAT32_MATH = """\
+_FLOAT32_MATH: list[tuple[str, list[str]]] = [
+    ("pj_pow2i_f32", """\
 static inline float pj_pow2i_f32(int32_t k) {  /* 2^k, k in [-126, 127] */
   const int32_t bits = (k + 127) << 23;
   float f;
   __builtin_memcpy(&f, &bits, sizeof f);
   return f;
-}
+}""".splitlines()),
+    ("pj_exp_f32", """\
 static inline float pj_exp_f32(float x) {
   const float y = x < -104.0f ? -104.0f : (x > 89.0f ? 89.0f : x);
   const float n = (y * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  /* round(y / ln 2) */
@@ -70,7 +73,8 @@ static inline float pj_exp_f32(float x) {
   const int32_t k = (int32_t)n, k1 = k >> 1;
   const float v = p * pj_pow2i_f32(k1) * pj_pow2i_f32(k - k1);
   return x != x ? x : v;
-}
+}""".splitlines()),
+    ("pj_tanh_f32", """\
 static inline float pj_tanh_f32(float x) {
   const float a = fabsf(x), z = x * x;
   float q = 6404582.0f / 10854718875.0f;
@@ -85,8 +89,8 @@ static inline float pj_tanh_f32(float x) {
   const float e = pj_exp_f32(2.0f * (a < 10.0f ? a : 10.0f));
   const float v = copysignf(a < 0.55f ? small : 1.0f - 2.0f / (e + 1.0f), x);
   return x != x ? x : v;
-}
-""".splitlines() + [""]
+}""".splitlines()),
+]
 
 _VEC_SUFFIX = {dtypes.float32: "f32", dtypes.float64: "f64"}
 
@@ -120,20 +124,25 @@ class CpuDialect(Dialect):
         self.vector_bytes = vector_bytes or host_vector_bytes()
 
     def prelude(self, batch_dtypes: set[dtypes.DType]) -> list[str]:
-        lines = ["#include <stdint.h>", "#include <math.h>", "#if defined(__AVX__)",
-                 "#include <immintrin.h>", "#endif", ""]
+        return ["#include <stdint.h>", "#include <math.h>", "#if defined(__AVX__)",
+                "#include <immintrin.h>", "#endif", ""]
+
+    def helper_definitions(self, batch_dtypes: set[dtypes.DType]) -> list[tuple[str, list[str]]]:
+        """Tail loads/stores of the tiles and float32 exp/tanh, then max/min: ``generate``
+        keeps those the kernels call."""
+        out: list[tuple[str, list[str]]] = []
         for dt in sorted(batch_dtypes & set(_VEC_SUFFIX), key=lambda d: d.name):
-            lines += self._tail_helpers(dt)
+            out += self._tail_helpers(dt)
         if dtypes.float32 in batch_dtypes:
-            lines += _FLOAT32_MATH
-        return lines
+            out += _FLOAT32_MATH
+        return out + super().helper_definitions(batch_dtypes)
 
     def math_call(self, fn: str, dt: dtypes.DType, args: Sequence[str]) -> str:
         if dt is dtypes.float32 and fn in ("exp", "tanh"):
             return f"pj_{fn}_f32({', '.join(args)})"
         return super().math_call(fn, dt, args)
 
-    def _tail_helpers(self, dt: dtypes.DType) -> list[str]:
+    def _tail_helpers(self, dt: dtypes.DType) -> list[tuple[str, list[str]]]:
         """Load/store the first ``n`` lanes of a vector (the other lanes load as zero) with
         AVX-512 masks or AVX2 lane masks where the host has them, else a short memcpy; ``n``
         is a constant at every call, so the mask is too."""
@@ -156,10 +165,11 @@ class CpuDialect(Dialect):
             generic_load = [f"#if defined({guard})", f"  return ({v}){load};", "#else", *generic_load, "#endif"]
             generic_store = [f"#if defined({guard})", f"  {store};", "#else", *generic_store, "#endif"]
         return [
-            f"typedef {t} {v} __attribute__((vector_size({vb})));",
-            f"static inline {v} pj_load_tail_{sfx}(const {t}* p, int n) {{", *generic_load, "}",
-            f"static inline void pj_store_tail_{sfx}({t}* p, {v} x, int n) {{", *generic_store, "}",
-            "",
+            (v, [f"typedef {t} {v} __attribute__((vector_size({vb})));"]),
+            (f"pj_load_tail_{sfx}",
+             [f"static inline {v} pj_load_tail_{sfx}(const {t}* p, int n) {{", *generic_load, "}"]),
+            (f"pj_store_tail_{sfx}",
+             [f"static inline void pj_store_tail_{sfx}({t}* p, {v} x, int n) {{", *generic_store, "}"]),
         ]
 
     def kernel_prefix(self, kernel: Kernel) -> list[str]:
@@ -240,9 +250,11 @@ class CpuDialect(Dialect):
         p = "  " * depth
         target, init = em.reduce_cell(r)
         each = f"for (int64_t pj_jj = 0; pj_jj < pj_jn; ++pj_jj) {{ const int64_t {j} = pj_jb * {width} + pj_jj;"
+        # a start value that does not read the output cell (a constant) needs no j
+        each_init = each if re.search(rf"\b{j}\b", init) else "for (int64_t pj_jj = 0; pj_jj < pj_jn; ++pj_jj) {"
         lines += [f"{p}{t} pj_acc[{width}];",
                   f"{p}const int64_t pj_jn = " + (f"pj_jb < {blocks - 1} ? {width} : {last};" if last != width else f"{width};"),
-                  f"{p}{each} pj_acc[pj_jj] = {init}; }}"]
+                  f"{p}{each_init} pj_acc[pj_jj] = {init}; }}"]
         for d, (sym, n) in enumerate(r.loops):
             v = names.var(sym)
             lines.append(f"{p}{'  ' * d}for (int64_t {v} = 0; {v} < {n}; ++{v}) {{")

@@ -238,6 +238,12 @@ class CudaDialect(Dialect):
             "",
         ]
 
+    def reduce_pragma(self, r: Reduce) -> str | None:
+        return None  # no OpenMP in CUDA C
+
+    def kernel_prefix(self, kernel: Kernel) -> list[str]:
+        return []  # the GCC workaround of the C dialect: NVRTC is not GCC
+
     def float_literal(self, value: float, dt: DType) -> str:
         if math.isnan(value):
             return "__int_as_float(0x7fc00000)" if dt is dtypes.float32 else "__longlong_as_double(0x7ff8000000000000LL)"
@@ -291,6 +297,8 @@ class CudaDialect(Dialect):
 
 def _emit_grid(em: Emitter, kernel: Kernel, names: Names) -> list[str]:
     work = kernel.work
+    if work == 0:  # an empty nest: nothing to do (a loop to 0u would draw a warning)
+        return []
     ft, suf = group_reduce.index_type(work + MAX_BLOCKS * THREADS, group_reduce.CUDA)
     lines = [f"  for ({ft} pj_flat = ({ft})blockIdx.x * blockDim.x + threadIdx.x; pj_flat < {work}{suf}; "
              f"pj_flat += ({ft})gridDim.x * blockDim.x) {{"]

@@ -9,7 +9,9 @@ global ids, blocks and threads), which also fixes the launch configuration.
 
 from __future__ import annotations
 
+import hashlib
 import math
+import re
 from collections.abc import Sequence
 
 import attrs
@@ -17,6 +19,7 @@ import numpy as np
 
 from polyjit.core import dtypes, ir
 from polyjit.core.dtypes import DType
+from polyjit.core.errors import CompileError, UnsupportedError
 from polyjit.core.ir import Affine, Symbol
 from polyjit.core.lower import (
     Call,
@@ -79,7 +82,23 @@ class Dialect:
         return dt.c
 
     def prelude(self, batch_dtypes: set[DType]) -> list[str]:
+        """Lines at the top of every source: includes, typedefs (definitions that no compiler
+        warns about when they go unused). Functions go in :meth:`helper_definitions`."""
         return ["#include <stdint.h>", "#include <math.h>", ""]
+
+    def helper_definitions(self, batch_dtypes: set[DType]) -> list[tuple[str, list[str]]]:
+        """The helpers kernels may call, as (name, lines of its definition), in an order where
+        each comes after the helpers it uses. :func:`generate` emits only those the batch's
+        kernels name (and the helpers those name), so that no compiler warns about an
+        unused one. Here: max/min of each dtype (as functions: arguments are evaluated once)."""
+        q = self.function_qualifier
+        out: list[tuple[str, list[str]]] = []
+        for dt in sorted(batch_dtypes, key=lambda d: d.name):
+            t = self.type_name(dt)
+            for fn, cmp in (("max", ">"), ("min", "<")):
+                name = f"pj_{fn}_{dt.name}"
+                out.append((name, [f"{q} {t} {name}({t} a, {t} b) {{ return a {cmp} b ? a : b; }}"]))
+        return out
 
     def math_call(self, fn: str, dt: DType, args: Sequence[str]) -> str:
         suffix = "f" if dt is dtypes.float32 else ""
@@ -141,9 +160,9 @@ class Dialect:
 
     def reduce_pragma(self, r: Reduce) -> str | None:
         """C: a reduction whose order is free (``Reduce.reassociable``) vectorizes with one
-        accumulator per lane (``omp simd``)."""
+        accumulator per lane (``omp simd``). Dialects that are not OpenMP C return None."""
         op = _OMP_REDUCTION_OPS[r.accum]
-        if self.name != "c" or not r.reassociable or not r.node.dtype.is_float:
+        if not r.reassociable or not r.node.dtype.is_float:
             return None
         collapse = f" collapse({len(r.loops)})" if len(r.loops) > 1 else ""
         return f"#pragma omp simd reduction({op}:pj_acc){collapse}"
@@ -154,13 +173,24 @@ class Dialect:
         C: GCC 12's loop vectorizer miscompiles in-order (fold-left) float reductions
         that read with a negative stride (``sum_k x[n - k]`` gives wrong sums at -O3);
         vectorizing an in-order float reduction gains nothing on the CPU anyway, so
-        kernels holding one are compiled without the loop vectorizer.
+        kernels holding one are compiled without the loop vectorizer. The workaround is
+        keyed to the compiler that reads the source (the preprocessor tests for GCC, and
+        clang, which also defines ``__GNUC__``, is left out), never to this dialect's name:
+        any subclass of the C dialect, whatever it is called, gets it. It is kept for every
+        GCC version, not only 12: no later version is known here to be fixed, and the
+        attribute costs nothing. Dialects for other compilers (OpenCL, CUDA) return [].
         """
-        if self.name != "c" or not _has_float_serial_accumulation(kernel):
+        if not _has_float_serial_accumulation(kernel):
             return []
-        return ["#if defined(__GNUC__) && !defined(__clang__)",
-                '__attribute__((optimize("no-tree-loop-vectorize")))',
-                "#endif"]
+        return list(GCC_NO_LOOP_VECTORIZE)
+
+
+# The lines before a kernel that GCC must not loop-vectorize (see Dialect.kernel_prefix).
+GCC_NO_LOOP_VECTORIZE = (
+    "#if defined(__GNUC__) && !defined(__clang__)",
+    '__attribute__((optimize("no-tree-loop-vectorize")))',
+    "#endif",
+)
 
 
 def _has_float_serial_accumulation(kernel: Kernel) -> bool:
@@ -216,6 +246,9 @@ class Emitter:
     def __init__(self, dialect: Dialect, names: Names) -> None:
         self.d = dialect
         self.names = names
+        # C spells int64 as int64_t (any C dialect, whatever its name): literals get LL and
+        # index values a cast; OpenCL's long and CUDA's long long need neither.
+        self._c_int64 = dialect.type_name(dtypes.int64) == "int64_t"
 
     # -- expressions ---------------------------------------------------------
 
@@ -232,7 +265,10 @@ class Emitter:
             return "1" if value else "0"
         v = int(value)
         if dt is dtypes.int64:
-            return f"((int64_t){v}LL)" if self.d.name == "c" else f"(({self.d.type_name(dt)}){v})"
+            suffix = "LL" if self._c_int64 else ""
+            if v == -(1 << 63):  # the literal 9223372036854775808 does not fit a signed type
+                return f"(({self.d.type_name(dt)})(-9223372036854775807{suffix} - 1))"
+            return f"(({self.d.type_name(dt)}){v}{suffix})"
         return f"(({self.d.type_name(dt)}){v})"
 
     def expr(self, e: Expr) -> str:
@@ -242,7 +278,7 @@ class Emitter:
         if isinstance(e, Const):
             return self.literal(e.value, e.dtype)
         if isinstance(e, IndexValue):
-            return f"((int64_t)({self.index(e.index)}))" if self.d.name == "c" else f"({self.index(e.index)})"
+            return f"((int64_t)({self.index(e.index)}))" if self._c_int64 else f"({self.index(e.index)})"
         return self.call(e)
 
     def call(self, e: Call) -> str:
@@ -259,6 +295,8 @@ class Emitter:
         if op is ir.Op.ABS:
             if dt.is_float:
                 return self.d.math_call("abs", dt, args)
+            if not dt.is_signed:  # uint8, bool: abs is the value itself
+                return f"(({t})({args[0]}))"
             return f"(({t})(({args[0]}) < 0 ? -({args[0]}) : ({args[0]})))"
         if op in _MATH:
             return self.d.math_call(_MATH[op], dt, args)
@@ -348,17 +386,6 @@ def kernel_spec(kernel: Kernel, dialect: Dialect, statics: tuple[ir.StaticSymbol
     )
 
 
-def helpers(dialect: Dialect, used: set[DType]) -> list[str]:
-    """max/min helpers for each dtype (as functions: arguments are evaluated once)."""
-    q = dialect.function_qualifier
-    lines = []
-    for dt in sorted(used, key=lambda d: d.name):
-        t = dialect.type_name(dt)
-        lines.append(f"{q} {t} pj_max_{dt.name}({t} a, {t} b) {{ return a > b ? a : b; }}")
-        lines.append(f"{q} {t} pj_min_{dt.name}({t} a, {t} b) {{ return a < b ? a : b; }}")
-    return lines
-
-
 def _dtypes_of(kernels: Sequence[Kernel]) -> set[DType]:
     found: set[DType] = set()
     for k in kernels:
@@ -383,22 +410,120 @@ class Source:
         return [k for comp in self.kernels for k in comp]
 
 
+# ---------------------------------------------------------------------------
+# User text in the source: comments and identifiers
+
+# What a comment keeps of user text: printable ASCII that can neither end the comment (no
+# '*', '/'), nor splice or end a line (no backslash, no control character), nor spell a
+# trigraph (no '?'), nor open a literal (no quotes). Everything else becomes '_'.
+_COMMENT_KEEPS = frozenset(
+    "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 _-.,:;=+#()[]<>!%&|^~@$"
+)
+COMMENT_MAX = 160  # characters of user text a comment keeps
+IDENTIFIER_MAX = 96  # characters of a kernel name kept as it is
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_NOT_IDENTIFIER_CHAR = re.compile(r"[^A-Za-z0-9_]")
+# Names a kernel must not take: the implementation's (``_X``, ``__``), math.h's constants
+# (``M_PI_2``: a computation "M_PI" has a kernel "M_PI_2") and OpenCL's (``CL_VERSION_1_2``).
+_RESERVED = re.compile(r"M_|CL_|_[A-Z_]")
+_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_NOT_SOURCE_CHAR = re.compile(r"[^\x20-\x7e\n\t]")
+_COMMENTS = re.compile(r"/\*.*?\*/|//[^\n]*", re.S)
+
+
+def comment_text(text: str, limit: int = COMMENT_MAX) -> str:
+    """``text`` made safe to write inside a ``/* */`` comment of any dialect: only the
+    characters of a safe printable-ASCII set are kept (the others become ``_``), and at most
+    ``limit`` of them (then ``...``). The one place user text (node names, labels) is
+    rendered into generated source."""
+    if len(text) > limit:
+        text = text[: max(0, limit - 3)] + "..."
+    return "".join(ch if ch in _COMMENT_KEEPS else "_" for ch in text)
+
+
+def comment(text: str) -> str:
+    """A one-line ``/* ... */`` comment of user text (see :func:`comment_text`)."""
+    return f"/* {comment_text(text)} */"
+
+
+def kernel_identifier(name: str, taken: set[str]) -> str:
+    """A kernel's name in the source, unique in ``taken`` (which it joins).
+
+    The name itself when it is a C identifier of at most ``IDENTIFIER_MAX`` characters,
+    not taken yet and not in a namespace the headers or compilers own (lowering makes
+    kernel names so from names that ``runtime._c_name`` sanitized); otherwise ``k_`` and its
+    identifier characters (others become ``_``), cut to fit, and a hash of the whole name,
+    so that two names that sanitize alike stay apart."""
+    if (_IDENTIFIER.fullmatch(name) and len(name) <= IDENTIFIER_MAX and name not in taken
+            and not _RESERVED.match(name)):
+        taken.add(name)
+        return name
+    base = "k_" + _NOT_IDENTIFIER_CHAR.sub("_", name)
+    digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+    base = f"{base[: IDENTIFIER_MAX - len(digest) - 8]}_{digest}"
+    out, k = base, 1
+    while out in taken:
+        out, k = f"{base}_{k}", k + 1
+    taken.add(out)
+    return out
+
+
+def _check_source(text: str, dialect: Dialect) -> None:
+    """Generated source is printable ASCII in lines: anything else (a NUL, a CR, a
+    non-ASCII character) can only be user text that escaped :func:`comment_text`."""
+    bad = _NOT_SOURCE_CHAR.search(text)
+    if bad is not None:
+        raise CompileError(
+            f"the {dialect.name} dialect wrote the character {bad.group()!r} into generated source "
+            "(user text must go through codegen.comment / kernel_identifier)",
+            source=text,
+        )
+
+
+# ---------------------------------------------------------------------------
+# Whole batches
+
+
+def used_helpers(definitions: Sequence[tuple[str, list[str]]], text: str) -> list[str]:
+    """The lines of the helper definitions that ``text`` names outside its comments, and of
+    those they name in turn, in the order of ``definitions``."""
+    lines_of = dict(definitions)
+    words_of = {name: set(_WORD.findall(_COMMENTS.sub(" ", "\n".join(lines)))) for name, lines in definitions}
+    wanted = [name for name in set(_WORD.findall(_COMMENTS.sub(" ", text))) if name in lines_of]
+    used: set[str] = set()
+    while wanted:
+        name = wanted.pop()
+        if name not in used:
+            used.add(name)
+            wanted += [other for other in words_of[name] if other in lines_of and other not in used]
+    return [line for name, lines in definitions if name in used for line in lines]
+
+
 def generate(batch: LoweredBatch, dialect: Dialect) -> Source:
     kernels = batch.kernels
     used = _dtypes_of(kernels)
-    lines = [*dialect.prelude(used), *helpers(dialect, used), ""]
+    for dt in used:  # a DType built by hand would write its own strings as type names
+        if dt not in dtypes.ALL:
+            raise UnsupportedError(f"{dt.name!r} is not a dtype of polyjit's table (polyjit.core.dtypes.ALL)")
+    body: list[str] = []
     specs: list[tuple[KernelSpec, ...]] = []
+    taken: set[str] = set()
     for comp in batch.comps:
         comp_specs = []
         for kernel in comp.kernels:
             spec = kernel_spec(kernel, dialect, comp.statics)
+            spec = attrs.evolve(spec, name=kernel_identifier(spec.name, taken))
             names = Names(spec)
             em = Emitter(dialect, names)
             if kernel.comment:
-                lines.append(f"/* {kernel.comment.replace('*/', '* /')} */")
-            lines += dialect.kernel_prefix(kernel)
-            lines += dialect.emit_kernel(em, kernel, spec, names)
-            lines.append("")
+                body.append(comment(kernel.comment))
+            body += dialect.kernel_prefix(kernel)
+            body += dialect.emit_kernel(em, kernel, spec, names)
+            body.append("")
             comp_specs.append(spec)
         specs.append(tuple(comp_specs))
-    return Source("\n".join(lines) + "\n", dialect.name, tuple(specs))
+    helpers = used_helpers(dialect.helper_definitions(used), "\n".join(body))
+    lines = [*dialect.prelude(used), *helpers, *([""] if helpers else []), *body]
+    text = "\n".join(lines) + "\n"
+    _check_source(text, dialect)
+    return Source(text, dialect.name, tuple(specs))

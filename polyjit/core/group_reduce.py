@@ -105,6 +105,8 @@ def emit_group_reduce(em: Emitter, kernel: Kernel, r: Reduce, names: Names, thre
     dt = r.node.dtype
     t = em.d.type_name(dt)
     cells = kernel.work  # 1 without a parallel nest, 0 for an empty one
+    if cells == 0:  # nothing to do (a loop to 0u would draw a warning)
+        return []
     length = reduction_length(r)
     cft, csuf = index_type(cells + MAX_GROUPS, ids)
     rft, rsuf = index_type(length + threads, ids)
