@@ -1,12 +1,25 @@
 """Host staging for plans: feeding inputs and fetching outputs without allocating per run.
 
+Every value that goes from the host into a plan (an input of ``run()`` / ``step()``, a
+data-parallel shard, a ``load_state_dict`` entry) passes through :func:`convert_into` or
+:meth:`Feed.host_array`, which refuse, before anything is copied to the device:
+
+- a wrong shape (``ShapeMismatchError``) or a value of a kind that does not convert
+  (strings, objects, complex numbers; a non-bool array for a bool tensor:
+  ``DTypeMismatchError``);
+- for an integer tensor, integers outside its dtype's range and floats that are not
+  integral (``ValueRangeError``): nothing wraps around or truncates;
+- for an input that indexes classes or rows (the labels of ``cross_entropy``, the
+  indices of ``one_hot`` and ``embedding``), values that are negative or at least the
+  number of classes (``IndexOutOfRangeError``), with a min/max over the array.
+
 A pipelined run enqueues its device-to-host copies (``to_host(...,
 blocking=False)``) and waits once at the end.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -14,11 +27,14 @@ import numpy as np
 from polyjit.core.errors import (
     BindingError,
     DTypeMismatchError,
+    IndexOutOfRangeError,
     NodeNotInContextError,
     ShapeMismatchError,
+    ValueRangeError,
 )
 from polyjit.core.ir import Node
 from polyjit.core.runtime import Context
+from polyjit.tensor.tensor import IndexBound
 
 Array = np.ndarray[Any, Any]
 
@@ -33,30 +49,124 @@ def enqueue_to_host(ctx: Context, node: Node, array: Array) -> None:
         raise NodeNotInContextError(f"{node.label} has no buffer in {ctx!r}")
 
 
+def _position(flat: int, shape: tuple[int, ...], row0: int = 0) -> tuple[int, ...]:
+    """The index of a flat position, its first axis shifted by ``row0`` (a shard's offset)."""
+    pos = [int(k) for k in np.unravel_index(flat, shape)] if shape else []
+    if pos:
+        pos[0] += row0
+    return tuple(pos)
+
+
+def _first(mask: Array) -> int:
+    """The flat position of the first True cell (only on the error path)."""
+    return int(np.flatnonzero(mask)[0]) if mask.ndim else 0
+
+
+def _check_fits(arr: Array, dst: np.dtype[Any], what: str, row0: int) -> None:
+    """Every value of ``arr`` (integers or floats) is an integer that the integer dtype ``dst`` holds."""
+    if not arr.size:
+        return
+    info = np.iinfo(dst)
+    lo, hi = arr.min(), arr.max()
+    if arr.dtype.kind == "f":
+        if np.isnan(lo) or np.isnan(hi):
+            at = _first(np.isnan(arr))
+            raise ValueRangeError(f"{what}: NaN at index {_position(at, arr.shape, row0)} does not fit {dst}")
+        # exact: Python compares a float with an int exactly (2.0**63 > 2**63 - 1)
+        too_low, too_high = float(lo) < info.min, float(hi) > info.max
+    else:
+        too_low, too_high = int(lo) < info.min, int(hi) > info.max
+    if too_low or too_high:
+        at = int(np.argmin(arr)) if too_low else int(np.argmax(arr))
+        raise ValueRangeError(f"{what}: value {arr.flat[at].item()!r} at index "
+                              f"{_position(at, arr.shape, row0)} does not fit {dst} ({info.min}..{info.max})")
+
+
+def convert_into(target: Array, value: Any, what: str, row0: int = 0) -> None:
+    """Copy ``value`` (an array, a nested list, a scalar) into ``target`` when ``target``'s dtype
+    holds every value of it; else raise, naming ``what``, and leave nothing half-done on the device
+    (``target`` is a host array: its contents are unspecified after an error).
+
+    Accepted: the same dtype; any real (bool, integer, float) array for a float target (rounded as
+    numpy's ``same_kind`` casts do); bool and integer arrays whose values are in range for an
+    integer target, and float arrays whose values are integral and in range; bool arrays for a
+    bool target. ``row0`` shifts the first axis of positions in messages (a data-parallel shard).
+    """
+    desc = f"{what} ({target.dtype}, shape {target.shape})"
+    try:
+        arr = value if isinstance(value, np.ndarray) else np.asarray(value)
+    except ValueError as e:  # a ragged nested list
+        raise ShapeMismatchError(f"{desc}: {e}") from None
+    if arr.shape != target.shape:
+        raise ShapeMismatchError(f"{desc}: got shape {arr.shape}, expected {target.shape}")
+    src, dst = arr.dtype, target.dtype
+    if src == dst:
+        np.copyto(target, arr)
+        return
+    if src.kind not in "biuf":
+        raise DTypeMismatchError(f"{desc}: got {src} values, which do not convert to {dst}")
+    if dst.kind == "b":
+        raise DTypeMismatchError(f"{desc}: got {src} values; a bool tensor takes bool values "
+                                 "(compare first: values != 0)")
+    if dst.kind in "iu" and src.kind != "b" and not np.can_cast(src, dst, "safe"):
+        _check_fits(arr, dst, desc, row0)
+        np.copyto(target, arr, casting="unsafe")
+        if src.kind == "f":
+            bad = target != arr
+            if bad.any():
+                at = _first(bad)
+                raise ValueRangeError(f"{desc}: value {arr.flat[at].item()!r} at index "
+                                      f"{_position(at, arr.shape, row0)} is not an integer "
+                                      "(an integer tensor takes integral values)")
+        return
+    np.copyto(target, arr, casting="unsafe")  # float targets, and safe integer casts
+
+
 class Feed:
-    """One input of a plan: its node and a staging array used when the caller's array cannot be
-    handed to the device as it is (wrong dtype, not contiguous, a list)."""
+    """One input of a plan: its node, the bounds of its values when they index classes or rows,
+    and a staging array used when the caller's array cannot be handed to the device as it is
+    (wrong dtype, not contiguous, a list)."""
 
-    __slots__ = ("name", "node", "staging")
+    __slots__ = ("bounds", "depth", "name", "node", "staging")
 
-    def __init__(self, name: str, node: Node) -> None:
+    def __init__(self, name: str, node: Node, bounds: Sequence[IndexBound] = ()) -> None:
         self.name = name
         self.node = node
         self.staging = np.zeros(node.shape, node.dtype.np)
+        self.bounds = tuple(sorted(bounds, key=lambda b: b.depth))  # the tightest first
+        self.depth = self.bounds[0].depth if self.bounds else 0
 
-    def host_array(self, value: Any, staging: Array | None = None) -> Array:
-        """The array to copy from: the caller's own when it fits, else the staging array."""
+    def host_array(self, value: Any, staging: Array | None = None, row0: int | None = None) -> Array:
+        """The array to copy from: the caller's own when it fits, else the staging array.
+
+        Checks every value before anything is copied (see :func:`convert_into`; index inputs
+        against the number of classes). ``row0``: the first row of a data-parallel shard
+        (messages then give indices in the global batch).
+        """
+        what = f"input {self.name!r}"
+        if row0 is not None and self.node.shape:
+            what += f" [rows {row0}..{row0 + self.node.shape[0] - 1} of the batch]"
         if (type(value) is np.ndarray and value.dtype == self.staging.dtype
                 and value.flags.c_contiguous and value.shape == self.staging.shape):
-            return value
-        target = self.staging if staging is None else staging
-        if np.shape(value) != target.shape:
-            raise ShapeMismatchError(f"input {self.name!r}: got shape {np.shape(value)}, expected {target.shape}")
-        try:
-            np.copyto(target, value, casting="same_kind")
-        except TypeError as e:
-            raise DTypeMismatchError(f"input {self.name!r}: {e}") from None
-        return target
+            arr = value
+        else:
+            arr = self.staging if staging is None else staging
+            convert_into(arr, value, what, row0 or 0)
+        if self.bounds and arr.size:
+            self._check_indices(arr, what, row0 or 0)
+        return arr
+
+    def _check_indices(self, arr: Array, what: str, row0: int) -> None:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo >= 0 and hi < self.depth:
+            return
+        at = int(np.argmin(arr)) if lo < 0 else int(np.argmax(arr))
+        bound = self.bounds[0] if lo < 0 else next(b for b in self.bounds if hi >= b.depth)
+        raise IndexOutOfRangeError(
+            f"{what} ({arr.dtype}, shape {arr.shape}): value {arr.flat[at].item()} at index "
+            f"{_position(at, arr.shape, row0)} is out of range for {bound.what} "
+            f"(valid: 0..{bound.depth - 1})"
+        )
 
 
 def check_names(given: Mapping[str, Any], expected: frozenset[str], what: str) -> None:

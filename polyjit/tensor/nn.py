@@ -12,7 +12,7 @@ from polyjit.core.errors import DTypeMismatchError, ShapeMismatchError
 from polyjit.core.ir import Op
 from polyjit.tensor import ops
 from polyjit.tensor.init import Init
-from polyjit.tensor.tensor import DTypeLike, Tensor, arange, param
+from polyjit.tensor.tensor import DTypeLike, IndexBound, Tensor, arange, param
 
 
 def softmax(x: Tensor, axis: int = -1) -> Tensor:
@@ -32,14 +32,21 @@ def one_hot(indices: Tensor, depth: int, dtype: DTypeLike = dtypes.float32) -> T
     """``out[..., c] = 1 if indices[...] == c else 0``: a comparison against a Range, cast to dtype.
 
     The IR indexes only with affine expressions, so a lookup by tensor values
-    goes through a one-hot matrix (fine for small vocabularies).
+    goes through a one-hot matrix (fine for small vocabularies). Indices fed from an
+    input are checked on the host: outside ``0..depth-1`` is an ``IndexOutOfRangeError``.
     """
+    return _one_hot(indices, depth, dtype, f"one_hot of depth {depth}")
+
+
+def _one_hot(indices: Tensor, depth: int, dtype: DTypeLike, what: str) -> Tensor:
+    """one_hot, its indices bounded by ``depth`` (``what`` names the use in error messages)."""
     if indices.dtype.is_float or indices.dtype.is_bool:
         raise DTypeMismatchError(f"one_hot needs integer indices, got {indices.dtype}")
     # One comparison per cell, reading indices[...] and range[c]: both inline into the cast's kernel.
     hit = ops.indexed(Op.EQ, (*indices.shape, depth),
                       [(indices, lambda s: tuple(ir.as_affine(v) for v in s[:-1])),
                        (arange(depth, indices.dtype), lambda s: (ir.as_affine(s[-1]),))], name="one_hot")
+    hit.index_bounds = (IndexBound(indices, depth, what),)
     return ops.cast(hit, dtype)
 
 
@@ -47,7 +54,8 @@ def embedding(indices: Tensor, table: Tensor) -> Tensor:
     """Rows of ``table`` (vocab x dim) picked by integer ``indices``: one_hot(indices) @ table."""
     if table.ndim != 2:
         raise ShapeMismatchError(f"an embedding table is 2-D (vocab, dim), got {table.shape}")
-    return ops.matmul(one_hot(indices, table.shape[0], table.dtype), table)
+    vocab = table.shape[0]
+    return ops.matmul(_one_hot(indices, vocab, table.dtype, f"embedding of a vocabulary of {vocab}"), table)
 
 
 def cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
@@ -56,7 +64,8 @@ def cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
         raise ShapeMismatchError(f"labels of shape {labels.shape} for logits of shape {logits.shape}")
     z = logits - ops.detach(ops.max(logits, -1, keepdims=True))
     lse = ops.log(ops.sum(ops.exp(z), -1, keepdims=True))
-    hot = one_hot(labels, logits.shape[-1], logits.dtype)
+    n = logits.shape[-1]
+    hot = _one_hot(labels, n, logits.dtype, f"cross_entropy labels over {n} classes")
     scale = 1.0 / max(math.prod(labels.shape), 1)
     loss = ops.elementwise(Op.MUL, ops.sum(hot * (lse - z)), scale, name="cross_entropy")
 
@@ -73,7 +82,8 @@ def accuracy_count(logits: Tensor, labels: Tensor) -> Tensor:
     """How many rows have their label's logit at the row max (a float count; ties count as hits)."""
     best = ops.max(logits, -1, keepdims=True)
     at_max = ops.cast(ops.equal(logits, best), logits.dtype)
-    return ops.sum(at_max * one_hot(labels, logits.shape[-1], logits.dtype))
+    n = logits.shape[-1]
+    return ops.sum(at_max * _one_hot(labels, n, logits.dtype, f"accuracy_count labels over {n} classes"))
 
 
 class Linear:

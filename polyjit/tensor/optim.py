@@ -3,11 +3,19 @@ parameters and of its state, so that a whole training step is one routine batch.
 
 Adam's step count is a persistent scalar updated by an assignment; the bias
 corrections ``1 - beta**t`` are computed on the device from it.
+
+Hyperparameters are constants of the generated kernels: they are checked when set
+(``InvalidProgramError`` for an unknown name or a bad value, as PyTorch refuses a
+negative learning rate), and setting one after ``updates()`` has built a plan's writes
+is an error rather than a change that would silently not happen.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from numbers import Real
+from typing import Any
 
 import numpy as np
 
@@ -19,14 +27,74 @@ from polyjit.tensor.program import Write
 from polyjit.tensor.tensor import Kind, Tensor, state
 
 
+def _real(owner: str, name: str, value: Any, upper: float | None = None) -> float:
+    """A finite real ``>= 0`` (``< upper`` when given), as a Python float."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, Real):
+        raise InvalidProgramError(f"{owner}: {name} must be a real number, got {value!r}")
+    v = float(value)
+    if not (math.isfinite(v) and v >= 0.0 and (upper is None or v < upper)):
+        bound = f"in [0, {upper})" if upper is not None else ">= 0"
+        raise InvalidProgramError(f"{owner}: {name} must be {bound}, got {value!r}")
+    return v
+
+
+def _hyperparameter(owner: str, name: str, value: Any) -> Any:
+    """A checked hyperparameter value (Python scalars: they become literals of the kernels)."""
+    if name == "nesterov":
+        if not isinstance(value, (bool, np.bool_)):
+            raise InvalidProgramError(f"{owner}: nesterov must be a bool, got {value!r}")
+        return bool(value)
+    if name == "betas":
+        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or len(value) != 2:
+            raise InvalidProgramError(f"{owner}: betas must be a pair (beta1, beta2), got {value!r}")
+        return (_real(owner, "betas[0]", value[0], 1.0), _real(owner, "betas[1]", value[1], 1.0))
+    return _real(owner, name, value, 1.0 if name == "momentum" else None)
+
+
 class Optimizer:
-    """Base class: ``updates(params, grads)`` returns the writes of one step."""
+    """Base class: ``updates(params, grads)`` returns the writes of one step.
+
+    A subclass that lists its ``hyperparameters`` gets them checked when set (see
+    ``_hyperparameter``), unknown attribute names refused, and changes after its writes were
+    built refused.
+    """
 
     prefix = "opt"
+    hyperparameters: tuple[str, ...] = ()
 
     def __init__(self) -> None:
         self._state: dict[tuple[Tensor, str], Tensor] = {}
         self._counter: Tensor | None = None
+        self._built = False
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("_") or not self.hyperparameters:
+            object.__setattr__(self, name, value)
+            return
+        owner = type(self).__name__
+        if name not in self.hyperparameters:
+            raise InvalidProgramError(f"{owner} has no hyperparameter {name!r} "
+                                      f"(its hyperparameters: {', '.join(self.hyperparameters)})")
+        if self._built:
+            raise InvalidProgramError(
+                f"{owner}.{name} = {value!r}: this optimizer's updates are already built into a plan "
+                f"with {name}={getattr(self, name)!r} (hyperparameters are constants of the kernels); "
+                "set it before compile(), or build a new optimizer and plan"
+            )
+        missing = object()
+        old = self.__dict__.get(name, missing)
+        object.__setattr__(self, name, _hyperparameter(owner, name, value))
+        try:
+            self._check()
+        except InvalidProgramError:  # the optimizer keeps its valid settings
+            if old is missing:
+                object.__delattr__(self, name)
+            else:
+                object.__setattr__(self, name, old)
+            raise
+
+    def _check(self) -> None:
+        """Checks across hyperparameters (once all are set)."""
 
     def slot(self, p: Tensor, kind: str) -> Tensor:
         """Per-parameter state (zeros like the parameter), one tensor per (parameter, kind)."""
@@ -50,9 +118,11 @@ class Optimizer:
         if len(params) != len(grads):
             raise InvalidProgramError(f"{len(params)} parameters but {len(grads)} gradients")
         for p in params:
-            if p.kind is not Kind.PARAM:
+            if not isinstance(p, Tensor) or p.kind is not Kind.PARAM:
                 raise InvalidProgramError(f"{p!r} is not a parameter")
-        return self._updates(list(params), [g if grad_scale == 1.0 else g * grad_scale for g in grads])
+        writes = self._updates(list(params), [g if grad_scale == 1.0 else g * grad_scale for g in grads])
+        self._built = True
+        return writes
 
     def _updates(self, params: list[Tensor], grads: list[Tensor]) -> list[Write]:
         raise NotImplementedError
@@ -62,11 +132,16 @@ class SGD(Optimizer):
     """``v = momentum*v + g (+ weight_decay*p); p -= lr * v`` (PyTorch's form; nesterov optional)."""
 
     prefix = "sgd"
+    hyperparameters = ("lr", "momentum", "weight_decay", "nesterov")
 
     def __init__(self, lr: float = 0.01, momentum: float = 0.0, weight_decay: float = 0.0,
                  nesterov: bool = False) -> None:
         super().__init__()
         self.lr, self.momentum, self.weight_decay, self.nesterov = lr, momentum, weight_decay, nesterov
+
+    def _check(self) -> None:
+        if getattr(self, "nesterov", False) and not getattr(self, "momentum", 1.0):
+            raise InvalidProgramError("SGD: nesterov=True needs a momentum > 0")
 
     def _updates(self, params: list[Tensor], grads: list[Tensor]) -> list[Write]:
         writes = []
@@ -88,6 +163,7 @@ class Adam(Optimizer):
 
     prefix = "adam"
     decoupled = False
+    hyperparameters = ("lr", "betas", "eps", "weight_decay")
 
     def __init__(self, lr: float = 0.001, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0) -> None:

@@ -20,7 +20,12 @@ import numpy as np
 
 from polyjit.core import ir
 from polyjit.core.dtypes import as_dtype
-from polyjit.core.errors import DTypeMismatchError, InvalidProgramError, ShapeMismatchError
+from polyjit.core.errors import (
+    DTypeMismatchError,
+    InvalidProgramError,
+    ShapeMismatchError,
+    UnknownDeviceError,
+)
 from polyjit.core.protocol import MergeBuffer
 from polyjit.core.runtime import (
     Backend,
@@ -151,10 +156,9 @@ class DataParallel:
             for t in self.persistent:
                 assert t.init is not None
                 rep.add_buffer(t.node, t.init)
-            for t in self.compute_program.inputs:
-                feed = Feed(t.name, t.node)
+            for feed in self.compute_program.feeds():
                 rep.feeds.append(feed)
-                rep.add_buffer(t.node, feed.staging)
+                rep.add_buffer(feed.node, feed.staging)
             main, _ = self._compiled(rep.device.backend)
             rep.compute, rep.update = rep.base.link_batch(main)
             rep.linked = rep.compute.context
@@ -194,13 +198,21 @@ class DataParallel:
     def _compute(self, inputs: Mapping[str, Any]) -> None:
         check_names(inputs, self._input_names, "data_parallel inputs")
         s = self.shard
-        for k, rep in enumerate(self.replicas):
-            for f in rep.feeds:
-                value = inputs[f.name]
-                if np.shape(value)[:1] != (self.batch_size,):
-                    raise ShapeMismatchError(f"input {f.name!r}: batch of {np.shape(value)[:1]}, expected "
-                                             f"{self.batch_size}")
-                rep.base.from_host(f.node, f.host_array(value[k * s : (k + 1) * s]))
+        for f in self.replicas[0].feeds:
+            try:
+                shape = np.shape(inputs[f.name])
+            except ValueError as e:  # a ragged nested list
+                raise ShapeMismatchError(f"input {f.name!r}: {e}") from None
+            want = (self.batch_size, *f.node.shape[1:])
+            if shape != want:
+                raise ShapeMismatchError(f"input {f.name!r} ({f.node.dtype}): got shape {shape}, expected "
+                                         f"{want} (the global batch)")
+        # Every shard is checked (dtype, range, class labels) before anything is copied.
+        arrays = [[f.host_array(inputs[f.name][k * s : (k + 1) * s], row0=k * s) for f in rep.feeds]
+                  for k, rep in enumerate(self.replicas)]
+        for rep, shards in zip(self.replicas, arrays):
+            for f, arr in zip(rep.feeds, shards):
+                rep.base.from_host(f.node, arr)
             assert rep.compute_replay is not None
             rep.compute_replay.replay()
 
@@ -252,12 +264,18 @@ class DataParallel:
 
     def state_dict(self, replica: int = 0) -> dict[str, Array]:
         """Parameters and optimizer state of one replica, by name."""
-        ctx = self.replicas[replica].base
+        ctx = self._replica(replica).base
         return {t.name: ctx.read(t.node) for t in self.persistent}
 
     def parameters(self, replica: int = 0) -> dict[str, Array]:
-        ctx = self.replicas[replica].base
+        ctx = self._replica(replica).base
         return {p.name: ctx.read(p.node) for p in self.params}
+
+    def _replica(self, k: int) -> _Replica:
+        n = len(self.replicas)
+        if not isinstance(k, (int, np.integer)) or not -n <= k < n:
+            raise UnknownDeviceError(f"replica {k!r}: this data_parallel has {n} replicas (0..{n - 1})")
+        return self.replicas[k]
 
     def replica_spread(self) -> float:
         """The largest difference of any parameter between replica 0 and another (0.0: equal)."""

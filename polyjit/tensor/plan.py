@@ -19,12 +19,17 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
-from polyjit.core.errors import InvalidProgramError, NodeNotInContextError
+from polyjit.core.errors import (
+    InvalidProgramError,
+    NodeNotInContextError,
+    ShapeMismatchError,
+    StateDictKeyError,
+)
 from polyjit.core.ir import MemoryMode
 from polyjit.core.runtime import Backend, Context, Device, Replay, Routine
 from polyjit.tensor.autograd import grad, topo_order
 from polyjit.tensor.devices import DeviceLike, resolve_device
-from polyjit.tensor.hostio import Feed, check_names, enqueue_to_host
+from polyjit.tensor.hostio import Feed, check_names, convert_into, enqueue_to_host
 from polyjit.tensor.optim import Optimizer
 from polyjit.tensor.program import Program
 from polyjit.tensor.tensor import Kind, Tensor
@@ -94,12 +99,25 @@ def _named_outputs(outputs: Tensor | Sequence[Tensor] | Mapping[str, Tensor] | N
     if isinstance(outputs, Tensor):
         return {outputs.name: outputs}
     if isinstance(outputs, Mapping):
-        return dict(outputs)
-    named: dict[str, Tensor] = {}
-    for t in outputs:
+        named = dict(outputs)
+        for key, t in named.items():
+            _check_tensor(t, f"output {key!r}")
+        return named
+    if isinstance(outputs, (str, bytes)) or not isinstance(outputs, Sequence):
+        raise InvalidProgramError(f"outputs must be a Tensor, a list or a dict of Tensors, "
+                                  f"got {type(outputs).__name__}")
+    named = {}
+    for k, t in enumerate(outputs):
+        _check_tensor(t, f"output {k}")
         if named.setdefault(t.name, t) is not t:
             raise InvalidProgramError(f"two outputs are named {t.name!r}; pass a dict or use .named()")
     return named
+
+
+def _check_tensor(t: object, what: str) -> None:
+    if not isinstance(t, Tensor):
+        raise InvalidProgramError(f"{what} must be a Tensor, got {type(t).__name__} "
+                                  "(wrap host arrays with pt.constant(...))")
 
 
 class Plan:
@@ -123,7 +141,7 @@ class Plan:
                 assert t.init is not None
                 base = base.init_from_host(t.node, t.init)
                 self._owned.append(base)
-        self._feeds = [Feed(t.name, t.node) for t in program.inputs]
+        self._feeds = program.feeds()
         for f in self._feeds:
             if f.node not in base.buffers:
                 base = base.init_from_host(f.node, f.staging)
@@ -181,14 +199,22 @@ class Plan:
 
     # -- running ---------------------------------------------------------------------
 
-    def _launch(self, inputs: Mapping[str, Any], slot: _Slot | None) -> None:
+    def _prepare(self, inputs: Mapping[str, Any], slot: _Slot | None) -> list[Array]:
+        """The host arrays of one run, every value checked: nothing is copied if one is refused."""
         check_names(inputs, self._input_names, "plan inputs")
+        return [f.host_array(inputs[f.name], None if slot is None else slot.inputs[k])
+                for k, f in enumerate(self._feeds)]
+
+    def _launch(self, inputs: Mapping[str, Any], slot: _Slot | None) -> None:
+        self._enqueue(self._prepare(inputs, slot))
+
+    def _enqueue(self, arrays: Sequence[Array]) -> None:
         self._routines()
         linked = self._linked
         assert linked is not None
         base = self._base
-        for k, f in enumerate(self._feeds):
-            base.from_host(f.node, f.host_array(inputs[f.name], None if slot is None else slot.inputs[k]))
+        for f, arr in zip(self._feeds, arrays):
+            base.from_host(f.node, arr)
         linked.run(self.backend)
         self.runs += 1
 
@@ -217,8 +243,9 @@ class Plan:
         (host arrays reused by the next pipelined call of the same length)."""
         while len(self._slots) < len(runs):
             self._slots.append(_Slot(self._feeds, self._outputs))
-        for inputs, slot in zip(runs, self._slots):
-            self._launch(inputs, slot)
+        prepared = [self._prepare(inputs, slot) for inputs, slot in zip(runs, self._slots)]
+        for arrays, slot in zip(prepared, self._slots):
+            self._enqueue(arrays)
             ctx = self.context
             for name, node, _ in self._outputs:
                 enqueue_to_host(ctx, node, slot.results[name])
@@ -237,13 +264,35 @@ class Plan:
         """Copies of the persistent buffers (parameters, optimizer state), by name."""
         return {t.name: self._base.read(t.node) for t in self.program.persistent}
 
-    def load_state_dict(self, values: Mapping[str, Any]) -> None:
+    def load_state_dict(self, values: Mapping[str, Any], strict: bool = True) -> None:
+        """Set parameters and optimizer state from arrays by name (what ``state_dict()`` gives).
+
+        Every entry is checked before anything is written: the shape must be the tensor's
+        (``ShapeMismatchError``), the values must convert to its dtype the way inputs do
+        (``DTypeMismatchError``, ``ValueRangeError``), and with ``strict`` the names must be
+        exactly the plan's (``StateDictKeyError``); without it, unknown and missing names are
+        skipped. On an error nothing has changed.
+        """
         by_name = {t.name: t for t in self.program.persistent}
+        if strict:
+            unknown = sorted(k for k in values if k not in by_name)
+            missing = sorted(k for k in by_name if k not in values)
+            if unknown or missing:
+                parts = ([f"unknown {', '.join(map(repr, unknown))}"] if unknown else []) + (
+                    [f"missing {', '.join(map(repr, missing))}"] if missing else [])
+                have = ", ".join(sorted(by_name)) or "no state"
+                raise StateDictKeyError(f"load_state_dict: {'; '.join(parts)} (this plan has {have}; "
+                                        "strict=False skips them)")
+        staged = []
         for name, value in values.items():
             t = by_name.get(name)
             if t is None:
-                raise NodeNotInContextError(f"no parameter or state named {name!r} in this plan")
-            self._base.from_host(t.node, np.array(value, dtype=t.dtype.np).reshape(t.shape))
+                continue
+            arr = np.empty(t.shape, t.dtype.np)
+            convert_into(arr, value, f"{'parameter' if t.kind is Kind.PARAM else 'state'} {name!r}")
+            staged.append((t, arr))
+        for t, arr in staged:
+            self._base.from_host(t.node, arr)
         self._base.stream.synchronize()
 
     def read(self, tensor: Tensor) -> Array:
@@ -312,6 +361,10 @@ def compile(
     named = _named_outputs(outputs)
     writes = []
     if loss is not None:
+        _check_tensor(loss, "loss")
+        if loss.shape != ():
+            raise ShapeMismatchError(f"the loss must be a scalar (0-d) tensor, got {loss!r}; "
+                                     "reduce it first (.mean() or .sum())")
         if named.get("loss", loss) is not loss:
             raise InvalidProgramError("an output is named 'loss' but is not the loss")
         named["loss"] = loss

@@ -3,7 +3,6 @@ timed with a sync around it (the sync costs a few microseconds: compare kernels,
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,28 +27,12 @@ def profile_kernels(plan: Plan, inputs: Mapping[str, Any], repeats: int = 10) ->
     linked = plan._linked
     assert linked is not None
     batch = plan.program.batch(plan.backend, linked.kind)
-    device = plan.device
-    driver = device.driver
-    stream = plan.context.stream
     comments = {k.name: k.comment for k in batch.lowered.kernels}
     works = {k.name: k.work for k in batch.lowered.kernels}
     out = []
     for routine in linked.routines:
-        for spec in routine._specs:
-            args = [(device.pool_handle(routine._buffers[n].pool_id), routine._buffers[n].offset)
-                    for n in spec.buffers]
-            if spec.merge is not None:
-                args.append((device.merge.handle, 0))
-            prepared = driver.prepare(device.ordinal, routine._module, [(spec, args)])
-            statics = routine.static_values() if routine.statics else ()
-            driver.launch(stream.handle, prepared, statics)
-            stream.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(repeats):
-                driver.launch(stream.handle, prepared, statics)
-            stream.synchronize()
-            dt = (time.perf_counter() - t0) / repeats
-            out.append(KernelTime(spec.name, comments.get(spec.name, ""), dt, works.get(spec.name, 0)))
+        for spec, seconds in routine.time_kernels(repeats):
+            out.append(KernelTime(spec.name, comments.get(spec.name, ""), seconds, works.get(spec.name, 0)))
     return sorted(out, key=lambda k: -k.seconds)
 
 

@@ -15,7 +15,8 @@ from polyjit.core import ir
 from polyjit.core.errors import InvalidProgramError, ShapeMismatchError
 from polyjit.core.runtime import Backend, CodeBatch
 from polyjit.tensor.autograd import topo_order
-from polyjit.tensor.tensor import Kind, Tensor
+from polyjit.tensor.hostio import Feed
+from polyjit.tensor.tensor import IndexBound, Kind, Tensor
 
 
 @attrs.frozen(eq=False)
@@ -87,10 +88,21 @@ class Program:
                 seen.add(w.target)
                 every.append(w.target)
         self.inputs = _unique([t for t in every if t.kind is Kind.INPUT], "input")
+        # Inputs whose values index classes or rows: checked on the host by their Feed.
+        self.index_bounds: dict[ir.Node, list[IndexBound]] = {}
+        for t in every:
+            for b in t.index_bounds:
+                source = fed_input(b.indices)
+                if source is not None:
+                    self.index_bounds.setdefault(source.node, []).append(b)
         self.persistent = _unique([t for t in every if t.is_persistent], "parameter/state")
         self.embedded = frozenset(t.node for t in self.outputs.values()) | {w.target.node for w in self.writes}
         self._batches: dict[tuple[int, str], CodeBatch] = {}
         self.uid = next(_ids)
+
+    def feeds(self) -> list[Feed]:
+        """One host feed per input (with a fresh staging array), checking index inputs' bounds."""
+        return [Feed(t.name, t.node, self.index_bounds.get(t.node, ())) for t in self.inputs]
 
     @property
     def assignments(self) -> list[ir.Assignment]:
@@ -131,6 +143,54 @@ class Program:
             "persistent": [t.name for t in self.persistent],
             "outputs": list(self.outputs),
         }
+
+
+def fed_input(t: Tensor) -> Tensor | None:
+    """The input whose values ``t`` holds, all of them and no others (maybe reordered, repeated or
+    cast to another integer dtype): the input itself, an alias, a reshape, a transpose, a
+    broadcast of it. None when ``t`` is computed otherwise (its values cannot be checked on the
+    host)."""
+    while t.kind is not Kind.INPUT:
+        same = [p for p in t.parents if p.node is t.node]
+        if not t.assigns and same:  # an alias (detach)
+            t = same[0]
+            continue
+        if len(t.assigns) != 1 or len(t.parents) != 1:
+            return None
+        a, parent = t.assigns[0], t.parents[0]
+        if isinstance(a, ir.Fetch):
+            if not (isinstance(a.value, ir.Reshape) and a.value.source is parent.node):
+                return None
+        elif not isinstance(a, ir.Accum) or not _covers(a, parent):
+            return None
+        t = parent
+    return t
+
+
+def _covers(a: ir.Accum, x: Tensor) -> bool:
+    """Whether ``a`` copies every cell of ``x`` (and nothing else): a transpose, a broadcast, an
+    identity slice, or a cast between integer dtypes (in-range values keep their value)."""
+    if a.accum is not None or a.rhs != (x.node,):
+        return False
+    if a.op is ir.Op.CAST:
+        if a.lhs.dtype.is_float or a.lhs.dtype.is_bool or x.dtype.is_float or x.dtype.is_bool:
+            return False
+    elif a.op is not ir.Op.ID:
+        return False
+    pr = a.projections
+    used: set[ir.Var] = set()
+    for index, n in zip(pr.rhs[0], x.shape):
+        if not index.terms:
+            if index.const != 0 or n != 1:  # a fixed index reads one cell of a longer axis
+                return False
+            continue
+        if len(index.terms) != 1 or index.const != 0:
+            return False
+        sym, coeff = index.terms[0]
+        if coeff != 1 or sym in used or not isinstance(sym, ir.Symbol) or pr.extent(sym) != n:
+            return False
+        used.add(sym)
+    return True
 
 
 def _elementwise_leaf(t: Tensor) -> ir.Accum | ir.Fetch | None:

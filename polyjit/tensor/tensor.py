@@ -17,11 +17,12 @@ import itertools
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Union
 
+import attrs
 import numpy as np
 
 from polyjit.core import dtypes, ir
 from polyjit.core.dtypes import DType, as_dtype
-from polyjit.core.errors import ShapeMismatchError
+from polyjit.core.errors import ShapeMismatchError, SymbolicTensorError, ValueRangeError
 
 if TYPE_CHECKING:
     from polyjit.tensor.init import Init
@@ -43,11 +44,46 @@ class Kind(enum.Enum):
 
 _tensor_ids = itertools.count(1)
 
+# numpy ufuncs that numpy calls for ``numpy_scalar <op> tensor``: the tensor's own op handles them.
+_UFUNC_OPS = {
+    "add": "add", "subtract": "sub", "multiply": "mul", "true_divide": "div", "power": "pow",
+    "matmul": "matmul", "negative": "neg", "less": "less", "less_equal": "less_equal",
+    "greater": "greater", "greater_equal": "greater_equal",
+}
+
+
+@attrs.frozen(eq=False)
+class IndexBound:
+    """The values of ``indices`` index ``depth`` cells (class labels, one-hot positions, rows of an
+    embedding table). A plan whose graph holds the bound checks the values on the host before
+    copying them, when ``indices`` is an input (or a reshape, transpose, broadcast or integer
+    cast of one: ``program.fed_input``)."""
+
+    indices: Tensor
+    depth: int
+    what: str  # "cross_entropy labels over 10 classes"
+
+
+def check_scalar(value: Scalar, dtype: DType, what: str, hint: str = "") -> None:
+    """Refuse a Python scalar that ``dtype`` cannot hold exactly (1.5 or 300 for uint8, -1 for
+    bool): it would be truncated or wrap around in the kernel."""
+    if dtype.is_float:
+        return
+    if dtype.is_bool:
+        fits = value in (0, 1)
+    else:
+        info = np.iinfo(dtype.np)
+        integral = isinstance(value, int) or float(value).is_integer()  # False for nan and inf
+        fits = integral and info.min <= value <= info.max
+    if not fits:
+        raise ValueRangeError(f"{what}: the scalar {value!r} does not fit {dtype}{hint}")
+
 
 class Tensor:
     """A node of the tensor graph. Build tensors with the functions of ``polyjit.tensor``."""
 
-    __slots__ = ("_backward", "assigns", "id", "init", "kind", "name", "node", "parents", "requires_grad")
+    __slots__ = ("_backward", "assigns", "id", "index_bounds", "init", "kind", "name", "node", "parents",
+                 "requires_grad")
 
     def __init__(
         self,
@@ -69,6 +105,7 @@ class Tensor:
         self.init = init
         self.id = next(_tensor_ids)
         self.name = name or node.name
+        self.index_bounds: tuple[IndexBound, ...] = ()  # see IndexBound (set by one_hot)
         self.requires_grad: bool = (
             requires_grad if requires_grad is not None
             else backward is not None and any(p.requires_grad for p in self.parents)
@@ -103,8 +140,35 @@ class Tensor:
     def __hash__(self) -> int:
         return self.id
 
+    def _symbolic(self, use: str) -> SymbolicTensorError:
+        return SymbolicTensorError(
+            f"{use} of {self!r}: a Tensor is symbolic and has no values until a plan runs it; "
+            f"use polyjit.tensor ops on it, or get its values with "
+            f"pt.compile({{'{self.name}': t}}).run(...)['{self.name}'] (plan.read(t) for a stored tensor)"
+        )
+
     def __bool__(self) -> bool:
-        raise TypeError("a Tensor is symbolic: it has no truth value until it is compiled and run")
+        raise self._symbolic("bool()")
+
+    def __float__(self) -> float:
+        raise self._symbolic("float()")
+
+    def __int__(self) -> int:
+        raise self._symbolic("int()")
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> Array:
+        raise self._symbolic("np.asarray()")
+
+    def __array_ufunc__(self, ufunc: np.ufunc, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        if ufunc.__name__ in ("equal", "not_equal") and method == "__call__" and len(inputs) == 2:
+            # t == np.float64(1): == and != keep Python's identity semantics (use pt.equal)
+            return (inputs[0] is inputs[1]) == (ufunc.__name__ == "equal")
+        name = _UFUNC_OPS.get(ufunc.__name__) if method == "__call__" and not kwargs else None
+        if name is None:  # np.exp(t), np.add.reduce(t), ...
+            raise self._symbolic(f"numpy's {ufunc.__name__}{'' if method == '__call__' else '.' + method}")
+        # np.float64(2.0) * t: numpy hands the operator over (a scalar maybe as a 0-d array)
+        return getattr(ops, name)(*(x.item() if isinstance(x, np.ndarray) and not x.shape else x
+                                    for x in inputs))
 
     def __len__(self) -> int:
         if not self.shape:
@@ -281,6 +345,7 @@ def constant(value: Any, dtype: DTypeLike | None = None, name: str = "const") ->
 def full(shape: int | Sequence[int], value: Scalar, dtype: DTypeLike = dtypes.float32, name: str = "full") -> Tensor:
     """A tensor of one value (computed on the device: a Fill fetch, inlined into its reader)."""
     node = ir.Node(name, _shape(shape), as_dtype(dtype))
+    check_scalar(value, node.dtype, f"{name} of {node.dtype}")
     return Tensor(node, (ir.fill(node, value),), requires_grad=False)
 
 

@@ -6,12 +6,14 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from polyjit.core import dtypes, ir
 from polyjit.core.dtypes import as_dtype
 from polyjit.core.errors import DTypeMismatchError, InvalidProgramError
 from polyjit.core.ir import Op
 from polyjit.tensor.ops.indexing import sum_to
-from polyjit.tensor.tensor import DTypeLike, Scalar, Tensor
+from polyjit.tensor.tensor import DTypeLike, Scalar, Tensor, check_scalar
 
 Operand = Tensor | Scalar
 
@@ -20,10 +22,16 @@ def _is_scalar(x: object) -> bool:
     return isinstance(x, (int, float, bool)) and not isinstance(x, Tensor)
 
 
+def _as_operand(x: Any) -> Any:
+    """A numpy scalar (np.float32(2), np.int64(3)) as the Python scalar it holds."""
+    return x.item() if isinstance(x, np.generic) and x.dtype.kind in "biuf" else x
+
+
 def _check_operands(operands: Sequence[Operand]) -> None:
     for x in operands:
         if not isinstance(x, Tensor) and not _is_scalar(x):
-            raise DTypeMismatchError(f"an operand must be a Tensor or a Python scalar, got {type(x).__name__}")
+            hint = " (wrap arrays with pt.constant(...))" if isinstance(x, np.ndarray) else ""
+            raise DTypeMismatchError(f"an operand must be a Tensor or a scalar, got {type(x).__name__}{hint}")
 
 
 def _operand_dtypes(op: Op, operands: Sequence[Operand], default: dtypes.DType) -> list[dtypes.DType]:
@@ -49,7 +57,9 @@ _Rule = Callable[[Tensor, Tensor, Sequence[Operand]], Sequence[Any]]
 def elementwise(
     op: Op, *operands: Operand, dtype: DTypeLike | None = None, name: str | None = None
 ) -> Tensor:
-    """``op`` applied elementwise with numpy broadcasting; Python scalars become literals."""
+    """``op`` applied elementwise with numpy broadcasting; Python (and numpy) scalars become literals
+    of the dtype of the tensor beside them, which must hold them exactly."""
+    operands = tuple(_as_operand(x) for x in operands)
     _check_operands(operands)
     tensors = [x for x in operands if isinstance(x, Tensor)]
     if not tensors:
@@ -59,7 +69,12 @@ def elementwise(
     if op is Op.CAST:
         out_dt = default
     else:
-        out_dt = ir.result_dtype(op, _operand_dtypes(op, operands, default), default)
+        operand_dts = _operand_dtypes(op, operands, default)
+        for x, dt in zip(operands, operand_dts):
+            if not isinstance(x, Tensor):
+                check_scalar(x, dt, f"{op.value} of {', '.join(repr(t) for t in tensors)}",
+                             "; cast the tensor first, e.g. x.astype('float32')")
+        out_dt = ir.result_dtype(op, operand_dts, default)
     node = ir.Node(name or op.value, shape, out_dt)
     rhs = tuple(x.node if isinstance(x, Tensor) else x for x in operands)
     assign = ir.apply(op, *rhs, into=node)

@@ -1,0 +1,293 @@
+"""Misuse of the tensor front end raises a typed PolyjitError naming what is wrong, checked on the
+host before anything reaches the device, and the plan stays usable: the same plan object runs
+again with good input."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import polyjit
+from polyjit import tensor as pt
+from polyjit.backends.cpu import create_backend
+from polyjit.core import errors
+from polyjit.core.errors import (
+    DTypeMismatchError,
+    IndexOutOfRangeError,
+    InvalidProgramError,
+    PolyjitError,
+    ShapeMismatchError,
+    StateDictKeyError,
+    SymbolicTensorError,
+    UnknownDeviceError,
+    ValueRangeError,
+)
+from polyjit.core.runtime import Backend
+
+Array = np.ndarray[Any, Any]
+B, C = 12, 3  # batch (splits over 1, 2 and 3 devices), classes
+
+
+@pytest.fixture(scope="module")
+def two_devices() -> Backend:
+    return create_backend(num_devices=2)
+
+
+def _data(seed: int = 0) -> tuple[Array, Array]:
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(B, 2)).astype(np.float32), rng.integers(0, C, B).astype(np.int32)
+
+
+def _same(a: dict[str, Array], b: dict[str, Array]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def test_error_classes_derive_from_the_expected_builtins() -> None:
+    assert issubclass(IndexOutOfRangeError, PolyjitError) and issubclass(IndexOutOfRangeError, IndexError)
+    assert issubclass(ValueRangeError, ValueError) and issubclass(SymbolicTensorError, TypeError)
+    assert issubclass(StateDictKeyError, KeyError)
+    assert str(StateDictKeyError("no 'w'")) == "no 'w'"  # not KeyError's repr
+    for name in ("IndexOutOfRangeError", "ValueRangeError", "SymbolicTensorError", "StateDictKeyError"):
+        assert name in polyjit.__all__ and getattr(polyjit, name) is getattr(errors, name)
+
+
+# -- 1. class labels and indices out of range -------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["compiled", "dynamic"])
+def test_cross_entropy_labels_out_of_range_are_refused_before_the_step(mode: str) -> None:
+    x, y = pt.input("x", (B, 2)), pt.input("y", (B,), "int32")
+    mlp = pt.MLP("mlp", [2, 8, C], seed=1)
+    plan = pt.compile(loss=pt.cross_entropy(mlp(x), y), optimizer=pt.Adam(0.01), mode=mode)  # type: ignore[arg-type]
+    xs, ys = _data()
+    before = plan.state_dict()
+    for bad, value in ((5, C), (7, 5), (2, -1)):
+        labels = ys.copy()
+        labels[bad] = value
+        with pytest.raises(IndexOutOfRangeError, match=rf"input 'y'.*value {value} at index \({bad},\).*"
+                                                       rf"cross_entropy labels over {C} classes \(valid: 0\.\.2\)"):
+            plan.step(x=xs, y=labels)
+        with pytest.raises(IndexOutOfRangeError):  # a list goes through the staging array: checked too
+            plan.step(x=xs, y=labels.tolist())
+    _same(plan.state_dict(), before)  # nothing ran: no update, no Adam step
+    assert plan.runs == 0
+    loss = plan.step(x=xs, y=ys)
+    assert np.isfinite(loss) and loss > 0.1
+    assert plan.state_dict()["adam.step"] == 1.0
+    plan.close()
+
+
+def test_one_hot_and_embedding_indices_out_of_range() -> None:
+    idx = pt.input("idx", (2, 3), "int64")
+    tokens = pt.input("tokens", (2, 3), "int32")
+    table = pt.param("table", (5, 2), init=np.arange(10.0).reshape(5, 2))
+    plan = pt.compile({"hot": pt.one_hot(idx, 4), "emb": pt.embedding(tokens.reshape(-1), table)})
+    good_idx = np.array([[0, 1, 2], [3, 0, 1]])
+    good_tok = np.array([[4, 0, 1], [2, 3, 4]], np.int32)
+    with pytest.raises(IndexOutOfRangeError, match=r"input 'idx'.*value 4 at index \(1, 2\).*one_hot of depth 4"):
+        plan.run(idx=np.array([[0, 1, 2], [3, 0, 4]]), tokens=good_tok)
+    # through a reshape: the table has 5 rows
+    with pytest.raises(IndexOutOfRangeError, match=r"input 'tokens'.*value -3 at index \(0, 1\).*"
+                                                   r"embedding of a vocabulary of 5 \(valid: 0\.\.4\)"):
+        plan.run(idx=good_idx, tokens=np.array([[4, -3, 1], [2, 3, 4]], np.int32))
+    with pytest.raises(IndexOutOfRangeError, match="vocabulary of 5"):
+        plan.run(idx=good_idx, tokens=np.full((2, 3), 5, np.int32))
+    out = plan.run(idx=good_idx, tokens=good_tok)
+    np.testing.assert_array_equal(out["hot"], np.eye(4, dtype=np.float32)[good_idx])
+    np.testing.assert_array_equal(out["emb"], np.arange(10.0).reshape(5, 2)[good_tok.ravel()])
+    plan.close()
+
+
+def test_indices_computed_on_the_device_are_not_checked_on_the_host() -> None:
+    y = pt.input("y", (4,), "int32")
+    plan = pt.compile({"hot": pt.one_hot(y[1:], 3)})  # a slice: y[0] is not an index
+    out = plan.run(y=np.array([-1, 0, 1, 2], np.int32))
+    np.testing.assert_array_equal(out["hot"], np.eye(3, dtype=np.float32))
+    plan.close()
+
+
+@pytest.mark.parametrize("n", [1, 2], ids=["one_device", "two_devices"])
+def test_data_parallel_labels_out_of_range_are_refused_on_every_replica(two_devices: Backend, n: int) -> None:
+    mlp = pt.MLP("mlp", [2, 8, C], seed=2)
+    dp = pt.data_parallel(lambda x, y: pt.cross_entropy(mlp(x), y),
+                          {"x": ((B, 2), "float32"), "y": ((B,), "int32")},
+                          optimizer=pt.SGD(0.1, momentum=0.9),
+                          devices=two_devices.devices()[:n] if n > 1 else "cpu:0")
+    xs, ys = _data(1)
+    before = [dp.state_dict(k) for k in range(n)]
+    labels = ys.copy()
+    labels[B - 1] = C  # in the last shard: reported at its global row
+    with pytest.raises(IndexOutOfRangeError, match=rf"input 'y'.*value {C} at index \({B - 1},\)"):
+        dp.step(x=xs, y=labels)
+    labels[B - 1] = -2
+    with pytest.raises(IndexOutOfRangeError, match=r"value -2"):
+        dp.step(x=xs, y=labels)
+    with pytest.raises(ShapeMismatchError, match=r"input 'x'.*got shape \(12, 1\), expected \(12, 2\)"):
+        dp.step(x=xs[:, :1], y=ys)
+    for k in range(n):
+        _same(dp.state_dict(k), before[k])
+    assert dp.steps == 0
+    loss = dp.step(x=xs, y=ys)
+    assert np.isfinite(loss) and loss > 0.1
+    assert dp.replica_spread() == 0.0
+    with pytest.raises(UnknownDeviceError, match=f"{n} replicas"):
+        dp.state_dict(n)
+    dp.close()
+
+
+# -- 2. values that do not fit the input's dtype ------------------------------------------------
+
+
+def test_input_values_that_do_not_fit_the_dtype_are_refused_not_wrapped() -> None:
+    small = pt.input("small", (3,), "uint8")
+    count = pt.input("count", (3,), "int32")
+    plan = pt.compile({"sum": pt.cast(small, "int32") + count})
+    zeros = np.zeros(3, np.int32)
+    for value, pattern in (
+        (np.array([1, 300, 2], np.int64), r"input 'small' \(uint8, shape \(3,\)\): value 300 at index \(1,\) "
+                                          r"does not fit uint8 \(0\.\.255\)"),
+        (np.array([-1, 0, 0], np.int64), r"value -1 at index \(0,\) does not fit uint8"),
+        ([0, 1, 256], r"value 256 at index \(2,\)"),
+        (np.array([1.0, 2.5, 3.0]), r"value 2\.5 at index \(1,\) is not an integer"),
+        (np.array([1.0, np.nan, 3.0]), r"NaN at index \(1,\)"),
+        (np.array([1.0, np.inf, 3.0]), r"value inf at index \(1,\) does not fit"),
+    ):
+        with pytest.raises(ValueRangeError, match=pattern):
+            plan.run(small=value, count=zeros)
+    with pytest.raises(ValueRangeError, match=r"input 'count'.*1099511627776 at index \(0,\) does not fit int32"):
+        plan.run(small=np.zeros(3, np.uint8), count=np.array([2**40, 0, 0], np.int64))
+    with pytest.raises(DTypeMismatchError, match=r"input 'count'.*complex128"):
+        plan.run(small=np.zeros(3, np.uint8), count=np.ones(3, np.complex128))
+    with pytest.raises(ShapeMismatchError, match=r"input 'count'.*got shape \(4,\)"):
+        plan.run(small=np.zeros(3, np.uint8), count=np.zeros(4, np.int32))
+    # Accepted: in-range integers of any integer dtype (a list too), integral floats.
+    out = plan.run(small=np.array([0, 255, 7], np.int64), count=np.array([1.0, -2.0, 3.0]))
+    np.testing.assert_array_equal(out["sum"], [1, 253, 10])
+    out = plan.run(small=[1, 2, 3], count=np.array([2**31 - 4, -(2**31), 0], np.int64))  # int32's limits
+    np.testing.assert_array_equal(out["sum"], [2**31 - 3, -(2**31) + 2, 3])
+    plan.close()
+
+
+def test_scalars_that_do_not_fit_the_tensor_dtype_are_refused() -> None:
+    a = pt.input("a", (2,), "int32")
+    u = pt.input("u", (2,), "uint8")
+    with pytest.raises(ValueRangeError, match=r"add of Tensor\(a 2 int32 input\): the scalar 1\.5 does not fit int32"):
+        _ = a + 1.5
+    with pytest.raises(ValueRangeError, match=r"0\.5"):
+        _ = a * 0.5
+    with pytest.raises(ValueRangeError, match="300"):
+        _ = u + 300
+    with pytest.raises(ValueRangeError, match=r"2\.5"):
+        _ = a >= 2.5
+    with pytest.raises(ValueRangeError, match="300"):
+        pt.full((2,), 300, "uint8")
+    plan = pt.compile({"b": a + 2.0, "c": u * 2, "d": pt.full((2,), 255, "uint8")})  # integral: fine
+    out = plan.run(a=np.array([1, 2], np.int32), u=np.array([3, 4], np.uint8))
+    np.testing.assert_array_equal(out["b"], [3, 4])
+    np.testing.assert_array_equal(out["c"], [6, 8])
+    np.testing.assert_array_equal(out["d"], [255, 255])
+    plan.close()
+
+
+# -- 3. load_state_dict -------------------------------------------------------------------------
+
+
+def test_load_state_dict_checks_everything_before_writing_anything() -> None:
+    x = pt.input("x", (4,))
+    w = pt.param("w", (4,), init="ones")
+    b = pt.param("b", (), init="zeros")
+    plan = pt.compile(loss=pt.sum(x * w) + b, optimizer=pt.SGD(0.1))
+    before = plan.state_dict()
+    good = {"w": np.full(4, 2.0, np.float32), "b": np.float32(0.5)}
+    bad_dicts: list[tuple[dict[str, Any], type[Exception], str]] = [
+        ({**good, "w": np.ones((2, 2))}, ShapeMismatchError, r"parameter 'w' \(float32, shape \(4,\)\): got shape \(2, 2\)"),
+        ({**good, "w": np.ones(5)}, ShapeMismatchError, r"parameter 'w'.*got shape \(5,\)"),
+        ({**good, "b": np.ones(())+1j}, DTypeMismatchError, r"parameter 'b'.*complex128"),
+        ({**good, "w": np.array(["a", "b", "c", "d"])}, DTypeMismatchError, r"parameter 'w'.*<U1"),
+        ({**good, "v": np.ones(4)}, StateDictKeyError, r"unknown 'v'"),
+        ({"w": good["w"]}, StateDictKeyError, r"missing 'b'"),
+    ]
+    for values, error, pattern in bad_dicts:
+        with pytest.raises(error, match=pattern):
+            plan.load_state_dict(values)
+        _same(plan.state_dict(), before)  # "w" came first and was good: still not written
+    plan.load_state_dict({"w": [3, 3, 3, 3]}, strict=False)  # a subset; ints into float32
+    np.testing.assert_array_equal(plan.state_dict()["w"], [3, 3, 3, 3])
+    plan.load_state_dict(good)
+    assert plan.step(x=np.ones(4, np.float32)) == pytest.approx(8.5)
+    np.testing.assert_allclose(plan.state_dict()["w"], 1.9)
+    plan.close()
+
+
+# -- 4. other misuse ----------------------------------------------------------------------------
+
+
+def test_symbolic_tensors_refuse_to_be_values() -> None:
+    x = pt.input("x", (2, 3))
+    s = pt.input("s", ())
+    with pytest.raises(SymbolicTensorError, match=r"np\.asarray\(\) of Tensor\(x 2x3 float32 input\).*run"):
+        np.asarray(x)
+    with pytest.raises(SymbolicTensorError, match="float"):
+        float(s)
+    with pytest.raises(SymbolicTensorError, match="bool"):
+        bool(x)
+    with pytest.raises(SymbolicTensorError, match="numpy's exp"):
+        np.exp(x)
+    with pytest.raises(SymbolicTensorError):
+        np.concatenate([x, x])
+    with pytest.raises(DTypeMismatchError, match="ndarray"):
+        _ = np.ones(3) + x
+    # A numpy scalar on the left hands the operator to the tensor (it built an object array).
+    y = np.float64(2.0) * x - np.float32(1.0)  # type: ignore[operator]
+    z = np.float64(0.5) < x
+    assert isinstance(y, pt.Tensor) and y.dtype.name == "float32"
+    assert isinstance(z, pt.Tensor) and z.dtype.name == "bool"
+    assert (x == np.float64(1.0)) is False  # == keeps identity semantics
+    plan = pt.compile({"y": y, "z": z})
+    out = plan.run(x=np.arange(6.0).reshape(2, 3))
+    np.testing.assert_array_equal(out["y"], 2 * np.arange(6.0).reshape(2, 3) - 1)
+    np.testing.assert_array_equal(out["z"], np.arange(6.0).reshape(2, 3) > 0.5)
+    with pytest.raises(SymbolicTensorError):  # a tensor fed as an input's value
+        plan.run(x=x)
+    assert plan.run(x=np.ones((2, 3)))["y"].tolist() == [[1.0] * 3] * 2
+    plan.close()
+
+
+def test_compile_and_optimizer_misuse() -> None:
+    x = pt.input("x", (4,))
+    w = pt.param("w", (4,), init="ones")
+    with pytest.raises(ShapeMismatchError, match=r"loss must be a scalar.*Tensor\(mul 4 float32 op\)"):
+        pt.compile(loss=x * w)
+    with pytest.raises(InvalidProgramError, match=r"output 'y' must be a Tensor, got ndarray"):
+        pt.compile({"y": np.ones(4)})  # type: ignore[dict-item]
+    with pytest.raises(InvalidProgramError, match=r"output 1 must be a Tensor, got int"):
+        pt.compile([x * w, 3])  # type: ignore[list-item]
+    with pytest.raises(InvalidProgramError, match=r"SGD: lr must be >= 0, got -1"):
+        pt.SGD(-1.0)
+    with pytest.raises(InvalidProgramError, match=r"momentum must be in \[0, 1\.0\)"):
+        pt.SGD(0.1, momentum=1.5)
+    with pytest.raises(InvalidProgramError, match="nesterov=True needs a momentum"):
+        pt.SGD(0.1, nesterov=True)
+    with pytest.raises(InvalidProgramError, match=r"betas must be a pair"):
+        pt.Adam(0.1, betas=0.9)  # type: ignore[arg-type]
+    with pytest.raises(InvalidProgramError, match=r"betas\[1\] must be in \[0, 1\.0\)"):
+        pt.Adam(0.1, betas=(0.9, 1.0))
+    nesterov = pt.SGD(0.1, momentum=0.9, nesterov=True)
+    with pytest.raises(InvalidProgramError, match="nesterov=True needs a momentum"):
+        nesterov.momentum = 0.0
+    assert nesterov.momentum == 0.9  # unchanged
+    opt = pt.SGD(np.float32(0.5))  # type: ignore[arg-type]  # a numpy scalar becomes a Python float
+    assert type(opt.lr) is float
+    with pytest.raises(InvalidProgramError, match=r"SGD has no hyperparameter 'betas'"):
+        opt.betas = (0.9, 0.99)
+    plan = pt.compile(loss=pt.sum(x * w), optimizer=opt)
+    with pytest.raises(InvalidProgramError, match=r"SGD\.lr = 0\.1: .*already built into a plan with lr=0\.5"):
+        opt.lr = 0.1  # a schedule would silently not happen: the plan has lr as a constant
+    assert opt.lr == 0.5
+    assert plan.step(x=np.ones(4, np.float32)) == pytest.approx(4.0)
+    np.testing.assert_allclose(plan.state_dict()["w"], 0.5)
+    plan.close()
