@@ -4,8 +4,8 @@
     python examples/custom_backend.py -k merge     # the checks whose name contains "merge"
 
 ``SyncDriver`` implements the ``Driver`` protocol of ``polyjit/core/protocol.py``:
-it compiles the C dialect's source with the system C compiler into its own
-shared library (cached by content), loads it with ctypes and runs kernels
+it compiles the C dialect's source with the system C compiler into a shared
+library (kept in polyjit's verified compile cache), loads it with ctypes and runs kernels
 synchronously in the calling thread. Memory is host memory; a stream is just a
 counter, and an event is a marker of work that is already complete, so
 ``wait``/``sync`` have nothing to do. ``polyjit.core.runtime.Backend`` raises
@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import hashlib
 import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,13 +28,14 @@ from typing import Any
 
 import numpy as np
 
+from polyjit.core.cache import BinaryCache, content_key
 from polyjit.core.codegen import Dialect, KernelSpec, Source
 from polyjit.core.errors import BackendUnavailableError, CompileError
 from polyjit.core.protocol import DeviceInfo, Driver
 from polyjit.core.runtime import Backend
 
 FLAGS = ("-O2", "-fPIC", "-shared", "-std=gnu11")
-CACHE = Path(tempfile.gettempdir()) / f"polyjit-syncdriver-{os.getuid()}"
+CACHE = BinaryCache("syncdriver", ".so")
 
 
 class Pool:
@@ -119,23 +118,23 @@ class SyncDriver:
 
     # code
     def compile(self, source: Source) -> Path:
+        """The C compiler, through polyjit's verified, content-addressed compile cache."""
         cc = os.environ.get("CC", "cc")
         if shutil.which(cc) is None:
             raise BackendUnavailableError(f"no C compiler {cc!r}")
-        key = hashlib.sha256("\0".join([source.text, cc, *FLAGS]).encode()).hexdigest()[:32]
-        out = CACHE / f"{key}.so"
-        if out.exists():
-            return out
-        CACHE.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
-            c_file, so_file = Path(tmp) / "kernels.c", Path(tmp) / "kernels.so"
+
+        def build(so_file: Path) -> None:
+            c_file = so_file.with_suffix(".c")
             c_file.write_text(source.text)
-            proc = subprocess.run([cc, *FLAGS, "-o", str(so_file), str(c_file), "-lm"],
-                                  capture_output=True, text=True)
+            try:
+                proc = subprocess.run([cc, *FLAGS, "-o", str(so_file), str(c_file), "-lm"],
+                                      capture_output=True, text=True)
+            finally:
+                c_file.unlink(missing_ok=True)
             if proc.returncode != 0:
                 raise CompileError(f"{cc} failed:\n{proc.stderr}", source=source.text, log=proc.stderr)
-            os.replace(so_file, out)  # atomic: a concurrent process sees all of it or nothing
-        return out
+
+        return CACHE.get_or_build(content_key(source.text, cc, *FLAGS), build)
 
     def load(self, ordinal: int, binary: Path) -> ctypes.CDLL:
         return ctypes.CDLL(str(binary))

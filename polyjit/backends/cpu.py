@@ -9,7 +9,7 @@ A pool is one aligned host allocation; kernels get pool base + offset.
 
 from __future__ import annotations
 
-import collections
+import _ctypes
 import ctypes
 import functools
 import os
@@ -101,9 +101,8 @@ class CpuDriver:
         self._cores = split_cores(sorted(os.sched_getaffinity(0)), num_devices)
         self._memory = _total_memory() // num_devices
         self._rt: NativeRuntime | None = None
-        self._pending: dict[int, collections.deque[tuple[int, np.ndarray]]] = {}
         self._lock = threading.Lock()
-        self._modules: dict[Path, ctypes.CDLL] = {}
+        self._allocated: dict[int, int] = {}  # pointer -> bytes, for allocated_bytes()
 
     @property
     def rt(self) -> NativeRuntime:
@@ -132,19 +131,30 @@ class CpuDriver:
         ptr = self.rt.alloc(nbytes, max(alignment, BASE_ALIGNMENT))
         if not ptr:
             raise MemoryError(f"cannot allocate {nbytes} bytes on the host")
+        with self._lock:
+            self._allocated[ptr] = nbytes
         return ptr
 
     def free(self, ordinal: int, pool: int) -> None:
+        with self._lock:
+            del self._allocated[pool]
         self.rt.free(pool)
+
+    def allocated_bytes(self, ordinal: int) -> int:
+        """Bytes of host memory this driver holds in pools (every device shares the host)."""
+        with self._lock:
+            return sum(self._allocated.values())
 
     # -- streams and events --------------------------------------------------------
 
     def new_stream(self, ordinal: int) -> int:
         cores = self._cores[ordinal]
         pin = cores if len(self._cores) > 1 else None  # one device: let the OS place threads
-        handle = self.rt.stream_create(len(cores), pin)
-        self._pending[handle] = collections.deque()
-        return handle
+        return self.rt.stream_create(len(cores), pin)
+
+    def close_stream(self, stream: int) -> None:
+        """Drain the stream and join its worker thread."""
+        self.rt.stream_destroy(stream)
 
     def record(self, stream: int) -> tuple[int, int]:
         return (stream, self.rt.last_ticket(stream))
@@ -157,36 +167,17 @@ class CpuDriver:
 
     def event_sync(self, event: tuple[int, int]) -> None:
         self.rt.sync(event[0], event[1])
-        self._release(event[0])
 
-    # -- transfers ------------------------------------------------------------------
-
-    def _keep(self, stream: int, ticket: int, array: np.ndarray) -> None:
-        """Hold a host array until the copy that reads or writes it is done."""
-        pending = self._pending[stream]
-        with self._lock:
-            pending.append((ticket, array))
-        self._release(stream)
-
-    def _release(self, stream: int) -> None:
-        pending = self._pending.get(stream)
-        if not pending:
-            return
-        done = self.rt.done(stream)
-        with self._lock:
-            while pending and pending[0][0] <= done:
-                pending.popleft()
+    # -- transfers (the runtime keeps the host arrays alive until the copies are done) --------
 
     def memset_zero(self, stream: int, pool: int, offset: int, nbytes: int) -> None:
         self.rt.memset(stream, pool + offset, 0, nbytes)
 
     def copy_from_host(self, stream: int, pool: int, offset: int, array: np.ndarray) -> None:
-        ticket = self.rt.memcpy(stream, pool + offset, array.ctypes.data, array.nbytes)
-        self._keep(stream, ticket, array)
+        self.rt.memcpy(stream, pool + offset, array.ctypes.data, array.nbytes)
 
     def copy_to_host(self, stream: int, pool: int, offset: int, array: np.ndarray) -> None:
-        ticket = self.rt.memcpy(stream, array.ctypes.data, pool + offset, array.nbytes)
-        self._keep(stream, ticket, array)
+        self.rt.memcpy(stream, array.ctypes.data, pool + offset, array.nbytes)
 
     def copy_device(self, stream: int, dst: tuple[int, int, int], src: tuple[int, int, int], nbytes: int) -> None:
         self.rt.memcpy(stream, dst[1] + dst[2], src[1] + src[2], nbytes)
@@ -198,11 +189,11 @@ class CpuDriver:
         return build_shared(header + source.text)
 
     def load(self, ordinal: int, binary: Path) -> ctypes.CDLL:
-        with self._lock:  # every device of the process shares one loaded library
-            lib = self._modules.get(binary)
-            if lib is None:
-                lib = self._modules[binary] = ctypes.CDLL(str(binary))
-            return lib
+        return ctypes.CDLL(str(binary))  # dlopen counts references: one per load
+
+    def unload(self, ordinal: int, module: ctypes.CDLL) -> None:
+        """dlclose: the runtime calls this once no routine and no queued launch uses it."""
+        _ctypes.dlclose(module._handle)
 
     def prepare(
         self, ordinal: int, module: ctypes.CDLL, kernels: Sequence[tuple[KernelSpec, Sequence[tuple[int, int]]]]

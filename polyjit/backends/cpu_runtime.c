@@ -10,6 +10,10 @@
  * counts completed tasks. An event is (stream, ticket), done iff
  * done >= ticket.
  *
+ * Lifetime: a stream's memory is reference counted. Destroying a stream stops and joins its
+ * worker; a WAIT task that another stream holds on it keeps the memory (its final `done`
+ * counter) readable until that task has run.
+ *
  * Wake-ups: an idle worker spins for a short while (new work usually
  * arrives within microseconds), then parks (a futex on Linux); producers
  * wake it only when it parks. Host waits do the same on `done`, and the
@@ -83,6 +87,7 @@ typedef struct pj_stream {
     _Atomic uint32_t done_seq; /* bumped when done changes while someone parks on it */
     _Alignas(PJ_CACHELINE) _Atomic uint32_t sleeping; /* 1: the worker parks (or is about to) */
     _Atomic int waiters;                              /* threads parked on done_seq */
+    _Atomic int refs; /* 1 for the owner until pj_stream_destroy, +1 per pending WAIT on it */
     pthread_t thread;
     int num_threads;
     _Alignas(PJ_CACHELINE) pj_task ring[PJ_RING];
@@ -195,6 +200,13 @@ static void wait_work(pj_stream* s, uint64_t head) {
     atomic_store_explicit(&s->sleeping, 0, memory_order_relaxed);
 }
 
+static void stream_unref(pj_stream* s) {
+    if (atomic_fetch_sub_explicit(&s->refs, 1, memory_order_acq_rel) == 1) {
+        pthread_mutex_destroy(&s->prod_mu);
+        free(s);
+    }
+}
+
 /* Copy n bytes from src to dst, or set them to value when src is NULL: in 1 MiB chunks
    shared by the OpenMP team when the range is large. */
 static void parallel_bytes(void* dst, const void* src, int value, size_t n) {
@@ -239,6 +251,7 @@ static void* worker_main(void* arg) {
                     break;
                 case PJ_WAIT:
                     wait_done(t->u.wait.other, t->u.wait.ticket);
+                    stream_unref(t->u.wait.other);
                     break;
                 default:
                     break;
@@ -284,6 +297,7 @@ PJ_EXPORT void* pj_stream_create(int num_threads, const int* cpus, int ncpus) {
     pj_stream* s = NULL;
     if (posix_memalign((void**)&s, PJ_CACHELINE, sizeof(pj_stream)) != 0) return NULL;
     memset(s, 0, sizeof(*s));
+    atomic_store(&s->refs, 1);
     s->num_threads = num_threads;
     pthread_mutex_init(&s->prod_mu, NULL);
 
@@ -328,8 +342,7 @@ PJ_EXPORT void pj_stream_destroy(void* sp) {
     publish(s, ticket);
     pthread_mutex_unlock(&s->prod_mu);
     pthread_join(s->thread, NULL); /* the worker drains everything before STOP */
-    pthread_mutex_destroy(&s->prod_mu);
-    free(s);
+    stream_unref(s);
 }
 
 /* Enqueue n launches sharing one statics vector; returns the last ticket, 0 on bad input. */
@@ -389,6 +402,7 @@ PJ_EXPORT uint64_t pj_wait(void* sp, void* op, uint64_t ticket) {
         atomic_load_explicit(&other->done, memory_order_acquire) >= ticket)
         return atomic_load_explicit(&s->tail, memory_order_acquire);
     uint64_t mine;
+    atomic_fetch_add_explicit(&other->refs, 1, memory_order_relaxed); /* dropped by the worker */
     pthread_mutex_lock(&s->prod_mu);
     pj_task* t = reserve(s, &mine);
     t->kind = PJ_WAIT;

@@ -57,6 +57,7 @@ from polyjit.core.errors import (
 from polyjit.core.ir import StaticSymbol
 from polyjit.core.protocol import DeviceInfo
 from polyjit.core.runtime import Backend, Replay, Routine, Stream
+from polyjit.core.streams import enqueue
 
 __all__ = [
     "BASE_ALIGNMENT",
@@ -70,6 +71,7 @@ __all__ = [
     "capture",
     "create_backend",
     "nvrtc_compile",
+    "nvrtc_log",
     "nvrtc_supported_archs",
     "nvrtc_version",
 ]
@@ -224,13 +226,25 @@ def nvrtc_compile(
     def build(out: Any) -> None:
         out.write_bytes(_nvrtc_build(text, opts, kind, name))
 
-    data = cache.get_or_build(key, build).read_bytes()
+    data = cache.get_or_build_bytes(key, build)
     with _memory_lock:
         _memory_cache[key] = data
     return data
 
 
+def nvrtc_log(text: str, arch: str = DEFAULT_ARCH, *, options: Sequence[str] = NVRTC_OPTIONS,
+              name: str = "polyjit.cu") -> str:
+    """Compile ``text`` to a CUBIN for ``arch`` without the cache and return NVRTC's log:
+    empty when the source compiles without a warning. Raises :class:`CompileError` on errors."""
+    return _nvrtc_run(text, (f"--gpu-architecture=sm_{_arch_number(arch)}", *options), "cubin", name)[1]
+
+
 def _nvrtc_build(text: str, opts: Sequence[str], kind: str, name: str) -> bytes:
+    return _nvrtc_run(text, opts, kind, name)[0]
+
+
+def _nvrtc_run(text: str, opts: Sequence[str], kind: str, name: str) -> tuple[bytes, str]:
+    """(the CUBIN or PTX, the log)."""
     nv = _nvrtc()
     prog = _nvrtc_ok(nv.nvrtcCreateProgram(text.encode(), name.encode(), 0, [], []), "nvrtcCreateProgram")
     try:
@@ -248,23 +262,30 @@ def _nvrtc_build(text: str, opts: Sequence[str], kind: str, name: str) -> bytes:
             )
         if kind == "cubin":
             size = _nvrtc_ok(nv.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
-            buf = b" " * size
+            buf = _nvrtc_buffer(size)
             _nvrtc_ok(nv.nvrtcGetCUBIN(prog, buf), "nvrtcGetCUBIN")
-            return bytes(buf)
+            return bytes(buf), log
         size = _nvrtc_ok(nv.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
-        buf = b" " * size
+        buf = _nvrtc_buffer(size)
         _nvrtc_ok(nv.nvrtcGetPTX(prog, buf), "nvrtcGetPTX")
-        return bytes(buf)  # NUL-terminated, as cuModuleLoadData wants
+        return bytes(buf), log  # the PTX is NUL-terminated, as cuModuleLoadData wants
     finally:
         nv.nvrtcDestroyProgram(prog)
+
+
+def _nvrtc_buffer(size: int) -> bytearray:
+    """A fresh, writable buffer for NVRTC to fill. Never ``b" " * size``: NVRTC writes into
+    the bytes object it is given, and ``b" " * 1`` (an empty log is one NUL) is the
+    interpreter's one shared ``b" "``; filling it changes ``b" "`` in the whole process."""
+    return bytearray(max(0, int(size)))
 
 
 def _program_log(nv: Any, prog: Any) -> str:
     try:
         size = _nvrtc_ok(nv.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
-        buf = b" " * size
+        buf = _nvrtc_buffer(size)
         _nvrtc_ok(nv.nvrtcGetProgramLog(prog, buf), "nvrtcGetProgramLog")
-        return buf.rstrip(b"\x00").decode(errors="replace").strip()
+        return bytes(buf).rstrip(b"\x00").decode(errors="replace").strip()
     except PolyjitError:
         return ""
 
@@ -734,7 +755,21 @@ class CudaDriver:
         self._use(ordinal, force=True)
         _ok(_cu().cuMemFree(pool.raw), "cuMemFree")
 
+    def allocated_bytes(self, ordinal: int) -> int:
+        """Device memory in use on this GPU (cuMemGetInfo: total - free), by every user."""
+        self._use(ordinal, force=True)
+        free, total = _ok(_cu().cuMemGetInfo(), "cuMemGetInfo")
+        return int(total) - int(free)
+
     # -- streams and events ----------------------------------------------------------
+
+    def close_stream(self, stream: _Stream) -> None:
+        self._use(stream.ordinal, force=True)
+        _ok(_cu().cuStreamDestroy(stream.handle), "cuStreamDestroy")
+
+    def unload(self, ordinal: int, module: _Module) -> None:
+        self._use(ordinal, force=True)
+        _ok(_cu().cuModuleUnload(module.handle), "cuModuleUnload")
 
     def new_stream(self, ordinal: int) -> _Stream:
         cu = _cu()
@@ -1127,8 +1162,10 @@ class Plan(Replay):
                     _ok(cu.cuGraphExecKernelNodeSetParams(self._exec, node, p), "cuGraphExecKernelNodeSetParams")
         stream = self.stream
         tracker = device.tracker
-        tracker.ordered(stream, tracker.states(self._reads), tracker.states(self._writes),
-                        lambda: _ok(cu.cuGraphLaunch(self._exec, stream.handle.handle), "cuGraphLaunch"))
+        with device.lock:
+            enqueue(stream, tracker.states(self._reads), tracker.states(self._writes), self,
+                    lambda: _ok(cu.cuGraphLaunch(self._exec, stream.handle.handle), "cuGraphLaunch"),
+                    (), (self,))
 
     def close(self) -> None:
         """Destroy the graph (the routines stay usable)."""

@@ -45,6 +45,7 @@ import math
 import os
 import threading
 import warnings
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,7 @@ PLATFORM_ENV = "POLYJIT_OPENCL_PLATFORM"
 BINARY_CACHE_ENV = "POLYJIT_OPENCL_BINARY_CACHE"
 MIN_BASE_ALIGNMENT = 64  # bytes; pool offsets are multiples of max(this, the device's alignment)
 CPU_BUILD_OPTION = "-D PJ_CPU=1"  # selects the CPU variant of tiled kernels
+RECENT_PROGRAMS = 16  # dropped batches whose programs are kept for a compile of the same source
 PROBE_KERNEL = "__kernel void pj_probe(__global int* a) { a[0] = 1; }"
 
 
@@ -179,17 +181,24 @@ class OpenCLDialect(Dialect):
         lines = ["/* polyjit OpenCL kernels */"]
         if dtypes.float64 in batch_dtypes:
             lines.append("#pragma OPENCL EXTENSION cl_khr_fp64 : enable")
-        t = self.tiles
-        lines += [
-            "typedef long int64_t;  /* the emitter's index type */",
-            "#ifdef PJ_CPU",
-            "#define PJ_MATMUL_WG",
-            "#else",
-            f"#define PJ_MATMUL_WG __attribute__((reqd_work_group_size({t.lx}, {t.ly}, 1)))",
-            "#endif",
-            "",
-        ]
+        lines += ["typedef long int64_t;  /* the emitter's index type */", ""]
         return lines
+
+    def helper_definitions(self, batch_dtypes: set[DType]) -> list[tuple[str, list[str]]]:
+        """The tiled kernels' work-group attribute (a macro: PJ_CPU drops it), then max/min."""
+        t = self.tiles
+        wg = ["#ifdef PJ_CPU",
+              "#define PJ_MATMUL_WG",
+              "#else",
+              f"#define PJ_MATMUL_WG __attribute__((reqd_work_group_size({t.lx}, {t.ly}, 1)))",
+              "#endif"]
+        return [("PJ_MATMUL_WG", wg), *super().helper_definitions(batch_dtypes)]
+
+    def reduce_pragma(self, r: Reduce) -> str | None:
+        return None  # no OpenMP in OpenCL C
+
+    def kernel_prefix(self, kernel: Kernel) -> list[str]:
+        return []  # the GCC workaround of the C dialect: no OpenCL compiler is GCC
 
     def math_call(self, fn: str, dt: DType, args: Sequence[str]) -> str:
         # OpenCL C overloads the math functions on float and double: no suffix.
@@ -437,9 +446,9 @@ class _Device:
 
 
 class _Stream:
-    """An in-order queue, the event of its last command, and the host arrays of copies in flight."""
+    """An in-order queue and the event of its last command."""
 
-    __slots__ = ("dev", "done_seq", "flushed_seq", "last", "lock", "pending", "queue", "seq")
+    __slots__ = ("dev", "done_seq", "flushed_seq", "last", "queue", "seq")
 
     def __init__(self, dev: _Device, queue: Any) -> None:
         self.dev = dev
@@ -448,8 +457,6 @@ class _Stream:
         self.seq = 0  # commands enqueued so far
         self.done_seq = 0  # commands known complete
         self.flushed_seq = 0  # commands known submitted (clFlush)
-        self.pending: collections.deque[tuple[int, Any]] = collections.deque()  # (seq, NannyEvent)
-        self.lock = threading.Lock()
 
     def enqueued(self, event: Any) -> None:
         self.seq += 1
@@ -459,18 +466,6 @@ class _Stream:
         if self.flushed_seq < upto:
             self.flushed_seq = self.seq
             self.queue.flush()
-
-    def purge(self) -> None:
-        """Drop host arrays of copies that are done (in order: the queue is in-order)."""
-        pending = self.pending
-        with self.lock:
-            while pending:
-                seq, ev = pending[0]
-                if seq > self.done_seq:
-                    if ev.command_execution_status > cl.command_execution_status.COMPLETE:
-                        break
-                    self.done_seq = seq
-                pending.popleft()
 
 
 class _Event:
@@ -484,12 +479,14 @@ class _Event:
 
 @attrs.frozen(eq=False)
 class _Binary:
-    """A compiled batch: the source; the programs live in the driver's caches, per device group."""
+    """A compiled batch: the source and its built program per device group, which live as long
+    as the batch (its CodeBatch, or a routine's loaded module) does."""
 
     text: str
     key: str
     fp64: bool
     names: tuple[str, ...]
+    programs: dict[int, Any] = attrs.field(factory=dict)
 
 
 @attrs.frozen(eq=False)
@@ -570,7 +567,11 @@ class OpenCLDriver:
         self.cache = BinaryCache("opencl", ".bin")
         self._devices: list[_Device] | None = None
         self._lock = threading.RLock()
-        self._programs: dict[tuple[int, str], Any] = {}  # (group, source key) -> built program
+        # Live batches by content: compiling the same source again reuses their programs; the
+        # most recent few stay even when dropped (a bounded set: programs are megabytes each).
+        self._binaries: weakref.WeakValueDictionary[str, _Binary] = weakref.WeakValueDictionary()
+        self._recent: collections.OrderedDict[str, _Binary] = collections.OrderedDict()
+        self._allocated: dict[int, int] = {}  # id(cl.Buffer) -> bytes, for allocated_bytes()
 
     @property
     def dialect(self) -> OpenCLDialect:
@@ -688,12 +689,22 @@ class OpenCLDriver:
                 f"(max_mem_alloc_size {dev.max_alloc} bytes of {dev.info.memory_bytes})"
             )
         try:
-            return cl.Buffer(dev.context, cl.mem_flags.READ_WRITE, size=nbytes)
+            buf = cl.Buffer(dev.context, cl.mem_flags.READ_WRITE, size=nbytes)
         except cl.Error as e:
             raise MemoryError(f"cannot allocate {nbytes} bytes on {dev.info.name}: {e}") from e
+        with self._lock:
+            self._allocated[id(buf)] = nbytes
+        return buf
 
     def free(self, ordinal: int, pool: Any) -> None:
+        with self._lock:
+            del self._allocated[id(pool)]
         pool.release()
+
+    def allocated_bytes(self, ordinal: int) -> int:
+        """Bytes of the pools this driver holds (on every device of every platform)."""
+        with self._lock:
+            return sum(self._allocated.values())
 
     # -- streams and events --------------------------------------------------------
 
@@ -724,36 +735,28 @@ class OpenCLDriver:
         if event.seq <= s.done_seq:
             return True
         s.flush(event.seq)
-        if event.event.command_execution_status > cl.command_execution_status.COMPLETE:
+        status = event.event.command_execution_status
+        if status < 0:  # the command was terminated: an error code, not a state
+            raise RuntimeError(f"an OpenCL command failed with status {status}")
+        if status > cl.command_execution_status.COMPLETE:
             return False
-        self._completed(s, event.seq)
+        s.done_seq = max(s.done_seq, event.seq)
         return True
 
     def event_sync(self, event: _Event) -> None:
         s = event.stream
         if event.seq > s.done_seq:
             event.event.wait()
-            self._completed(s, event.seq)
+            s.done_seq = max(s.done_seq, event.seq)
+
+    # -- transfers (host copies return pyopencl's NannyEvent, which holds the host array:
+    # the runtime keeps it until the copy is done, so dropping it never blocks) -----------
 
     @staticmethod
-    def _completed(s: _Stream, seq: int) -> None:
-        with s.lock:
-            if seq > s.done_seq:
-                s.done_seq = seq
-        if s.pending:
-            s.purge()
-
-    # -- transfers ------------------------------------------------------------------
-
-    @staticmethod
-    def _keep(stream: _Stream, nanny: Any) -> None:
-        """Hold a copy's NannyEvent (and so its host array) until the copy is done: freeing it
-        earlier would block the host until the copy finishes."""
-        with stream.lock:
-            stream.seq += 1
-            stream.last = None  # record() puts a plain marker after it
-            stream.pending.append((stream.seq, nanny))
-        stream.purge()
+    def _host_copy(stream: _Stream, nanny: Any) -> Any:
+        stream.seq += 1
+        stream.last = None  # record() puts a plain marker after it
+        return nanny
 
     def memset_zero(self, stream: _Stream, pool: Any, offset: int, nbytes: int) -> None:
         if nbytes <= 0:
@@ -762,30 +765,30 @@ class OpenCLDriver:
         pattern = np.zeros(1, np.uint32 if width == 4 else np.uint8)
         stream.enqueued(cl.enqueue_fill_buffer(stream.queue, pool, pattern, offset, nbytes))
 
-    def copy_from_host(self, stream: _Stream, pool: Any, offset: int, array: np.ndarray) -> None:
+    def copy_from_host(self, stream: _Stream, pool: Any, offset: int, array: np.ndarray) -> Any:
         if array.nbytes == 0:
-            return
+            return None
         ev = cl.enqueue_copy(stream.queue, pool, array, dst_offset=offset, is_blocking=False)
-        self._keep(stream, ev)
+        return self._host_copy(stream, ev)
 
-    def copy_to_host(self, stream: _Stream, pool: Any, offset: int, array: np.ndarray) -> None:
+    def copy_to_host(self, stream: _Stream, pool: Any, offset: int, array: np.ndarray) -> Any:
         if array.nbytes == 0:
-            return
+            return None
         ev = cl.enqueue_copy(stream.queue, array, pool, src_offset=offset, is_blocking=False)
-        self._keep(stream, ev)
+        return self._host_copy(stream, ev)
 
     def copy_device(
         self, stream: _Stream, dst: tuple[int, Any, int], src: tuple[int, Any, int], nbytes: int
-    ) -> None:
+    ) -> Any:
         if nbytes <= 0:
-            return
+            return None
         (_, dbuf, doff), (sord, sbuf, soff) = dst, src
         sdev = self._dev(sord)
         if sdev.context is stream.dev.context:  # one platform: a device-side copy
             ev = cl.enqueue_copy(stream.queue, dbuf, sbuf, byte_count=nbytes,
                                  src_offset=soff, dst_offset=doff)
             stream.enqueued(ev)
-            return
+            return None
         # Another platform: stage through the host. The runtime already made this stream wait
         # for the source's writer, which across contexts is a host wait, so the data is there.
         with self._lock:
@@ -793,14 +796,26 @@ class OpenCLDriver:
                 sdev.staging = cl.CommandQueue(sdev.context, sdev.device)
         host = np.empty(nbytes, np.uint8)
         cl.enqueue_copy(sdev.staging, host, sbuf, src_offset=soff, is_blocking=True)
-        self.copy_from_host(stream, dbuf, doff, host)
+        return self.copy_from_host(stream, dbuf, doff, host)
 
     # -- code -------------------------------------------------------------------------
 
     def compile(self, source: Source) -> _Binary:
         text = source.text
+        key = content_key("opencl", text)
+        with self._lock:
+            hit = self._binaries.get(key)
+            if hit is not None:
+                self._recent[key] = hit
+                self._recent.move_to_end(key)
+                return hit
         fp64 = "cl_khr_fp64 : enable" in text
-        binary = _Binary(text, content_key("opencl", text), fp64, tuple(k.name for k in source.all_kernels))
+        binary = _Binary(text, key, fp64, tuple(k.name for k in source.all_kernels))
+        with self._lock:
+            self._binaries[key] = binary
+            self._recent[key] = binary
+            while len(self._recent) > RECENT_PROGRAMS:
+                self._recent.popitem(last=False)
         devices = self.devices
         if not devices:
             return binary  # nothing to build for; linking needs a device anyway
@@ -816,13 +831,13 @@ class OpenCLDriver:
         return binary
 
     def _program(self, binary: _Binary, group: int) -> Any:
-        """The program of a batch for one device group: from memory, the disk cache, or a build."""
-        key = (group, binary.key)
-        hit = self._programs.get(key)
+        """The program of a batch for one device group: already built, from the disk cache, or
+        built now."""
+        hit = binary.programs.get(group)
         if hit is not None:
             return hit
         with self._lock:
-            hit = self._programs.get(key)
+            hit = binary.programs.get(group)
             if hit is not None:
                 return hit
             devs = [d for d in self.devices if d.group == group and (d.fp64 or not binary.fp64)]
@@ -830,7 +845,7 @@ class OpenCLDriver:
                 self.cache.compiles += 1
                 program = self._build_source(binary.text, devs)
                 _check_kernels(program, binary, devs)
-                self._programs[key] = program
+                binary.programs[group] = program
                 return program
             built: list[Any] = []  # the program built from source, once, if any key misses
 
@@ -839,11 +854,11 @@ class OpenCLDriver:
                     built.append(self._build_source(binary.text, devs))
                 path.write_bytes(_binary_for(built[0], dev, devs))
 
-            paths = [self.cache.get_or_build(self._cache_key(binary, d), functools.partial(build, d))
+            blobs = [self.cache.get_or_build_bytes(self._cache_key(binary, d), functools.partial(build, d))
                      for d in devs]
-            program = built[0] if built else self._build_binaries(binary.text, devs, paths)
+            program = built[0] if built else self._build_binaries(binary, devs, blobs)
             _check_kernels(program, binary, devs)
-            self._programs[key] = program
+            binary.programs[group] = program
             return program
 
     def _on_disk(self, devs: Sequence[_Device]) -> bool:
@@ -867,16 +882,17 @@ class OpenCLDriver:
             raise _compile_error(program, text, devs, e) from None
         return program
 
-    def _build_binaries(self, text: str, devs: Sequence[_Device], paths: Sequence[Path]) -> Any:
+    def _build_binaries(self, binary: _Binary, devs: Sequence[_Device], blobs: Sequence[bytes]) -> Any:
+        """A program from verified cached binaries; one the driver refuses (another driver
+        version, say) is built from source again and its entries replaced."""
         try:
-            program = cl._cl._Program(devs[0].context, [d.device for d in devs], [p.read_bytes() for p in paths])
+            program = cl._cl._Program(devs[0].context, [d.device for d in devs], list(blobs))
             _build(program, devs)
             return program
-        except (cl.Error, OSError):
-            # A stale or damaged cache entry: build from source and replace it.
-            program = self._build_source(text, devs)
-            for d, p in zip(devs, paths):
-                p.write_bytes(_binary_for(program, d, devs))
+        except cl.Error:
+            program = self._build_source(binary.text, devs)
+            for d in devs:
+                self.cache.put(self._cache_key(binary, d), _binary_for(program, d, devs))
             return program
 
     def load(self, ordinal: int, binary: _Binary) -> _Module:

@@ -70,3 +70,50 @@ class FinalizedError(PolyjitError, RuntimeError):
 
 class BindingError(PolyjitError, ValueError):
     """A static-symbol binding is missing or out of its range."""
+
+
+class StreamClosedError(FinalizedError):
+    """Work was enqueued on a stream after ``Stream.close()``."""
+
+
+class DriverError(PolyjitError, RuntimeError):
+    """A driver call failed when it was made (the message names the device and the operation)."""
+
+
+class DeviceFaultError(PolyjitError, RuntimeError):
+    """Work already enqueued failed on the device (a faulting kernel, a lost device), reported
+    at the next sync of its stream, naming the routines that were in flight. That stream stays
+    faulted; other streams and devices keep working."""
+
+
+class ReadOnlyNodeError(PolyjitError, ValueError):
+    """A write (a routine's output, from_host, a copy) into a read-only constant node."""
+
+
+class InvalidArgumentError(PolyjitError, TypeError):
+    """An argument of the wrong kind: a CodeBatch where one Code is expected, a binding that is
+    not an integer, an array where a node is expected."""
+
+
+class IndexOutOfRangeError(PolyjitError, IndexError):
+    """An index fed from the host is outside the axis it indexes: a class label of
+    ``cross_entropy``, an index of ``one_hot`` or ``embedding`` that is negative or at least the
+    number of classes (the vocabulary size). Checked on the host before the copy to the device."""
+
+
+class ValueRangeError(PolyjitError, ValueError):
+    """A value does not fit the dtype it is given to: an integer outside the dtype's range, a
+    non-integral (or NaN, or infinite) float for an integer tensor."""
+
+
+class SymbolicTensorError(PolyjitError, TypeError):
+    """A symbolic tensor was used where values are needed (``np.asarray``, ``bool()``,
+    ``float()``, a numpy function): a tensor has values only once a plan runs it."""
+
+
+class StateDictKeyError(PolyjitError, KeyError):
+    """A state dict names a parameter (or optimizer state) that the plan does not have, or lacks
+    one that it has."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""

@@ -1,10 +1,10 @@
-"""The runtime protocols, after OCANNL's backend interface.
+"""The Driver contract: what a backend author implements.
 
-Two layers:
-- the public objects users hold: Backend, Device, Stream, Event, Context, Routine
-  (``core/runtime.py`` implements them once, for every backend);
-- the ``Driver`` a backend author writes: a small set of primitives (allocate,
-  copy, streams, events, compile, load, launch) plus a codegen ``Dialect``.
+A driver is a small set of primitives (allocate, copy, streams, events, compile,
+load, launch) plus a codegen ``Dialect``; ``core/runtime.py`` raises it into the
+objects users hold (Backend, Device, Stream, Event, Context, Routine), which are
+the runtime's classes themselves. docs/writing-a-backend.md states what the
+runtime guarantees a driver and what a driver may assume.
 """
 
 from __future__ import annotations
@@ -16,9 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 import attrs
 import numpy as np
 
-from polyjit.alloc.slab import BufferLoc
 from polyjit.core.codegen import Dialect, KernelSpec, Source
-from polyjit.core.ir import Node, StaticSymbol
 
 
 class MergeBuffer(enum.Enum):
@@ -39,15 +37,22 @@ class DeviceInfo:
     properties: Mapping[str, Any] = attrs.field(factory=dict)
 
 
-# ---------------------------------------------------------------------------
-# What a backend author implements
-
-
 @runtime_checkable
 class Driver(Protocol):
     """The primitives of one backend. Handles (pools, streams, events, modules) are opaque to
     the runtime; it only passes them back. Streams are in-order queues; every operation that
-    takes a stream is enqueued on it and returns without waiting."""
+    takes a stream is enqueued on it and returns without waiting.
+
+    Lifetimes are the runtime's: whatever an enqueued operation reads or writes (the host
+    array of a copy, the prepared launch, the module, the pools) stays alive until an event
+    recorded after it completes. An enqueuing primitive may return a token (e.g. pyopencl's
+    NannyEvent); the runtime keeps it alive just as long. A driver keeps no lifetimes of its
+    own.
+
+    Optional primitives (the runtime uses them when present; see :class:`DriverDefaults`):
+    ``unload(ordinal, module)``, ``close_stream(stream)``, ``allocated_bytes(ordinal)`` and
+    the attribute ``unavailable_reason``.
+    """
 
     name: str
 
@@ -58,30 +63,41 @@ class Driver(Protocol):
     def device_count(self) -> int: ...
     def device_info(self, ordinal: int) -> DeviceInfo: ...
 
-    # memory: one allocation per pool
+    # memory: one allocation per pool (never of zero bytes; need not be zeroed)
     def alloc(self, ordinal: int, nbytes: int, alignment: int) -> Any: ...
     def free(self, ordinal: int, pool: Any) -> None: ...
 
     # streams and events
     def new_stream(self, ordinal: int) -> Any: ...
     def record(self, stream: Any) -> Any: ...
-    def wait(self, stream: Any, event: Any) -> None: ...
-    def event_done(self, event: Any) -> bool: ...
-    def event_sync(self, event: Any) -> None: ...
+    def wait(self, stream: Any, event: Any) -> None:
+        """Make ``stream`` wait for ``event``, which may belong to another device of this
+        backend (whose stream then runs a ``copy_device``)."""
+        ...
 
-    # transfers, enqueued on a stream. copy_from_host keeps ``array`` alive until it is read.
-    def memset_zero(self, stream: Any, pool: Any, offset: int, nbytes: int) -> None: ...
-    def copy_from_host(self, stream: Any, pool: Any, offset: int, array: np.ndarray) -> None: ...
-    def copy_to_host(self, stream: Any, pool: Any, offset: int, array: np.ndarray) -> None: ...
+    def event_done(self, event: Any) -> bool:
+        """Whether the work before ``event`` is complete, device-to-host copies included: false
+        until their bytes have landed in the host array."""
+        ...
+
+    def event_sync(self, event: Any) -> None:
+        """Block until ``event`` is done (see event_done). Raise when that work failed on the
+        device: the runtime reports it as a DeviceFaultError naming the routines in flight."""
+        ...
+
+    # transfers, enqueued on a stream; arrays are C-contiguous
+    def memset_zero(self, stream: Any, pool: Any, offset: int, nbytes: int) -> Any: ...
+    def copy_from_host(self, stream: Any, pool: Any, offset: int, array: np.ndarray) -> Any: ...
+    def copy_to_host(self, stream: Any, pool: Any, offset: int, array: np.ndarray) -> Any: ...
     def copy_device(
         self, stream: Any, dst: tuple[int, Any, int], src: tuple[int, Any, int], nbytes: int
-    ) -> None:
+    ) -> Any:
         """Copy between two devices of this backend (or within one): (ordinal, pool, offset)."""
         ...
 
     # code
     def compile(self, source: Source) -> Any:
-        """Source -> a binary; must be cached by content (see core/cache.py)."""
+        """Source -> a binary; cache by content through ``core/cache.py``."""
         ...
 
     def load(self, ordinal: int, binary: Any) -> Any: ...
@@ -92,79 +108,21 @@ class Driver(Protocol):
         The result is launched many times with different statics."""
         ...
 
-    def launch(self, stream: Any, prepared: Any, statics: Sequence[int]) -> None: ...
+    def launch(self, stream: Any, prepared: Any, statics: Sequence[int]) -> Any: ...
 
 
-# ---------------------------------------------------------------------------
-# What users hold
+class DriverDefaults:
+    """Defaults of the optional Driver primitives, for drivers with nothing to release."""
 
+    unavailable_reason: str | None = None  # why device_count() is 0 here, when it is
 
-class Event(Protocol):
-    def sync(self) -> None: ...
-    def is_done(self) -> bool: ...
+    def unload(self, ordinal: int, module: Any) -> None:
+        """Unload a module no routine and no queued launch uses any more."""
 
+    def close_stream(self, stream: Any) -> None:
+        """End a stream whose work is done (its worker thread, its driver queue)."""
 
-class Stream(Protocol):
-    device: Device
-
-    def record(self) -> Event: ...
-    def wait(self, event: Event) -> None: ...
-    def synchronize(self) -> None: ...
-
-
-class Routine(Protocol):
-    context: Context
-    name: str
-    inputs: frozenset[Node]
-    outputs: frozenset[Node]
-    merge_buffer_input: Node | None
-    bindings: dict[StaticSymbol, int]
-
-    def run(self) -> None: ...
-
-
-class Context(Protocol):
-    device: Device
-    stream: Stream
-    parent: Context | None
-    buffers: Mapping[Node, BufferLoc]
-
-    def link(self, code: Any) -> Routine: ...
-    def link_batch(self, batch: Any) -> list[Routine]: ...
-    def from_host(self, node: Node, array: np.ndarray) -> bool: ...
-    def to_host(self, node: Node, array: np.ndarray) -> bool: ...
-    def init_from_host(self, node: Node, array: np.ndarray) -> Context: ...
-    def read(self, node: Node) -> np.ndarray: ...
-    def with_stream(self, stream: Stream) -> Context: ...
-    def will_wait_for(self, event: Event) -> None: ...
-    def finalize(self) -> None:
-        """Free the pools this context and its descendants created (never its ancestors');
-        using any of them afterwards raises FinalizedError."""
-        ...
-
-
-class Device(Protocol):
-    ordinal: int
-    device_id: str
-    name: str
-    properties: Mapping[str, Any]
-
-    def new_stream(self) -> Stream: ...
-    def make_context(self, stream: Stream | None = None) -> Context: ...
-    def all_work(self) -> Event: ...
-    def synchronize(self) -> None: ...
-    def is_idle(self) -> bool: ...
-    def used_memory(self) -> int: ...
-    def alloc_pool(self, pool_id: int, nbytes: int, alignment: int) -> None: ...
-    def free_pool(self, pool_id: int) -> None: ...
-    def memset_zero(self, pool_id: int, offset: int, nbytes: int) -> None: ...
-
-
-class Backend(Protocol):
-    name: str
-
-    def num_devices(self) -> int: ...
-    def get_device(self, ordinal: int) -> Device: ...
-    def compile(self, comp: Any, name: str | None = None, bindings: Any = None) -> Any: ...
-    def compile_batch(self, comps: Sequence[Any], names: Sequence[str] | None = None, occupancy: Any = None) -> Any: ...
-    def static_properties(self) -> Mapping[str, Any]: ...
+    def allocated_bytes(self, ordinal: int) -> int | None:
+        """Bytes the driver really holds in pools on this device (None: cannot tell). The
+        conformance kit checks that freed pools come back."""
+        return None

@@ -1,0 +1,648 @@
+"""Contexts, linked routines and transfers between devices.
+
+A context maps nodes to buffers on one device and names the stream its work runs
+on. It never changes after it is made: linking returns a child context that adds
+the new buffers. The pools a context creates are released by ``finalize()``, by
+``with``, or when the garbage collector takes it (a child holds its parent, so a
+context is collected only when no child uses its pools); the device frees them once
+their last work is done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import numpy as np
+
+from polyjit.alloc import slab
+from polyjit.alloc.slab import MERGE_POOL, BufferLoc
+from polyjit.core.codegen import KernelSpec, Source
+from polyjit.core.device import driver_call
+from polyjit.core.errors import (
+    BindingError,
+    DTypeMismatchError,
+    FinalizedError,
+    InvalidArgumentError,
+    InvalidProgramError,
+    MergeBufferMismatchError,
+    NodeNotInContextError,
+    ReadOnlyNodeError,
+    ShapeMismatchError,
+    UnknownDeviceError,
+)
+from polyjit.core.ir import MemoryMode, Node, StaticSymbol
+from polyjit.core.lower import LoweredBatch, LoweredComp
+from polyjit.core.protocol import MergeBuffer
+from polyjit.core.streams import AllOf, Event, Stream, enqueue
+
+if TYPE_CHECKING:
+    from polyjit.core.device import Device, LoadedModule
+    from polyjit.core.runtime import Backend
+
+
+@attrs.frozen(eq=False)
+class CodeBatch:
+    """A compiled batch: one source, one binary, one entry per computation."""
+
+    backend: Backend
+    lowered: LoweredBatch
+    source: Source
+    binary: Any
+    names: tuple[str, ...]
+    bindings: tuple[Mapping[StaticSymbol, int], ...]
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+@attrs.frozen(eq=False)
+class Code:
+    """One computation of a compiled batch (what ``Backend.compile`` returns)."""
+
+    batch: CodeBatch
+    index: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.batch.names[self.index]
+
+    @property
+    def source(self) -> str:
+        return self.batch.source.text
+
+
+def check_binding(where: str, sym: StaticSymbol, value: Any) -> int:
+    """A static symbol's value: an integer (not a bool, a float or a string) in [0, bound)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise BindingError(f"{where}: {sym!r} = {value!r} is a {type(value).__name__}, not an integer")
+    if not 0 <= value < sym.bound:
+        raise BindingError(f"{where}: {sym!r} = {value} is outside [0, {sym.bound})")
+    return int(value)
+
+
+class Context:
+    """Buffers of nodes on one device, and the stream that work on them runs on."""
+
+    def __init__(
+        self,
+        device: Device,
+        stream: Stream,
+        parent: Context | None,
+        buffers: Mapping[Node, BufferLoc],
+        merge_node: Node | None,
+        own_pools: Sequence[int],
+        own_constants: Sequence[BufferLoc] = (),
+        constants: frozenset[Node] = frozenset(),
+    ) -> None:
+        self.device = device
+        self.stream = stream
+        self.parent = parent
+        self.buffers: Mapping[Node, BufferLoc] = MappingProxyType(dict(buffers))
+        self.merge_node = merge_node
+        self.constants = constants  # nodes whose buffers are the device's read-only constants
+        self._own_pools = tuple(own_pools)
+        self._own_constants = tuple(own_constants)
+        self._children: weakref.WeakSet[Context] = weakref.WeakSet()
+        self.finalized = False
+        self._release: weakref.finalize | None = None
+        if own_pools or own_constants:  # the garbage collector's way to give them back
+            handles = tuple(device.pool_handle(pid) for pid in self._own_pools)
+            self._release = weakref.finalize(self, _context_dropped, weakref.ref(device), device.driver,
+                                             device.ordinal, self._own_pools, handles, self._own_constants)
+        if parent is not None:
+            with device.lock:
+                parent._children.add(self)
+
+    def __repr__(self) -> str:
+        return f"Context({self.device.device_id}, {len(self.buffers)} buffers{', finalized' if self.finalized else ''})"
+
+    def __enter__(self) -> Context:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.finalize()
+
+    def _child(self, buffers: Mapping[Node, BufferLoc], *, merge_node: Node | None = None,
+               own_pools: Sequence[int] = (), own_constants: Sequence[BufferLoc] = (),
+               constants: frozenset[Node] = frozenset(), stream: Stream | None = None) -> Context:
+        return Context(self.device, stream or self.stream, self, {**self.buffers, **buffers},
+                       merge_node if merge_node is not None else self.merge_node, own_pools,
+                       own_constants, self.constants | constants)
+
+    def check_alive(self) -> None:
+        if self.finalized:
+            raise FinalizedError(f"{self!r} was finalized (or an ancestor was); link into a live context")
+        if self.stream.closed:
+            self.stream.check_usable()
+
+    def loc(self, node: Node, what: str = "") -> BufferLoc:
+        if not isinstance(node, Node):
+            raise InvalidArgumentError(f"{what or 'a context lookup'} needs a Node, got {type(node).__name__}")
+        loc = self.buffers.get(node)
+        if loc is None:
+            raise NodeNotInContextError(_missing(node, self, what))
+        return loc
+
+    def writable_loc(self, node: Node, what: str) -> BufferLoc:
+        loc = self.loc(node, what)
+        if node in self.constants:
+            raise ReadOnlyNodeError(f"{what}: {node.label} is a constant of {self.device.device_id}; "
+                                    "constants are read-only (shared by every context of the device)")
+        return loc
+
+    def with_stream(self, stream: Stream) -> Context:
+        """A child context with the same buffers whose work runs on another stream of the device."""
+        self.check_alive()
+        if not isinstance(stream, Stream) or stream.device is not self.device:
+            raise UnknownDeviceError(f"{stream!r} is not a stream of {self.device.device_id}")
+        stream.check_usable()
+        return self._child({}, stream=stream)
+
+    # -- linking ------------------------------------------------------------------
+
+    def link(self, code: Code) -> Routine:
+        if isinstance(code, CodeBatch):
+            raise InvalidArgumentError(
+                "Context.link takes one Code (Backend.compile); for a CodeBatch use link_batch, "
+                "which returns a routine per computation")
+        if not isinstance(code, Code):
+            raise InvalidArgumentError(f"Context.link takes a Code from Backend.compile, not {type(code).__name__}")
+        return self.link_batch(code.batch)[code.index]
+
+    def link_batch(self, batch: CodeBatch) -> list[Routine]:
+        if not isinstance(batch, CodeBatch):
+            raise InvalidArgumentError(
+                f"Context.link_batch takes a CodeBatch from Backend.compile_batch, not {type(batch).__name__}")
+        self.check_alive()
+        dev = self.device
+        if batch.backend is not dev.backend:
+            raise InvalidProgramError(
+                f"code compiled by the {batch.backend.name} backend cannot be linked on {dev.device_id}"
+            )
+        comps = batch.lowered.comps
+        self._check_link(comps)
+        new_nodes, requests = _plan_requests(comps, self.buffers, dev.info.base_alignment)
+        plan = slab.plan(requests, dev.info.base_alignment)
+        with dev.lock:
+            pools: list[int] = []
+            constants: list[BufferLoc] = []
+            try:
+                buffers: dict[Node, BufferLoc] = {}
+                if plan.nbytes:
+                    pid = dev.new_pool(plan.nbytes)
+                    pools.append(pid)
+                    buffers.update({n: BufferLoc(pid, plan.offsets[n]) for n in new_nodes})
+                const_nodes = set()
+                for comp in comps:
+                    for node, values in comp.constants:
+                        if node not in self.buffers and node not in buffers:
+                            buffers[node] = dev.acquire_constant(values)
+                            constants.append(buffers[node])
+                            const_nodes.add(node)
+                module = dev.module(batch.binary)
+            except BaseException:
+                dev.release(pools, constants)
+                raise
+            persistent = {n: loc for n, loc in buffers.items() if batch.lowered.modes.get(n) is not MemoryMode.LOCAL}
+            scratch = {n: loc for n, loc in buffers.items() if n not in persistent}
+            child = self._child(persistent, own_pools=pools, own_constants=constants,
+                                constants=frozenset(const_nodes))
+            every = {**child.buffers, **scratch}
+            try:
+                return [Routine(child, batch, k, module, every) for k in range(len(comps))]
+            except BaseException:
+                child.finalize()  # a failed prepare: give the new pools back now
+                raise
+
+    def _check_link(self, comps: Sequence[LoweredComp]) -> None:
+        written: set[Node] = set()
+        for comp in comps:
+            for node in comp.inputs:
+                if node not in self.buffers and node not in written:
+                    raise NodeNotInContextError(_missing(node, self, f"computation {comp.name} reads it"))
+            for node in (*comp.outputs, *comp.scratch):
+                if node in self.constants:
+                    raise ReadOnlyNodeError(
+                        f"computation {comp.name} writes {node.label}, a read-only constant of "
+                        f"{self.device.device_id}")
+            if comp.merge_input is not None and comp.merge_input is not self.merge_node:
+                held = self.merge_node.label if self.merge_node else "nothing"
+                raise MergeBufferMismatchError(
+                    f"computation {comp.name} reads {comp.merge_input.label} from the merge buffer, "
+                    f"but in this context on {self.device.device_id} the merge buffer holds {held}; "
+                    f"link against the context of device_to_device(..., into_merge_buffer=COPY)"
+                )
+            written.update(comp.outputs)
+            written.update(comp.scratch)
+
+    # -- host transfers ----------------------------------------------------------
+
+    def _host_array(self, node: Node, array: np.ndarray, what: str) -> None:
+        if not isinstance(node, Node):
+            raise InvalidArgumentError(f"{what} needs a Node first, got {type(node).__name__}")
+        if not isinstance(array, np.ndarray):
+            raise DTypeMismatchError(f"{what} of {node.label} needs a numpy array, got {type(array).__name__}")
+        if array.shape != node.shape:
+            raise ShapeMismatchError(f"{what} of {node.label}: array has shape {array.shape}, node has {node.shape}")
+        if array.dtype != node.dtype.np:
+            raise DTypeMismatchError(f"{what} of {node.label}: array has dtype {array.dtype}, node has {node.dtype}")
+
+    def from_host(self, node: Node, array: np.ndarray) -> bool:
+        """Enqueue a copy of ``array`` into the node's buffer; returns False if the node has none.
+
+        Like pyopencl's non-blocking copies: the runtime keeps the array alive until the copy
+        is done; do not modify it before the stream gets past this point.
+        """
+        self.check_alive()
+        self._host_array(node, array, "from_host")
+        if node not in self.buffers:
+            return False
+        loc = self.writable_loc(node, "from_host")
+        src = np.ascontiguousarray(array)
+        dev = self.device
+        with dev.lock:
+            enqueue(self.stream, (), (dev.tracker.state(loc),), "from_host", dev.driver.copy_from_host,
+                    (self.stream.handle, dev.pool_handle(loc.pool_id), loc.offset, src), src)
+        return True
+
+    def to_host(self, node: Node, array: np.ndarray, *, blocking: bool = True) -> bool:
+        """Copy the node's buffer into ``array``; returns False if the node has none.
+
+        ``blocking=False`` (like pyopencl's ``is_blocking=False``) only enqueues the copy:
+        ``array`` holds the value once the stream gets past this point
+        (``stream.synchronize()``), which lets a caller fetch several outputs with one wait.
+        """
+        self.check_alive()
+        self._host_array(node, array, "to_host")
+        loc = self.buffers.get(node)
+        if loc is None:
+            return False
+        if not array.flags.c_contiguous or not array.flags.writeable:
+            raise ShapeMismatchError(f"to_host of {node.label} needs a writeable C-contiguous array")
+        dev = self.device
+        with dev.lock:
+            ev = enqueue(self.stream, (dev.tracker.state(loc),), (), "to_host", dev.driver.copy_to_host,
+                         (self.stream.handle, dev.pool_handle(loc.pool_id), loc.offset, array), array)
+        if blocking:
+            ev.sync()
+        return True
+
+    def read(self, node: Node) -> np.ndarray:
+        """A new numpy array with the node's value (blocking)."""
+        self.check_alive()
+        if not isinstance(node, Node):
+            raise InvalidArgumentError(f"read needs a Node, got {type(node).__name__}")
+        out = np.empty(node.shape, node.dtype.np)
+        if not self.to_host(node, out):
+            raise NodeNotInContextError(_missing(node, self, "read"))
+        return out
+
+    def init_from_host(self, node: Node, array: np.ndarray) -> Context:
+        """A child context with a new buffer for ``node``, filled from ``array``."""
+        self.check_alive()
+        self._host_array(node, array, "init_from_host")
+        child = self._with_new_buffer(node)
+        child.from_host(node, array)
+        return child
+
+    def _with_new_buffer(self, node: Node) -> Context:
+        pid = self.device.new_pool(node.nbytes)
+        return self._child({node: BufferLoc(pid, 0)}, own_pools=[pid])
+
+    def will_wait_for(self, event: Event | AllOf) -> None:
+        """Make this context's stream wait (device side) for an event."""
+        self.check_alive()
+        self.stream.wait(event)
+
+    def finalize(self) -> None:
+        """Free the pools this context created; it and its descendants become unusable.
+
+        The descendants' own pools are freed too (nothing can use them any more); the
+        ancestors' pools are not. Work already enqueued on them completes first: the device
+        frees each pool once its last work is done.
+        """
+        dev = self.device
+        with dev.lock:
+            if self.finalized:
+                return
+            doomed: list[Context] = []
+            stack: list[Context] = [self]
+            while stack:
+                ctx = stack.pop()
+                if ctx.finalized:
+                    continue
+                ctx.finalized = True
+                doomed.append(ctx)
+                stack.extend(ctx._children)
+            for ctx in reversed(doomed):  # descendants first
+                if ctx._release is not None and ctx._release.detach() is not None:
+                    dev.release(ctx._own_pools, ctx._own_constants)
+
+
+def _context_dropped(device: weakref.ref[Device], driver: Any, ordinal: int, pools: tuple[int, ...],
+                     handles: tuple[Any, ...], constants: tuple[BufferLoc, ...]) -> None:
+    """The garbage collector took a context: its device gives its pools back at its next safe
+    point. (The finalizer holds the device weakly: finalizers are roots, and a strong reference
+    would keep a dropped device, and its streams, alive for ever.) If the device is gone too,
+    its streams were closed after their work: free the pools now."""
+    dev = device()
+    if dev is not None:
+        dev.released.append(_Release(dev, pools, constants))
+        return
+    for handle in handles:
+        with contextlib.suppress(Exception):  # at interpreter exit, say
+            driver.free(ordinal, handle)
+
+
+class _Release:
+    """What a garbage-collected context gives back, run at its device's next safe point."""
+
+    __slots__ = ("constants", "device", "pools")
+
+    def __init__(self, device: Device, pools: tuple[int, ...], constants: tuple[BufferLoc, ...]) -> None:
+        self.device, self.pools, self.constants = device, pools, constants
+
+    def __call__(self) -> None:
+        self.device.release(self.pools, self.constants)
+
+
+def _missing(node: Node, ctx: Context, what: str) -> str:
+    mode = f" (it is {node.mode.value})" if node.mode else ""
+    suffix = f": {what}" if what else ""
+    return f"{node.label} {node.shape} {node.dtype} has no buffer in {ctx!r}{mode}{suffix}"
+
+
+def _plan_requests(
+    comps: Sequence[LoweredComp], existing: Mapping[Node, BufferLoc], base_alignment: int
+) -> tuple[list[Node], list[slab.Request]]:
+    """Lifetimes (in kernel positions over the batch) of the nodes a link must allocate:
+    persistent results live for the whole batch, scratch from its first to its last kernel."""
+    first: dict[Node, int] = {}
+    last: dict[Node, int] = {}
+    pos = 0
+    for comp in comps:
+        for k in comp.kernels:
+            for n in k.buffers:
+                first.setdefault(n, pos)
+                last[n] = pos
+            pos += 1
+    end = max(pos - 1, 0)
+    # Constants (written by no kernel) live in the device's constant table, not in the pool.
+    computed = {n for comp in comps for k in comp.kernels for n in k.outputs}
+    constants = {n for comp in comps for n, _ in comp.constants if n not in computed}
+    new: list[Node] = []
+    requests: list[slab.Request] = []
+    for comp in comps:
+        for n in (*comp.outputs, *comp.scratch):
+            if n in existing or n in new or n in constants:
+                continue
+            new.append(n)
+            scratch = n in comp.scratch
+            lo, hi = (first.get(n, 0), last.get(n, 0)) if scratch else (0, end)
+            requests.append(slab.Request(n, n.nbytes, max(n.dtype.itemsize, base_alignment), lo, hi))
+    return new, requests
+
+
+# ---------------------------------------------------------------------------
+# Routines
+
+
+class Replay:
+    """Linked routines replayed as one unit (see :meth:`Backend.capture`); this generic one
+    runs them one after the other on their contexts' streams."""
+
+    def __init__(self, routines: Sequence[Routine], stream: Stream | None = None) -> None:
+        if not routines:
+            raise InvalidProgramError("capture() needs at least one routine")
+        self.routines = tuple(routines)
+        self.stream = stream or self.routines[0].context.stream
+        if any(r.context.stream is not self.stream for r in self.routines):
+            raise InvalidProgramError(
+                "capture(): the routines run on another stream than the one given; link them in a "
+                "context on that stream (Context.with_stream)")
+
+    def replay(self) -> None:
+        for r in self.routines:
+            r.run()
+
+    def close(self) -> None:
+        """Nothing to free here; a recorded graph frees its handles."""
+
+
+class Routine:
+    """A linked computation: ``run()`` enqueues its kernels on the context's stream after the
+    device-side waits its buffers need. The runtime keeps the routine (and its launch record)
+    alive until that work completes, whatever the caller drops."""
+
+    def __init__(self, context: Context, batch: CodeBatch, index: int, module: LoadedModule,
+                 buffers: Mapping[Node, BufferLoc]) -> None:
+        comp = batch.lowered.comps[index]
+        self.context = context
+        self.name = batch.names[index]
+        self.inputs = frozenset(comp.inputs)
+        self.outputs = frozenset(comp.outputs)
+        self.merge_buffer_input = comp.merge_input
+        self.statics = comp.statics
+        self.bindings: dict[StaticSymbol, int] = dict(batch.bindings[index])
+        self.source = batch.source
+        self._specs = batch.source.kernels[index]
+        self._module = module
+        self._buffers = buffers
+        device = context.device
+        stored = {n for k in comp.kernels for n in k.buffers}
+        locs = {n: buffers[n] for n in stored}
+        written = {n for k in comp.kernels for n in k.outputs}
+        self.write_locs = tuple(dict.fromkeys(locs[n] for n in written))
+        self.read_locs = tuple(dict.fromkeys(locs[n] for n in stored if n not in written))
+        if comp.merge_input is not None:
+            self.read_locs += (BufferLoc(MERGE_POOL, 0),)
+        self._read_states = device.tracker.states(self.read_locs)
+        self._write_states = device.tracker.states(self.write_locs)
+        self._prepared: Any = None
+        self._merge_generation = -1
+        if comp.merge_input is None or device.merge.handle is not None:
+            self._prepare()
+
+    def _kernel_args(self, spec: KernelSpec) -> tuple[KernelSpec, list[tuple[Any, int]]]:
+        device = self.context.device
+        args = [(device.pool_handle(self._buffers[n].pool_id), self._buffers[n].offset) for n in spec.buffers]
+        if spec.merge is not None:
+            args.append((device.merge.handle, 0))
+        return spec, args
+
+    def _prepare(self, specs: Sequence[KernelSpec] | None = None) -> Any:
+        device = self.context.device
+        kernels = [self._kernel_args(spec) for spec in (self._specs if specs is None else specs)]
+        prepared = driver_call(device.label, f"prepare of {self.name}", device.driver.prepare,
+                               device.ordinal, self._module.handle, kernels)
+        if specs is None:
+            self._prepared = prepared
+            self._merge_generation = device.merge.generation
+        return prepared
+
+    @property
+    def kernels(self) -> tuple[KernelSpec, ...]:
+        """The kernels one run() launches, in order."""
+        return tuple(self._specs)
+
+    def time_kernels(self, repeats: int = 10) -> list[tuple[KernelSpec, float]]:
+        """Launch each kernel alone ``repeats`` times (after one warm-up launch), ordered like
+        ``run()``, and return its mean seconds per launch, host sync included (compare kernels,
+        not sums). Kernels that update persistent state run ``repeats + 1`` extra times."""
+        ctx = self.context
+        ctx.check_alive()
+        device, stream = ctx.device, ctx.stream
+        statics = self.static_values() if self.statics else ()
+        out = []
+        for spec in self._specs:
+            one = self._prepare([spec])
+            seconds = 0.0
+            for count in (1, repeats):
+                stream.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(count):
+                    enqueue(stream, self._read_states, self._write_states, self, device.driver.launch,
+                            (stream.handle, one, statics), (self, one))
+                stream.synchronize()
+                seconds = (time.perf_counter() - t0) / max(1, count)
+            out.append((spec, seconds))
+        return out
+
+    def __repr__(self) -> str:
+        return f"Routine({self.name} on {self.context.device.device_id})"
+
+    def prepared(self) -> Any:
+        """The driver's prepared launch, bound again if the merge buffer moved since."""
+        if self._prepared is None or (
+            self.merge_buffer_input is not None
+            and self._merge_generation != self.context.device.merge.generation
+        ):
+            self._prepare()
+        return self._prepared
+
+    def static_values(self, bindings: Mapping[StaticSymbol, int] | None = None) -> tuple[int, ...]:
+        """The statics' values, in kernel-argument order, from ``bindings`` (default: the routine's)."""
+        bindings = self.bindings if bindings is None else bindings
+        out = []
+        for s in self.statics:
+            v = bindings.get(s)
+            if v is None:
+                raise BindingError(f"routine {self.name}: static symbol {s!r} is not bound (set routine.bindings[sym])")
+            out.append(check_binding(f"routine {self.name}", s, v))
+        return tuple(out)
+
+    def run(self) -> None:
+        ctx = self.context
+        if ctx.finalized:
+            ctx.check_alive()
+        statics = self.static_values() if self.statics else ()
+        stream = ctx.stream
+        device = ctx.device
+        if self.merge_buffer_input is None:  # prepared once, at link: keeping self keeps it
+            enqueue(stream, self._read_states, self._write_states, self, device.driver.launch,
+                    (stream.handle, self._prepared, statics), self)
+            return
+        with device.lock:  # the merge buffer must not move between the check and the launch
+            merge = self.merge_buffer_input
+            if device.merge.node is not merge:
+                held = device.merge.node.label if device.merge.node else "nothing"
+                raise MergeBufferMismatchError(
+                    f"routine {self.name} reads {merge.label} from the merge buffer of "
+                    f"{device.device_id}, which now holds {held}"
+                )
+            prepared = self.prepared()
+            enqueue(stream, self._read_states, self._write_states, self, device.driver.launch,
+                    (stream.handle, prepared, statics), (self, prepared))
+
+
+class TransferRoutine:
+    """A device_to_device copy as a routine: run() enqueues the copy again."""
+
+    def __init__(self, node: Node, dst: Context, src: Context, into_merge: bool, context: Context) -> None:
+        self.node = node
+        self.name = f"copy_{node.name}_{src.device.device_id}_to_{dst.device.device_id}"
+        self.context = context
+        self.inputs = frozenset([node])
+        self.outputs = frozenset() if into_merge else frozenset([node])
+        self.merge_buffer_input: Node | None = None
+        self.bindings: dict[StaticSymbol, int] = {}
+        self._dst, self._src, self._into_merge = dst, src, into_merge
+
+    def __repr__(self) -> str:
+        return f"TransferRoutine({self.name})"
+
+    def run(self) -> None:
+        node, dst, src = self.node, self._dst, self._src
+        src.check_alive()
+        dst.check_alive()
+        sdev, ddev = src.device, dst.device
+        sloc = src.loc(node, "device_to_device source")
+        stream = dst.stream
+        if sdev.backend is not ddev.backend:  # different backends: stage through the host
+            staging = src.read(node)
+            with ddev.lock:
+                dloc, dhandle = self._destination()
+                enqueue(stream, (), (ddev.tracker.state(dloc),), self, ddev.driver.copy_from_host,
+                        (stream.handle, dhandle, dloc.offset, staging), (self, staging))
+                if self._into_merge:
+                    ddev.merge.node = node
+            return
+        first, second = sorted({sdev, ddev}, key=lambda d: d.device_id) + [ddev] * (sdev is ddev)
+        with first.lock, second.lock:  # both trackers, in one order for every thread
+            dloc, dhandle = self._destination()
+            src_handle = sdev.pool_handle(sloc.pool_id)
+            enqueue(stream, (sdev.tracker.state(sloc),), (ddev.tracker.state(dloc),), self, ddev.driver.copy_device,
+                    (stream.handle, (ddev.ordinal, dhandle, dloc.offset),
+                     (sdev.ordinal, src_handle, sloc.offset), node.nbytes), (self,))
+            if self._into_merge:
+                ddev.merge.node = node
+
+    def _destination(self) -> tuple[BufferLoc, Any]:
+        ddev, node = self._dst.device, self.node
+        if self._into_merge:
+            ddev.reserve_merge(node.nbytes)
+            return BufferLoc(MERGE_POOL, 0), ddev.merge.handle
+        dloc = self._dst.writable_loc(node, "device_to_device destination")
+        return dloc, ddev.pool_handle(dloc.pool_id)
+
+
+def device_to_device(
+    node: Node, *, dst: Context, src: Context, into_merge_buffer: MergeBuffer = MergeBuffer.NO
+) -> TransferRoutine | None:
+    """Copy ``node`` from ``src``'s buffer to ``dst``'s (or into dst's device merge buffer).
+
+    The copy is enqueued now, on dst's stream, after the device-side waits it
+    needs; the returned routine enqueues it again on ``run()``. With
+    ``MergeBuffer.COPY``, link readers of ``ir.merge(node)`` against
+    ``routine.context``. Returns None when src and dst share the buffer.
+    """
+    src.check_alive()
+    dst.check_alive()
+    src.loc(node, "device_to_device source")
+    into_merge = into_merge_buffer is MergeBuffer.COPY
+    if into_merge:
+        context = dst._child({}, merge_node=node)
+    else:
+        dloc = dst.writable_loc(node, "device_to_device destination")
+        if src.device is dst.device and src.buffers[node] == dloc:
+            return None
+        context = dst
+    routine = TransferRoutine(node, dst, src, into_merge, context)
+    routine.run()
+    return routine
+
+
+def init_from_device(node: Node, *, dst: Context, src: Context) -> Context:
+    """A child of ``dst`` with a new buffer for ``node``, filled from ``src`` (device side)."""
+    src.check_alive()
+    dst.check_alive()
+    src.loc(node, "init_from_device source")
+    child = dst._with_new_buffer(node)
+    TransferRoutine(node, child, src, False, child).run()
+    return child

@@ -1,0 +1,381 @@
+"""A device of a backend: its streams, pools, constants, loaded modules and merge buffer.
+
+Releases are stream-ordered: a pool that its context frees (``finalize()``, or the
+garbage collector) is handed back to the driver only once every piece of work that
+touched it is complete, never under a running kernel. What the garbage collector
+drops (contexts, loaded modules, streams) is queued and released at the device's next
+safe point (:meth:`Device.reap`, run under the device lock by every enqueue, link and
+allocation), so a finalizer never re-enters the runtime in the middle of an operation.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import itertools
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import numpy as np
+
+from polyjit.alloc import slab
+from polyjit.alloc.slab import MERGE_POOL, BufferLoc
+from polyjit.core.errors import (
+    DeviceFaultError,
+    DriverError,
+    InvalidProgramError,
+    PolyjitError,
+    PoolExhaustedError,
+    UnknownDeviceError,
+)
+from polyjit.core.ir import Node
+from polyjit.core.protocol import DeviceInfo, Driver
+from polyjit.core.streams import AllOf, Event, Stream, Tracker, enqueue
+
+if TYPE_CHECKING:
+    from polyjit.core.context import Context
+    from polyjit.core.runtime import Backend
+
+
+@attrs.define
+class MergeState:
+    handle: Any = None
+    nbytes: int = 0
+    node: Node | None = None
+    generation: int = 0
+
+
+class LoadedModule:
+    """A binary loaded on one device. Routines and the work in flight hold it; when the last of
+    them lets go, the driver unloads it (at the device's next safe point)."""
+
+    __slots__ = ("__weakref__", "binary", "device", "handle")
+
+    def __init__(self, device: Device, binary: Any, handle: Any) -> None:
+        self.device = device
+        self.binary = binary
+        self.handle = handle
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # interpreter shutdown
+            unload = getattr(self.device.driver, "unload", None)
+            if unload is not None:
+                self.device.released.append(functools.partial(unload, self.device.ordinal, self.handle))
+
+
+def driver_call(where: str, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """A driver call whose failure becomes a typed error naming the device and the operation."""
+    try:
+        return fn(*args)
+    except PolyjitError:
+        raise
+    except MemoryError as e:
+        raise PoolExhaustedError(f"{where}: {what}: {e}") from e
+    except Exception as e:
+        raise DriverError(f"{where}: {what} failed: {type(e).__name__}: {e}") from e
+
+
+class Device:
+    """One device of a backend: its pools, streams, per-node events and merge buffer."""
+
+    def __init__(self, backend: Backend, ordinal: int) -> None:
+        self.backend = backend
+        self.driver: Driver = backend.driver
+        self.ordinal = ordinal
+        self.device_id = f"{backend.name}:{ordinal}"
+        self.name = self.device_id
+        self.info: DeviceInfo = driver_call(self.label, "device_info", self.driver.device_info, ordinal)
+        self.name = self.info.name
+        self.properties: Mapping[str, Any] = MappingProxyType(
+            {"memory_bytes": self.info.memory_bytes, "compute_units": self.info.compute_units,
+             "base_alignment": self.info.base_alignment, **self.info.properties}
+        )
+        # One lock per device guards its tracker, pools, streams and modules, and makes each
+        # enqueue (waits, the driver call, the event behind it) atomic: any thread may call in.
+        self.lock = threading.RLock()
+        self.tracker = Tracker()
+        self.merge = MergeState()
+        self._pools: dict[int, tuple[Any, int]] = {}  # live pools: (driver handle, bytes)
+        self.freeing: list[tuple[list[Event], Any, int]] = []  # freed once those events are done
+        self.released: collections.deque[Callable[[], None]] = collections.deque()
+        self._reaping = False
+        self._pool_ids = slab.PoolIds()
+        self._streams: weakref.WeakSet[Stream] = weakref.WeakSet()
+        self._stream_index = itertools.count()
+        self._modules: weakref.WeakValueDictionary[int, LoadedModule] = weakref.WeakValueDictionary()
+        self._constants: dict[bytes, tuple[BufferLoc, int]] = {}  # content -> (loc, refcount)
+        self._constant_locs: set[BufferLoc] = set()
+        self.default_stream = self.new_stream()
+
+    def __repr__(self) -> str:
+        return f"Device({self.device_id} {self.name!r})"
+
+    @property
+    def label(self) -> str:
+        return f"{self.device_id} ({self.name})"
+
+    # -- streams ---------------------------------------------------------------
+
+    def new_stream(self) -> Stream:
+        """A new in-order queue on this device; ``close()`` it (or use ``with``) when done."""
+        with self.lock:
+            handle = driver_call(self.label, "new_stream", self.driver.new_stream, self.ordinal)
+            s = Stream(self, handle, next(self._stream_index))
+            self._streams.add(s)
+        return s
+
+    def forget_stream(self, stream: Stream) -> None:
+        self._streams.discard(stream)
+
+    def close_stream_handle(self, handle: Any) -> None:
+        close = getattr(self.driver, "close_stream", None)
+        if close is not None:
+            driver_call(self.label, "close_stream", close, handle)
+
+    def close(self) -> None:
+        """Wait for all work, give back what dropped objects held, and end every stream,
+        the default one included. For a Backend made for a while (a wrapped driver, a test):
+        the registry's backends live as long as the process."""
+        with contextlib.suppress(DeviceFaultError):
+            self.synchronize()
+        with self.lock:
+            self.reap(wait=True)
+            for s in self.streams():
+                if s is not self.default_stream:
+                    s.close()
+            default = self.default_stream
+            if not default.closed:
+                with contextlib.suppress(DeviceFaultError):
+                    default.synchronize()
+                default.closed = True
+                self.forget_stream(default)
+                default.completed(default.seq)
+                self.close_stream_handle(default.handle)
+
+    def make_context(self, stream: Stream | None = None) -> Context:
+        """A root context on this device (on ``stream``, default: the device's). Use it as
+        ``with device.make_context() as ctx:`` to finalize what was linked into it on exit."""
+        from polyjit.core.context import Context
+
+        stream = stream or self.default_stream
+        if stream.device is not self:
+            raise UnknownDeviceError(f"{stream!r} belongs to {stream.device.device_id}, not {self.device_id}")
+        stream.check_usable()
+        return Context(self, stream, None, {}, None, ())
+
+    def streams(self) -> list[Stream]:
+        with self.lock:
+            return [s for s in self._streams if not s.closed]
+
+    def all_work(self) -> AllOf:
+        return AllOf([s.record() for s in self.streams()])
+
+    def synchronize(self) -> None:
+        """Wait for all work on this device, then release what waited for it."""
+        faults: list[DeviceFaultError] = []
+        for s in self.streams():
+            try:
+                s.synchronize()
+            except DeviceFaultError as e:
+                faults.append(e)
+        self.reap(poll=True)
+        if faults:
+            raise faults[0]
+
+    def is_idle(self) -> bool:
+        return self.all_work().is_done()
+
+    # -- safe points -------------------------------------------------------------
+
+    def reap(self, poll: bool = False, wait: bool = False, blocking: bool = True) -> None:
+        """Run the releases the garbage collector queued, and free the pools whose work is done
+        (``poll``: ask the driver about events not yet known complete; ``wait``: block for them).
+        ``blocking=False`` skips it when another thread holds the device: a thread that learns
+        of a completed event while it holds another device's lock must not wait for this one."""
+        if not self.lock.acquire(blocking):
+            return
+        try:
+            if self._reaping:
+                return
+            self._reaping = True
+            try:
+                while self.released:
+                    self.released.popleft()()
+                if self.freeing:
+                    self._free_finished(poll, wait)
+            finally:
+                self._reaping = False
+        finally:
+            self.lock.release()
+
+    def _free_finished(self, poll: bool, wait: bool) -> None:
+        still: list[tuple[list[Event], Any, int]] = []
+        errors: list[PolyjitError] = []
+        for events, handle, nbytes in self.freeing:
+            pending = []
+            for ev in events:
+                known = ev.seq <= ev.stream.done_seq
+                if not known and (poll or wait):
+                    try:
+                        if wait:
+                            ev.sync()
+                            known = True
+                        else:
+                            known = ev.is_done()
+                    except DeviceFaultError:
+                        known = True  # the faulted work is over
+                if not known:
+                    pending.append(ev)
+            if pending:
+                still.append((pending, handle, nbytes))
+                continue
+            try:
+                driver_call(self.label, f"free of a pool of {nbytes} bytes", self.driver.free, self.ordinal, handle)
+            except PolyjitError as e:
+                errors.append(e)
+        self.freeing = still
+        if errors:
+            raise errors[0]
+
+    # -- pools -----------------------------------------------------------------
+
+    def used_memory(self) -> int:
+        """Bytes of the pools that live contexts hold (exact; a pool returns when its context
+        is finalized, even while the driver waits for its last work before freeing it)."""
+        with self.lock:
+            return sum(n for _, n in self._pools.values())
+
+    def pending_free_memory(self) -> int:
+        """Bytes of pools released by their contexts whose last work has not completed yet."""
+        with self.lock:
+            return sum(n for _, _, n in self.freeing)
+
+    def alloc_pool(self, pool_id: int, nbytes: int, alignment: int) -> None:
+        with self.lock:
+            self.reap(poll=True)
+            if pool_id in self._pools:
+                raise InvalidProgramError(f"pool {pool_id} already exists on {self.device_id}")
+            cap = self.info.memory_bytes
+            if self.freeing and self.used_memory() + self.pending_free_memory() + nbytes > cap:
+                self.reap(wait=True)
+            used = self.used_memory()
+            if used + nbytes > cap:
+                raise PoolExhaustedError(
+                    f"pool {pool_id} of {nbytes} bytes does not fit on {self.device_id} "
+                    f"({self.name}): {used} of {cap} bytes are in use, {cap - used} free"
+                )
+            handle = driver_call(self.label, f"alloc of pool {pool_id} ({nbytes} bytes, {used} in use)",
+                           self.driver.alloc, self.ordinal, max(nbytes, 1), alignment)
+            self._pools[pool_id] = (handle, nbytes)
+
+    def free_pool(self, pool_id: int) -> None:
+        """Release a pool: the driver frees it once the work that touches it is done."""
+        with self.lock:
+            try:
+                handle, nbytes = self._pools.pop(pool_id)
+            except KeyError:
+                raise InvalidProgramError(f"{self.device_id} has no pool {pool_id}") from None
+            events = self.tracker.take_pool(pool_id, keep=pool_id == MERGE_POOL)
+            self.freeing.append((events, handle, nbytes))
+            self._free_finished(poll=False, wait=False)
+
+    def release(self, pools: Iterable[int], constants: Iterable[BufferLoc]) -> None:
+        """Give back what a context created (its finalize(), or its garbage collection)."""
+        with self.lock:
+            for pid in pools:
+                self.free_pool(pid)
+            self.release_constants(constants)
+
+    def pool_handle(self, pool_id: int) -> Any:
+        try:
+            return self._pools[pool_id][0]
+        except KeyError:
+            raise InvalidProgramError(f"{self.device_id} has no pool {pool_id} (freed?)") from None
+
+    def memset_zero(self, pool_id: int, offset: int, nbytes: int) -> None:
+        """Zero bytes of a pool, ordered after all work on it (on the default stream)."""
+        with self.lock:
+            states = (self.tracker.state(BufferLoc(pool_id, offset)),)
+            enqueue(self.default_stream, (), states, "memset_zero", self.driver.memset_zero,
+                    (self.default_stream.handle, self.pool_handle(pool_id), offset, nbytes), None)
+
+    def new_pool(self, nbytes: int) -> int:
+        with self.lock:
+            pid = self._pool_ids.take()
+            self.alloc_pool(pid, nbytes, self.info.base_alignment)
+        return pid
+
+    # -- the merge buffer (pool 0) ---------------------------------------------
+
+    def reserve_merge(self, nbytes: int) -> None:
+        """Grow the merge buffer to at least nbytes. Growing moves it, so all work must finish."""
+        with self.lock:
+            if self.merge.nbytes >= nbytes:
+                return
+            self.synchronize()
+            if self.merge.handle is not None:
+                self.free_pool(MERGE_POOL)
+            self.alloc_pool(MERGE_POOL, nbytes, self.info.base_alignment)
+            self.merge.handle = self.pool_handle(MERGE_POOL)
+            self.merge.nbytes = nbytes
+            self.merge.generation += 1
+
+    # -- constants ---------------------------------------------------------------
+
+    def acquire_constant(self, values: np.ndarray) -> BufferLoc:
+        """The device's copy of a read-only constant, shared by content, refcounted."""
+        key = values.dtype.str.encode() + repr(values.shape).encode() + values.tobytes()
+        with self.lock:
+            hit = self._constants.get(key)
+            if hit is not None:
+                self._constants[key] = (hit[0], hit[1] + 1)
+                return hit[0]
+            pid = self.new_pool(values.nbytes)
+            loc = BufferLoc(pid, 0)
+            stream = self.default_stream
+            enqueue(stream, (), (self.tracker.state(loc),), "copy of a constant", self.driver.copy_from_host,
+                    (stream.handle, self.pool_handle(pid), 0, values), values)
+            self._constants[key] = (loc, 1)
+            self._constant_locs.add(loc)
+            return loc
+
+    def is_constant(self, loc: BufferLoc) -> bool:
+        return loc in self._constant_locs
+
+    def release_constants(self, locs: Iterable[BufferLoc]) -> None:
+        with self.lock:
+            for loc in locs:
+                key = next(k for k, (v, _) in self._constants.items() if v == loc)
+                at, refs = self._constants[key]
+                if refs > 1:
+                    self._constants[key] = (at, refs - 1)
+                else:
+                    del self._constants[key]
+                    self._constant_locs.discard(at)
+                    self.free_pool(at.pool_id)
+
+    # -- modules -------------------------------------------------------------------
+
+    def module(self, binary: Any) -> LoadedModule:
+        """The binary loaded on this device: once while any routine of it lives."""
+        with self.lock:
+            hit = self._modules.get(id(binary))
+            if hit is None or hit.binary is not binary:
+                handle = driver_call(self.label, "load", self.driver.load, self.ordinal, binary)
+                hit = LoadedModule(self, binary, handle)
+                self._modules[id(binary)] = hit
+            return hit
+
+    def unload(self, handle: Any) -> None:
+        unload = getattr(self.driver, "unload", None)
+        if unload is not None:
+            driver_call(self.label, "unload", unload, self.ordinal, handle)
+
+    def loaded_modules(self) -> int:
+        with self.lock:
+            return len(self._modules)

@@ -1,0 +1,376 @@
+"""Events, streams, and what the runtime keeps alive for the work on them.
+
+Lifetimes belong to the runtime, once for every backend: whatever a queued
+operation reads or writes (a routine and its driver launch record, a host array
+being copied, a driver's token for the copy) is appended to its stream's
+*retained* queue together with the sequence number of the event recorded behind
+it, and dropped once that event is known complete. Streams are in order, so one
+completed event releases everything enqueued before it. Knowing an event is
+complete costs nothing when the host already waited for it (``sync``) or saw it
+done (``is_done``); otherwise the stream polls its oldest entry now and then.
+
+The per-node records (:class:`Tracker`) keep, for every buffer location, the
+event of its last writer and of its readers since, so that work on different
+streams and devices waits on the device side, never on the host.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from polyjit.core.errors import DeviceFaultError, DriverError, PolyjitError, StreamClosedError
+
+if TYPE_CHECKING:
+    from polyjit.core.protocol import Driver
+    from polyjit.core.runtime import Device
+
+# Past this many retained entries, a stream polls its oldest one every POLL_EVERY enqueues,
+# so a host that never waits does not grow the queue without bound.
+POLL_AFTER = 64
+POLL_EVERY = 16
+
+
+class Event:
+    """A point in a stream's work. ``sync()`` blocks the host; ``is_done()`` polls."""
+
+    __slots__ = ("handle", "seq", "stream")
+
+    def __init__(self, stream: Stream, handle: Any, seq: int) -> None:
+        self.stream = stream
+        self.handle = handle
+        self.seq = seq
+
+    def sync(self) -> None:
+        """Block until the work before this event is done; raise DeviceFaultError if it failed."""
+        s = self.stream
+        if self.seq > s.done_seq:
+            try:
+                s.driver_done(self.handle, block=True)
+            except Exception as e:
+                s.fault(e)
+            s.completed(self.seq)
+        if self.seq <= s.fault_seq and s.fault_error is not None:
+            raise s.fault_error
+
+    def is_done(self) -> bool:
+        """Whether the work before this event is over (a failure is over too: ``sync`` raises it)."""
+        s = self.stream
+        if self.seq <= s.done_seq:
+            return True
+        try:
+            done = s.driver_done(self.handle, block=False)
+        except Exception as e:
+            s.fault(e)
+            return True
+        if done:
+            s.completed(self.seq)
+        return done
+
+    def __repr__(self) -> str:
+        return f"Event({self.stream!r} #{self.seq})"
+
+
+class AllOf:
+    """Several events as one (``Device.all_work()``)."""
+
+    def __init__(self, events: Sequence[Event]) -> None:
+        self.events = tuple(events)
+
+    def sync(self) -> None:
+        for e in self.events:
+            e.sync()
+
+    def is_done(self) -> bool:
+        return all(e.is_done() for e in self.events)
+
+
+class Stream:
+    """An in-order queue on one device. ``close()`` (or ``with``) waits for its work and ends
+    it; a stream that is garbage-collected is closed once its work is done."""
+
+    def __init__(self, device: Device, handle: Any, index: int) -> None:
+        self.device = device
+        self.driver: Driver = device.driver
+        self.handle = handle
+        self.index = index
+        self.seq = 0  # events recorded so far
+        self.done_seq = 0  # the newest event known complete
+        self.closed = False
+        # The last failure the driver reported, and the events it covers (all recorded by then).
+        self.fault_error: DeviceFaultError | None = None
+        self.fault_seq = 0
+        # (event seq, driver event, what that work uses): dropped once the event is known
+        # complete. Driver handles, not Events: an Event would tie the stream into a cycle.
+        self.retained: collections.deque[tuple[int, Any, Any]] = collections.deque()
+        self._lock = threading.Lock()
+        self._users = 0  # host threads inside the driver's event_sync / event_done right now
+        self._idle = threading.Condition(self._lock)
+
+    # -- recording ----------------------------------------------------------------
+
+    def record(self) -> Event:
+        with self.device.lock:
+            self.check_usable()
+            return self._record()
+
+    def _record(self) -> Event:
+        """Record an event behind the work enqueued so far (device lock held)."""
+        try:
+            handle = self.driver.record(self.handle)
+        except PolyjitError:
+            raise
+        except Exception as e:
+            raise DriverError(f"{self.device.device_id}: recording an event on {self!r} failed: {e}") from e
+        self.seq += 1
+        return Event(self, handle, self.seq)
+
+    def driver_done(self, handle: Any, *, block: bool) -> bool:
+        """Ask the driver whether an event of this stream is done (``block``: wait for it). A
+        closed stream has done all its work; close() waits for the calls in progress here."""
+        with self._lock:
+            if self.closed:
+                return True
+            self._users += 1
+        try:
+            if block:
+                self.driver.event_sync(handle)
+                return True
+            return bool(self.driver.event_done(handle))
+        finally:
+            with self._lock:
+                self._users -= 1
+                if not self._users:
+                    self._idle.notify_all()
+
+    def retain(self, event: Event, keep: Any) -> None:
+        """Keep ``keep`` alive until ``event`` (just recorded on this stream) completes."""
+        retained = self.retained
+        with self._lock:
+            retained.append((event.seq, event.handle, keep))
+            n = len(retained)
+        if n > POLL_AFTER and n % POLL_EVERY == 0:
+            self._poll_oldest()
+
+    def _poll_oldest(self) -> None:
+        """Release what completed work kept: find the newest retained entry the driver reports
+        done (the newest first, else a binary search: the stream is in order)."""
+        with self._lock:
+            entries = list(self.retained)
+        lo, hi, found = 0, len(entries) - 1, -1
+        try:
+            if entries and self.driver_done(entries[-1][1], block=False):
+                found = hi
+            else:
+                hi -= 1
+                while lo <= hi:
+                    mid = (lo + hi) // 2
+                    if self.driver_done(entries[mid][1], block=False):
+                        found, lo = mid, mid + 1
+                    else:
+                        hi = mid - 1
+        except Exception as e:
+            self.fault(e)  # raised by the next sync, not by this enqueue
+            return
+        if found >= 0:
+            self.completed(entries[found][0])
+
+    def completed(self, seq: int) -> None:
+        """Everything up to event ``seq`` has run: release what it kept alive."""
+        with self._lock:
+            if seq > self.done_seq:
+                self.done_seq = seq
+            retained = self.retained
+            dropped = []
+            while retained and retained[0][0] <= seq:
+                dropped.append(retained.popleft())
+        del dropped  # the objects die here, outside the lock
+        if self.device.freeing:
+            self.device.reap(blocking=False)
+
+    def fault(self, error: Exception) -> DeviceFaultError:
+        """The driver reported that work on this stream failed. Every event recorded so far is
+        over; their syncs raise the DeviceFaultError made here, which names the routines that
+        were in flight. Work enqueued later runs as usual (a lost device fails its calls)."""
+        if isinstance(error, DeviceFaultError):
+            return error
+        with self._lock:
+            pending = [keep for _, _, keep in self.retained]
+        names = [getattr(k[0] if isinstance(k, tuple) and k else k, "name", None) for k in pending]
+        work = ", ".join(dict.fromkeys(str(n) for n in names if n)) or "no routine (copies only)"
+        self.fault_error = DeviceFaultError(
+            f"{self.device.device_id} ({self.device.name}): work on {self!r} failed: "
+            f"{type(error).__name__}: {error}; in flight: {work}")
+        self.fault_seq = self.seq
+        self.completed(self.seq)  # the failed work is over: nothing it used is needed now
+        return self.fault_error
+
+    def check_usable(self) -> None:
+        if self.closed:
+            raise StreamClosedError(f"{self!r} was closed")
+
+    # -- waiting ------------------------------------------------------------------
+
+    def wait(self, event: Event | AllOf) -> None:
+        """Make this stream wait for ``event`` on the device side; events of another backend
+        are waited for on the host."""
+        with self.device.lock:
+            self.check_usable()
+            self._wait(event)
+
+    def _wait(self, event: Event | AllOf) -> None:
+        if isinstance(event, AllOf):
+            for e in event.events:
+                self._wait(e)
+        elif event.stream is self or event.is_done():
+            return
+        elif event.stream.driver is self.driver:
+            try:
+                self.driver.wait(self.handle, event.handle)
+            except PolyjitError:
+                raise
+            except Exception as e:
+                raise DriverError(f"{self.device.label}: {self!r} waiting for {event!r} failed: "
+                                  f"{type(e).__name__}: {e}") from e
+        else:
+            event.sync()
+
+    def synchronize(self) -> None:
+        if self.closed:
+            return
+        self.record().sync()
+
+    # -- release --------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Wait for this stream's work, then end it (its worker, its driver queue). Contexts
+        on a closed stream cannot enqueue work any more. The device's default stream stays."""
+        if self.closed:
+            return
+        if self is self.device.default_stream:
+            raise StreamClosedError(f"{self!r} is the default stream of {self.device.device_id}; "
+                                    "it lives as long as the device")
+        with contextlib.suppress(DeviceFaultError):  # a faulted stream still closes
+            self.synchronize()
+        with self.device.lock:  # no enqueue can slip in between
+            with self._lock:
+                if self.closed:
+                    return
+                self.closed = True
+                while self._users:  # a host wait still inside the driver: let it return
+                    self._idle.wait()
+            self.device.forget_stream(self)
+            self.completed(self.seq)
+            self.device.close_stream_handle(self.handle)
+
+    def __del__(self) -> None:
+        """The garbage collector took this stream (and, in a cycle, what its retained queue
+        holds, still intact here): let its last work finish, then end it in the driver."""
+        if getattr(self, "closed", True) or sys.is_finalizing():  # at exit the drivers are gone
+            return
+        with contextlib.suppress(Exception):  # a faulted stream
+            self.driver.event_sync(self.driver.record(self.handle))
+            close = getattr(self.driver, "close_stream", None)
+            if close is not None:
+                close(self.handle)
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Stream({self.device.device_id}, #{self.index})"
+
+
+def _wait_unless_done(stream: Stream, event: Event | None) -> None:
+    if event is not None and event.stream is not stream and not event.is_done():
+        stream._wait(event)
+
+
+class NodeEvents:
+    """The last writer of one buffer and its readers since (the latest per stream)."""
+
+    __slots__ = ("readers", "writer")
+
+    def __init__(self) -> None:
+        self.writer: Event | None = None
+        self.readers: dict[Stream, Event] = {}
+
+    def wait_for_write(self, stream: Stream) -> None:
+        """Before ``stream`` writes: the last writer and every reader since must be done."""
+        _wait_unless_done(stream, self.writer)
+        for s, ev in list(self.readers.items()):
+            if s is not stream:
+                _wait_unless_done(stream, ev)
+
+    def events(self) -> list[Event]:
+        return ([self.writer] if self.writer else []) + list(self.readers.values())
+
+
+class Tracker:
+    """Per device: the events of every buffer location. Callers hold the device lock."""
+
+    def __init__(self) -> None:
+        self.locs: dict[Any, NodeEvents] = {}
+
+    def state(self, loc: Any) -> NodeEvents:
+        st = self.locs.get(loc)
+        if st is None:
+            st = self.locs[loc] = NodeEvents()
+        return st
+
+    def states(self, locs: Sequence[Any]) -> tuple[NodeEvents, ...]:
+        """The event records of some buffers, resolved once (at link or capture time) so that
+        each launch touches them without hashing."""
+        return tuple(self.state(loc) for loc in locs)
+
+    def take_pool(self, pool_id: int, keep: bool = False) -> list[Event]:
+        """The events of all work touching a pool; its records are forgotten unless ``keep``
+        (the merge pool's records are held by routines across its moves: emptied, not removed)."""
+        events: list[Event] = []
+        for loc in [loc for loc in self.locs if loc.pool_id == pool_id]:
+            st = self.locs[loc] if keep else self.locs.pop(loc)
+            events += st.events()
+            st.writer, st.readers = None, {}
+        return events
+
+
+def enqueue(stream: Stream, reads: Sequence[NodeEvents], writes: Sequence[NodeEvents],
+            what: object, fn: Callable[..., Any], args: tuple[Any, ...], keep: Any) -> Event:
+    """The one way work reaches a stream: under the device lock, wait on the device side for
+    the writers of what it reads and the writers and readers of what it writes, call
+    ``fn(*args)``, record an event behind it, make it the new reader / writer, and keep
+    ``keep`` (plus whatever the driver returned) alive until that event completes. ``what``
+    (a routine, or a word) names the work in an error."""
+    device = stream.device
+    with device.lock:
+        if stream.closed:
+            stream.check_usable()
+        if device.released:
+            device.reap()
+        for st in reads:
+            _wait_unless_done(stream, st.writer)
+        for st in writes:
+            st.wait_for_write(stream)
+        try:
+            token = fn(*args)
+        except PolyjitError:
+            raise
+        except Exception as e:
+            raise DriverError(f"{device.device_id} ({device.name}): {what} failed: "
+                              f"{type(e).__name__}: {e}") from e
+        ev = stream._record()
+        for st in reads:
+            st.readers[stream] = ev
+        for st in writes:
+            st.writer = ev
+            if st.readers:
+                st.readers = {}
+        stream.retain(ev, keep if token is None else (keep, token))
+    return ev

@@ -1,0 +1,118 @@
+"""Misuse of the runtime's public API, each with the typed error it must raise.
+
+:func:`misuse_table` lists (what, expected error, call) for one backend; :func:`try_misuse`
+runs them and describes every call that raised something else, or nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+import polyjit
+from polyjit.core import dtypes, ir
+from polyjit.core.errors import (
+    BindingError,
+    DTypeMismatchError,
+    FinalizedError,
+    InvalidArgumentError,
+    NodeNotInContextError,
+    PolyjitError,
+    ReadOnlyNodeError,
+    ShapeMismatchError,
+    StreamClosedError,
+    UnknownDeviceError,
+)
+from polyjit.core.ir import Node, Op, StaticSymbol
+from polyjit.core.runtime import Backend
+
+__all__ = ["misuse_table", "try_misuse"]
+
+
+def misuse_table(backend: Backend) -> list[tuple[str, type[PolyjitError], Callable[[], Any]]]:
+    """(what, the error it must raise, the call) for the runtime's public API."""
+    dev = backend.get_device(0)
+    a, out = Node("mis_a", (16,)), Node("mis_out", (16,))
+    comp = ir.Comp.of(ir.apply(Op.EXP, a, into=out))
+    code = backend.compile(comp, name="mis")
+    batch = backend.compile_batch([comp], names=["mis_batch"])
+    ctx = dev.make_context().init_from_host(a, np.ones(16, np.float32))
+    b = StaticSymbol("b", 4)
+    row, src = Node("mis_row", (3,)), Node("mis_src", (4, 3))
+    sliced = backend.compile(ir.Comp.of(ir.slice_at(row, src, b)), name="mis_slice")
+    sctx = ctx.init_from_host(src, np.zeros((4, 3), np.float32))
+    routine = sctx.link(sliced)
+    k = Node("mis_k", (16,), mode=ir.MemoryMode.MATERIALIZED)  # a constant readable from the host
+    with_const = backend.compile(ir.Comp.of(ir.constant(k, np.arange(16, dtype=np.float32)),
+                                            ir.apply(Op.ADD, a, k, into=out)), name="mis_const")
+    const_ctx = ctx.link(with_const).context
+    writes_const = backend.compile(ir.Comp.of(ir.fill(k, 5.0)), name="mis_writes_const")
+    plain_k = dev.make_context().init_from_host(k, np.zeros(16, np.float32))
+    read_only = np.ones(16, np.float32)
+    read_only.setflags(write=False)
+    dead = dev.make_context().init_from_host(a, np.ones(16, np.float32))
+    dead.finalize()
+    closed = dev.new_stream()
+    closed.close()
+
+    def bind(value: Any) -> Callable[[], None]:
+        def run() -> None:
+            routine.bindings[b] = value
+            try:
+                routine.run()
+            finally:
+                routine.bindings[b] = 0
+        return run
+
+    return [
+        ("link of a CodeBatch", InvalidArgumentError, lambda: ctx.link(batch)),  # type: ignore[arg-type]
+        ("link of a string", InvalidArgumentError, lambda: ctx.link("mis")),  # type: ignore[arg-type]
+        ("link_batch of a Code", InvalidArgumentError, lambda: ctx.link_batch(code)),  # type: ignore[arg-type]
+        ("compile of a number", InvalidArgumentError, lambda: backend.compile(42)),  # type: ignore[arg-type]
+        ("compile_batch of one Comp", InvalidArgumentError, lambda: backend.compile_batch(comp)),  # type: ignore[arg-type]
+        ("a binding given as a string", BindingError, bind("1")),
+        ("a binding given as a float", BindingError, bind(2.7)),
+        ("a binding given as a bool", BindingError, bind(True)),
+        ("a binding out of range", BindingError, bind(4)),
+        ("a negative binding", BindingError, bind(-1)),
+        ("compile with a float binding", BindingError,
+         lambda: backend.compile(ir.Comp.of(ir.slice_at(row, src, b)), bindings={b: 1.5})),  # type: ignore[dict-item]
+        ("from_host into a constant", ReadOnlyNodeError, lambda: const_ctx.from_host(k, np.zeros(16, np.float32))),
+        ("linking a write into a constant", ReadOnlyNodeError, lambda: const_ctx.link(writes_const)),
+        ("device_to_device into a constant", ReadOnlyNodeError,
+         lambda: polyjit.device_to_device(k, dst=const_ctx, src=plain_k)),
+        ("read of a finalized context", FinalizedError, lambda: dead.read(a)),
+        ("get_device of a string", UnknownDeviceError, lambda: backend.get_device("0")),  # type: ignore[arg-type]
+        ("get_device of a bool", UnknownDeviceError, lambda: backend.get_device(True)),
+        ("get_device of a float", UnknownDeviceError, lambda: backend.get_device(0.0)),  # type: ignore[arg-type]
+        ("get_device past the end", UnknownDeviceError, lambda: backend.get_device(99)),
+        ("a context on a closed stream", StreamClosedError, lambda: dev.make_context(closed)),
+        ("with_stream of a closed stream", StreamClosedError, lambda: ctx.with_stream(closed)),
+        ("read of a string", InvalidArgumentError, lambda: ctx.read("mis_a")),  # type: ignore[arg-type]
+        ("read of a node without a buffer", NodeNotInContextError, lambda: ctx.read(Node("nope", (2,)))),
+        ("from_host of a list", DTypeMismatchError, lambda: ctx.from_host(a, [1.0] * 16)),  # type: ignore[arg-type]
+        ("from_host of the wrong shape", ShapeMismatchError, lambda: ctx.from_host(a, np.ones(15, np.float32))),
+        ("from_host of the wrong dtype", DTypeMismatchError, lambda: ctx.from_host(a, np.ones(16, np.float64))),
+        ("to_host into a read-only array", ShapeMismatchError, lambda: ctx.to_host(a, read_only)),
+        ("init_from_host with a node of another dtype", DTypeMismatchError,
+         lambda: ctx.init_from_host(Node("i", (16,), dtypes.int32), np.ones(16, np.float32))),
+    ]
+
+
+def try_misuse(backend: Backend) -> tuple[int, list[str]]:
+    """Run every call of the table; returns (how many were tried, what went wrong)."""
+    table = misuse_table(backend)
+    wrong = []
+    for what, expected, call in table:
+        try:
+            call()
+        except expected as e:
+            if not str(e):
+                wrong.append(f"{what}: {expected.__name__} with an empty message")
+        except Exception as e:
+            wrong.append(f"{what}: {type(e).__name__}: {e} (expected {expected.__name__})")
+        else:
+            wrong.append(f"{what}: nothing raised (expected {expected.__name__})")
+    return len(table), wrong

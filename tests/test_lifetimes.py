@@ -1,0 +1,323 @@
+"""The runtime owns lifetimes: whatever queued work uses lives until that work completes,
+whatever the caller drops or finalizes; what is created can be released.
+
+Each scenario that crashed the process before runs in a child process, so a crash fails
+one test instead of the whole run.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from polyjit import get_backend, ir
+from polyjit.core.errors import FinalizedError, StreamClosedError
+from polyjit.core.ir import Node, Op
+from polyjit.core.runtime import Backend
+
+ROOT = Path(__file__).resolve().parent.parent
+BACKENDS = ("cpu", "opencl")
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> Backend:
+    be = get_backend(request.param)
+    if be.num_devices() == 0:
+        pytest.skip(f"no {request.param} device: {be.unavailable_reason}")
+    return be
+
+
+def _child(code: str, timeout: int = 240) -> str:
+    """Run ``code`` in a fresh interpreter (same environment); fail on a crash or an error."""
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=os.environ.copy())
+    assert done.returncode == 0, f"exit {done.returncode}\nstdout:\n{done.stdout}\nstderr:\n{done.stderr[-4000:]}"
+    return done.stdout
+
+
+def _settled(dev: object) -> int:
+    gc.collect()
+    dev.synchronize()  # type: ignore[attr-defined]
+    return int(dev.used_memory())  # type: ignore[attr-defined]
+
+
+def _exp_code(backend: Backend, n: int) -> tuple[Node, Node, object]:
+    a, out = Node("a", (n,)), Node("out", (n,))
+    return a, out, backend.compile(ir.Comp.of(ir.apply(Op.EXP, a, into=out)), name="exp")
+
+
+# ---------------------------------------------------------------------------
+# Dropping things with work in flight
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_link_run_and_return_without_waiting_50_times(name: str) -> None:
+    """Crashed with SIGSEGV on cpu: the routine's launch descriptors died with it while the
+    stream worker still read them."""
+    out = _child(f"""
+        import gc, numpy as np
+        from polyjit import get_backend, ir
+        be = get_backend({name!r})
+        dev = be.get_device(0)
+        n = 1 << 16
+        a, out = ir.Node("a", (n,)), ir.Node("out", (n,))
+        code = be.compile(ir.Comp.of(ir.apply(ir.Op.EXP, a, into=out)), name="f")
+        root = dev.make_context().init_from_host(a, np.ones(n, np.float32))
+        def once():
+            r = root.link(code)
+            r.run()
+        for _ in range(50):
+            once()
+        gc.collect()
+        dev.synchronize()
+        print(dev.used_memory() == n * 4)
+    """)
+    assert out.split() == ["True"]
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_dropping_routines_contexts_streams_and_plans_in_flight(name: str) -> None:
+    out = _child(f"""
+        import gc, numpy as np
+        from polyjit import get_backend, ir, tensor as pt
+        be = get_backend({name!r})
+        dev = be.get_device(0)
+        n = 1 << 18
+        a, t, out = ir.Node("a", (n,)), ir.Node("t", (n,)), ir.Node("out", (n,))
+        code = be.compile(ir.Comp.of(ir.apply(ir.Op.EXP, a, into=t), ir.apply(ir.Op.TANH, t, into=out)), name="g")
+        for k in range(30):
+            s = dev.new_stream()
+            ctx = dev.make_context(s).init_from_host(a, np.full(n, k, np.float32))
+            r = ctx.link(code)
+            for _ in range(3):
+                r.run()
+            pending = np.empty(n, np.float32)
+            r.context.to_host(out, pending, blocking=False)
+            del s, ctx, r, pending  # everything dropped with work in flight
+            if k % 7 == 0:
+                gc.collect()
+        x = pt.input("x", (64, 32))
+        w = pt.param("w", (32, 8), init="normal")
+        plan = pt.compile((x @ w).tanh().sum(), device=be.get_device(0))
+        for _ in range(5):
+            plan.run(x=np.ones((64, 32), np.float32))
+        del plan
+        gc.collect()
+        dev.synchronize()
+        print("ok")
+    """)
+    assert out.split() == ["ok"]
+
+
+def test_host_arrays_live_until_their_copies_are_done(backend: Backend) -> None:
+    dev = backend.get_device(0)
+    n = 1 << 20
+    a, out, code = _exp_code(backend, n)
+    with dev.make_context() as root:
+        ctx = root.init_from_host(a, np.zeros(n, np.float32))
+        for k in range(20):
+            ctx.from_host(a, np.full(n, k % 3, np.float32))  # the array is dropped at once
+            gc.collect()
+        r = ctx.link(code)
+        r.run()
+        got = np.empty(n, np.float32)
+        r.context.to_host(out, got, blocking=False)
+        r.context.stream.synchronize()
+        np.testing.assert_allclose(got, np.exp(np.float32(19 % 3)), rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# finalize, with, garbage collection
+
+
+def test_finalize_with_work_in_flight_frees_after_the_work(backend: Backend) -> None:
+    dev = backend.get_device(0)
+    n = 1 << 22
+    a, out = Node("a", (n,)), Node("out", (n,))
+    chain = ir.Comp.of(*[ir.apply(Op.TANH, a if k == 0 else out, into=out) for k in range(6)])
+    code = backend.compile(chain, name="long")
+    base = _settled(dev)
+    root = dev.make_context()
+    ctx = root.init_from_host(a, np.ones(n, np.float32))
+    r = ctx.link(code)
+    for _ in range(4):
+        r.run()
+    root.finalize()  # returns at once; the pools are freed once the runs are done
+    assert dev.used_memory() == base
+    # Whatever reuses the memory now must not see the finished kernels' writes.
+    b = Node("b", (n,))
+    pattern = np.arange(n, dtype=np.float32)
+    with dev.make_context() as fresh:
+        again = fresh.init_from_host(b, pattern)
+        dev.synchronize()
+        np.testing.assert_array_equal(again.read(b), pattern)
+    dev.synchronize()
+    assert dev.pending_free_memory() == 0
+    with pytest.raises(FinalizedError, match="finalized"):
+        r.run()
+
+
+def test_garbage_collected_contexts_give_their_pools_back(backend: Backend) -> None:
+    dev = backend.get_device(0)
+    n = 1 << 16
+    a, _out, code = _exp_code(backend, n)
+    base = _settled(dev)
+
+    def scope() -> None:
+        ctx = dev.make_context().init_from_host(a, np.ones(n, np.float32))
+        ctx.link(code).run()
+
+    for _ in range(10):
+        scope()
+    assert _settled(dev) == base
+
+
+def test_a_child_keeps_its_parents_pools(backend: Backend) -> None:
+    dev = backend.get_device(0)
+    n = 4096
+    a, out, code = _exp_code(backend, n)
+    base = _settled(dev)
+    parent = dev.make_context().init_from_host(a, np.full(n, 2, np.float32))
+    r = parent.link(code)
+    del parent  # r.context is a child: it holds the parent and so the buffer of a
+    gc.collect()
+    r.run()
+    np.testing.assert_allclose(r.context.read(out), np.exp(np.float32(2)), rtol=1e-6)
+    del r
+    assert _settled(dev) == base
+
+
+def test_with_make_context_finalizes_on_exit(backend: Backend) -> None:
+    dev = backend.get_device(0)
+    a, _out, code = _exp_code(backend, 1000)
+    base = _settled(dev)
+    with dev.make_context() as root:
+        r = root.init_from_host(a, np.ones(1000, np.float32)).link(code)
+        r.run()
+        assert dev.used_memory() > base
+    assert dev.used_memory() == base
+    assert root.finalized and r.context.finalized
+
+
+# ---------------------------------------------------------------------------
+# Releasing streams and modules
+
+
+def _threads() -> int:
+    return threading.active_count() + len(os.listdir("/proc/self/task"))
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_streams_close_and_leave_nothing_behind(backend: Backend) -> None:
+    dev = backend.get_device(0)
+    a, _out, code = _exp_code(backend, 256)
+    root = dev.make_context().init_from_host(a, np.ones(256, np.float32))
+
+    def cycle(k: int) -> None:
+        with dev.new_stream() as s:
+            r = root.with_stream(s).link(code) if k % 10 == 0 else None
+            if r is not None:
+                r.run()
+            s.synchronize()
+
+    for k in range(50):  # warm up allocators and caches
+        cycle(k)
+    gc.collect()
+    threads, fds, rss = _threads(), _fds(), _rss()
+    for k in range(1000):
+        cycle(k)
+    gc.collect()
+    dev.synchronize()
+    assert _threads() <= threads + 2
+    assert _fds() <= fds + 2
+    assert _rss() - rss < 32 << 20
+    closed = dev.new_stream()
+    closed.close()
+    closed.close()  # twice is harmless
+    with pytest.raises(StreamClosedError):
+        dev.make_context(closed)
+    with pytest.raises(StreamClosedError):
+        dev.default_stream.close()
+    root.finalize()
+
+
+def test_dropped_streams_are_closed(backend: Backend) -> None:
+    dev = backend.get_device(0)
+    gc.collect()
+    dev.synchronize()
+    threads = _threads()
+    for _ in range(200):
+        s = dev.new_stream()
+        s.record()
+        del s
+    gc.collect()
+    dev.synchronize()  # a safe point: the dropped streams are closed here
+    assert _threads() <= threads + 2
+
+
+def _distinct_codes(backend: Backend, count: int) -> Iterator[tuple[Node, Node, object]]:
+    for k in range(count):
+        a, out = Node("a", (64,)), Node("out", (64,))
+        scale = ir.Node("scale", ())
+        comp = ir.Comp.of(ir.fill(scale, float(k) + 0.5), ir.apply(Op.MUL, a, scale, into=out))
+        yield a, out, backend.compile(comp, name=f"distinct{k}")
+
+
+def test_modules_are_unloaded_when_no_routine_uses_them(backend: Backend) -> None:
+    dev = backend.get_device(0)
+    ones = np.ones(64, np.float32)
+    gc.collect()
+    dev.synchronize()
+    loaded = dev.loaded_modules()
+    rss = None
+    for k, (a, out, code) in enumerate(_distinct_codes(backend, 120)):
+        with dev.make_context() as root:
+            r = root.init_from_host(a, ones).link(code)
+            r.run()
+            np.testing.assert_allclose(r.context.read(out), k + 0.5)
+        del r, code
+        if k == 20:
+            gc.collect()
+            rss = _rss()
+    gc.collect()
+    dev.synchronize()
+    assert dev.loaded_modules() <= loaded + 1
+    assert rss is not None and _rss() - rss < 48 << 20
+
+
+def test_a_dropped_or_closed_backend_leaves_no_threads() -> None:
+    from polyjit.backends.cpu import CpuDriver
+
+    a, out = Node("a", (64,)), Node("out", (64,))
+    gc.collect()
+    before = _threads()
+    for k in range(20):
+        be = Backend(CpuDriver(1))
+        dev = be.get_device(0)
+        r = dev.make_context().init_from_host(a, np.ones(64, np.float32)).link(
+            be.compile(ir.Comp.of(ir.apply(Op.EXP, a, into=out)), name="drop"))
+        r.run()
+        s = dev.new_stream()
+        s.record()
+        if k % 2:
+            be.close()
+        del be, dev, r, s
+        gc.collect()
+    assert _threads() <= before + 2

@@ -1,0 +1,95 @@
+"""Any number of Python threads may compile, link, run, copy, read and finalize on shared
+devices and contexts at once (docs/reliability.md, "Threads").
+
+Each scenario runs in a child process with a timeout: a crash or a deadlock fails the test
+instead of the whole run.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from polyjit import get_backend
+
+ROOT = Path(__file__).resolve().parent.parent
+BACKENDS = ("cpu", "opencl")
+
+
+def _child(code: str, timeout: int) -> str:
+    try:
+        done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                              text=True, timeout=timeout, cwd=ROOT, env=os.environ.copy())
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"no result after {timeout} s: a deadlock?\n{e.stdout!r}\n{e.stderr!r}") from e
+    assert done.returncode == 0, f"exit {done.returncode}\nstdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+def _available(name: str) -> None:
+    be = get_backend(name)
+    if be.num_devices() == 0:
+        pytest.skip(f"no {name} device: {be.unavailable_reason}")
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_four_linkers_and_a_feeder(name: str) -> None:
+    """Four threads link into stream children of one context while a fifth calls from_host:
+    this crashed the cpu backend in most runs."""
+    _available(name)
+    out = _child(f"""
+        import threading, numpy as np
+        from polyjit import get_backend, ir
+        be = get_backend({name!r})
+        dev = be.get_device(0)
+        n = 1 << 14
+        a, b, out = ir.Node("a", (n,)), ir.Node("b", (n,)), ir.Node("out", (n,))
+        code = be.compile(ir.Comp.of(ir.apply(ir.Op.MUL, a, a, into=out)), name="sq")
+        for round in range(8):
+            root = dev.make_context().init_from_host(a, np.full(n, 3, np.float32))
+            root = root.init_from_host(b, np.zeros(n, np.float32))
+            results = []
+            def linker():
+                for _ in range(60):
+                    with dev.new_stream() as s:
+                        r = root.with_stream(s).link(code)
+                        r.run()
+                        results.append(float(r.context.read(out)[7]))
+            def feeder():
+                for k in range(300):
+                    root.from_host(b, np.full(n, k, np.float32))
+            ts = [threading.Thread(target=linker) for _ in range(4)] + [threading.Thread(target=feeder)]
+            [t.start() for t in ts]
+            [t.join() for t in ts]
+            assert results == [9.0] * 240, results[:5]
+            assert float(root.read(b)[0]) == 299.0
+            root.finalize()
+        print("ok")
+    """, timeout=300)
+    assert out.split() == ["ok"]
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_eight_threads_times_200_mixed_operations(name: str) -> None:
+    """polyjit.testing.concurrency.thread_stress, three seeds: results checked against numpy,
+    threads still running at the deadline count as a deadlock."""
+    _available(name)
+    out = _child(f"""
+        import time
+        from polyjit import get_backend
+        from polyjit.testing.concurrency import thread_stress
+        be = get_backend({name!r})
+        for seed in range(3):
+            t0 = time.perf_counter()
+            errors = thread_stress(be, threads=8, ops=200, seed=seed, deadline_s=150)
+            if errors:
+                raise SystemExit("\\n".join(errors)[:6000])
+            print("seed", seed, round(time.perf_counter() - t0, 1))
+        print("ok")
+    """, timeout=540)
+    assert out.split()[-1] == "ok"
