@@ -6,16 +6,22 @@
   for random programs (imported on demand: it needs hypothesis);
 - :data:`CHECKS` and :class:`ConformanceSuite`: the checks, as plain functions and as
   a pytest base class (``class TestMine(ConformanceSuite): backend_name = "mine"``);
+  :func:`run_check` runs one (raising :class:`CheckSkipped` when it cannot run here); a
+  check that passed but left work out (float64 programs on a device without fp64) warns
+  with a :class:`KitNote`;
+- :mod:`polyjit.testing.concurrency` (threads) and :mod:`polyjit.testing.faults` (injected
+  driver failures), which checks of the kit drive;
 - :func:`run_selftest`: ``polyjit selftest --backend NAME``.
 """
 
-from polyjit.testing.harness import Failure, run_programs
+from polyjit.testing.harness import Failure, run_programs, unsupported_reason
 from polyjit.testing.programs import Program, catalog
 from polyjit.testing.reference import run_reference
 from polyjit.testing.suite import (
     CHECKS,
     CheckSkipped,
     ConformanceSuite,
+    KitNote,
     default_multi_device_backend,
     needs_multi_device,
     run_check,
@@ -27,6 +33,7 @@ __all__ = [
     "CheckSkipped",
     "ConformanceSuite",
     "Failure",
+    "KitNote",
     "Program",
     "catalog",
     "default_multi_device_backend",
@@ -35,4 +42,5 @@ __all__ = [
     "run_programs",
     "run_reference",
     "run_selftest",
+    "unsupported_reason",
 ]

@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import traceback
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
 import numpy as np
 
-from polyjit.core import ir, lower
+from polyjit.core import dtypes, ir, lower
+from polyjit.core.dtypes import DType
 from polyjit.core.ir import MemoryMode, Node
 from polyjit.core.runtime import Backend, Context, Routine
 from polyjit.testing.programs import Program
 from polyjit.testing.reference import run_reference
 
-__all__ = ["Failure", "compare", "program_rng", "run_programs"]
+__all__ = ["Failure", "compare", "kernel_dtypes", "program_rng", "run_programs", "unsupported_reason"]
 
 Array = np.ndarray[Any, Any]
 
@@ -152,6 +153,28 @@ def program_nodes(p: Program) -> set[Node]:
             nodes.add(ir.writes(leaf))
             nodes.update(ir.operand_node(x) for x in ir.reads(leaf))
     return nodes
+
+
+def kernel_dtypes(p: Program) -> frozenset[DType]:
+    """The dtypes the program's kernels compute with: their buffers, the merge buffer and every
+    expression (a node that no kernel touches, such as a constant read back as is, is data only)."""
+    names = tuple(f"k{k}" for k in range(len(p.comps)))
+    found: set[DType] = set()
+    for comp in lower.lower(list(p.comps), names).comps:
+        for kernel in comp.kernels:
+            found.update(n.dtype for n in kernel.buffers)
+            if kernel.merge_input is not None:
+                found.add(kernel.merge_input.dtype)
+            found.update(e.dtype for e in lower.walk_exprs(kernel.body))
+    return frozenset(found)
+
+
+def unsupported_reason(properties: Mapping[str, Any], p: Program) -> str | None:
+    """Why the program cannot run on a device with these properties (``Device.properties``), or
+    None. A device whose ``fp64`` property is False runs no kernel that computes in float64."""
+    if properties.get("fp64", True) is False and dtypes.float64 in kernel_dtypes(p):
+        return "the device has no fp64 (its property fp64 is False) and the program's kernels use float64"
+    return None
 
 
 def group_programs(programs: Sequence[Program], size: int) -> list[list[Program]]:

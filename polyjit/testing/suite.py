@@ -11,14 +11,20 @@ one ``test_<check>`` method per check. Override
 :meth:`ConformanceSuite.multi_device_backend` to hand the multi-device checks a
 backend with two devices (return None when there is none: those checks are then
 skipped, with the reason, and only then).
+
+A check that passes but left something out (the float64 programs on a device without
+fp64, say) says so with a :class:`KitNote` warning: pytest lists it in its warnings
+summary, ``polyjit selftest`` prints it beside the check.
 """
 
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, ClassVar
@@ -36,12 +42,13 @@ from polyjit.core.errors import (
     PolyjitError,
     PoolExhaustedError,
     ShapeMismatchError,
+    StreamClosedError,
     UnknownDeviceError,
 )
 from polyjit.core.ir import AccumOp, Node, Op, StaticSymbol
 from polyjit.core.protocol import MergeBuffer
-from polyjit.core.runtime import Backend, Context, device_to_device, init_from_device
-from polyjit.testing.harness import compare, run_programs
+from polyjit.core.runtime import Backend, Context, Device, device_to_device, init_from_device
+from polyjit.testing.harness import compare, run_programs, unsupported_reason
 from polyjit.testing.programs import catalog
 from polyjit.testing.reference import run_reference
 
@@ -50,6 +57,7 @@ __all__ = [
     "CheckFn",
     "CheckSkipped",
     "ConformanceSuite",
+    "KitNote",
     "default_multi_device_backend",
     "needs_multi_device",
     "run_check",
@@ -62,6 +70,14 @@ CheckFn = Callable[[Backend], None]
 
 class CheckSkipped(Exception):
     """A check cannot run here (the reason is the message)."""
+
+
+class KitNote(UserWarning):
+    """A check passed but left part of its work out here; the message says what and why."""
+
+
+def _note(message: str) -> None:
+    warnings.warn(KitNote(message), stacklevel=2)
 
 
 CHECKS: list[CheckFn] = []
@@ -176,12 +192,20 @@ def _small_ints(rng: np.random.Generator, shape: tuple[int, ...], lo: int = -8, 
 # Memory
 
 
+def _settled_memory(dev: Any) -> int:
+    """used_memory once the contexts that earlier checks dropped have been given back (the
+    garbage collector releases their pools at the device's next safe point)."""
+    gc.collect()
+    dev.synchronize()
+    return int(dev.used_memory())
+
+
 @_register()
 def check_alloc_and_memset(backend: Backend) -> None:
     """Device.alloc_pool / free_pool / memset_zero; used_memory is exact."""
     _require_devices(backend, 1)
     dev = backend.get_device(0)
-    base = dev.used_memory()
+    base = _settled_memory(dev)
     pid = 1 << 30
     for nbytes in (1, 4096, 1000_003):
         dev.alloc_pool(pid, nbytes, 64)
@@ -217,7 +241,7 @@ def check_pool_exhausted(backend: Backend) -> None:
     _require_devices(backend, 1)
     dev = backend.get_device(0)
     ctx = dev.make_context()
-    base = dev.used_memory()
+    base = _settled_memory(dev)
     info = getattr(dev, "info", None)
     memory = int(info.memory_bytes if info is not None else dev.properties["memory_bytes"])
     _expect(PoolExhaustedError, lambda: dev.alloc_pool(1 << 30, memory + 1, 64),
@@ -254,7 +278,7 @@ def check_host_round_trips(backend: Backend) -> None:
     _require_devices(backend, 1)
     dev = backend.get_device(0)
     rng = np.random.default_rng(2)
-    base = dev.used_memory()
+    base = _settled_memory(dev)
     with _finalizing(dev.make_context()) as held:
         for dt in dtypes.ALL:
             for shape in _ROUND_TRIP_SHAPES:
@@ -325,16 +349,36 @@ def check_host_transfer_errors(backend: Backend) -> None:
 
 @_register()
 def check_catalog_programs(backend: Backend) -> None:
-    """Every program of the catalog (polyjit.testing.programs) matches the reference interpreter."""
+    """Every program of the catalog (polyjit.testing.programs) matches the reference interpreter.
+    On a device whose property ``fp64`` is False, the programs whose kernels compute in float64
+    are left out, and a KitNote says how many and why."""
     _require_devices(backend, 1)
+    dev = backend.get_device(0)
     progs = catalog()
-    failures = run_programs(backend, progs, batch_size=100)
+    reasons = {p.name: unsupported_reason(dev.properties, p) for p in progs}
+    runnable = [p for p in progs if reasons[p.name] is None]
+    skipped = _skip_summary(reasons, len(progs), f"catalog programs on {dev.label}")
+    if not runnable:
+        raise CheckSkipped(skipped or f"no catalog program can run on {dev.label}")
+    failures = run_programs(backend, runnable, batch_size=100)
     if failures:
         names = sorted({f.program for f in failures})
         shown = "\n\n".join(str(f) for f in failures[:12])
         more = f"\n... and {len(failures) - 12} more" if len(failures) > 12 else ""
-        raise AssertionError(f"{len(names)} of {len(progs)} programs differ from the reference: "
+        left = f" ({skipped})" if skipped else ""
+        raise AssertionError(f"{len(names)} of {len(runnable)} programs differ from the reference{left}: "
                              f"{', '.join(names)}\n\n{shown}{more}")
+    if skipped:
+        _note(skipped)
+
+
+def _skip_summary(reasons: dict[str, str | None], total: int, what: str) -> str:
+    """'N of M <what> skipped: <reason>' per reason, or '' when nothing was skipped."""
+    by_reason: dict[str, int] = {}
+    for reason in reasons.values():
+        if reason is not None:
+            by_reason[reason] = by_reason.get(reason, 0) + 1
+    return "; ".join(f"{n} of {total} {what} skipped: {reason}" for reason, n in by_reason.items())
 
 
 def _hypothesis_check(backend: Backend, strategy_name: str) -> None:
@@ -347,16 +391,26 @@ def _hypothesis_check(backend: Backend, strategy_name: str) -> None:
         raise CheckSkipped(f"hypothesis is not installed ({e})") from e
     _require_devices(backend, 1)
     strategy = getattr(strategies, strategy_name)()
+    properties = backend.get_device(0).properties
+    reasons: dict[str, str | None] = {}
 
     @settings(max_examples=HYPOTHESIS_EXAMPLES, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))
     @given(strategy, st.integers(0, 2**32 - 1))
     def run(program: Any, seed: int) -> None:
+        reason = reasons[f"{len(reasons)}"] = unsupported_reason(properties, program)
+        if reason is not None:  # float64 on a device without fp64: not this device's failure
+            return
         failures = run_programs(backend, [program], seed=seed)
         if failures:
             raise AssertionError("\n".join(str(f) for f in failures))
 
     run()
+    skipped = _skip_summary(reasons, len(reasons), f"generated {strategy_name}")
+    if skipped and all(r is not None for r in reasons.values()):
+        raise CheckSkipped(skipped)
+    if skipped:
+        _note(skipped)
 
 
 @_register()
@@ -695,6 +749,112 @@ def check_cross_device_ordering(backend: Backend) -> None:
 
 
 # ---------------------------------------------------------------------------
+# Device-side copies between nodes that do not start their pools
+
+
+def _offset_nodes() -> tuple[Node, Node, Node, Node]:
+    """A float32 node and a uint8 node of odd size to copy, and two guards around them."""
+    return (_f32("off_lo", (64,)), _f32("off_x", (37,)), _f32("off_hi", (16,)),
+            Node("off_y", (13,), dtypes.uint8))
+
+
+def _offset_layout(dev: Device, code: Any, nodes: tuple[Node, Node, Node, Node], rng: np.random.Generator
+                   ) -> tuple[Context, dict[Node, Array]]:
+    """A context on ``dev`` whose four nodes share one pool (one link of a batch that creates
+    them; the planner puts the largest, a guard, first), filled with random values."""
+    routine = dev.make_context().link(code)
+    routine.run()
+    ctx = routine.context
+    values: dict[Node, Array] = {}
+    for node in nodes:
+        if node not in ctx.buffers:
+            raise AssertionError(f"linking the layout batch gave {node.label} no buffer")
+        values[node] = (rng.integers(0, 256, node.shape).astype(np.uint8) if node.dtype is dtypes.uint8
+                        else _small_ints(rng, node.shape, -99, 99))
+        ctx.from_host(node, values[node])
+    _, x, _, y = nodes
+    pools = {ctx.buffers[n].pool_id for n in values}
+    if len(pools) != 1 or ctx.buffers[x].offset == 0 or ctx.buffers[y].offset == 0:
+        raise AssertionError(f"the kit's layout batch must place its nodes in one pool, the copied ones "
+                             f"past the first: {dict(ctx.buffers)}")
+    for node, want in values.items():
+        _assert_equal(f"{node.label} at offset {ctx.buffers[node].offset} after from_host", ctx.read(node), want)
+    return ctx, values
+
+
+def _where(ctx: Context, node: Node) -> str:
+    loc = ctx.buffers[node]
+    return f"offset {loc.offset} of pool {loc.pool_id} on {ctx.device.device_id}"
+
+
+def _copies_at_offsets(backend: Backend, d0: int, d1: int) -> None:
+    """device_to_device (NO, then COPY and a merge reader) from nodes at non-zero offsets to
+    nodes at non-zero offsets; the neighbouring bytes on both sides must stay as they were."""
+    src_dev, dst_dev = backend.get_device(d0), backend.get_device(d1)
+    nodes = _offset_nodes()
+    lo, x, hi, y = nodes
+    layout = backend.compile(ir.Comp.of(ir.fill(lo, 0.0), ir.fill(x, 0.0), ir.fill(hi, 0.0), ir.fill(y, 0)),
+                             name="offset_layout")
+    reader = backend.compile(_merge_reader(x), name="offset_merge_sum")
+    rng = np.random.default_rng(11 + 2 * d0 + d1)
+    src, sv = _offset_layout(src_dev, layout, nodes, rng)
+    dst, dv = _offset_layout(dst_dev, layout, nodes, rng)
+    with _finalizing(src, dst) as held:
+        if src.buffers[x].pool_id == dst.buffers[x].pool_id and src_dev is dst_dev:
+            raise AssertionError("the two layout contexts of one device must not share a pool")
+
+        def untouched(what: str, ctx: Context, want: dict[Node, Array], nodes: tuple[Node, ...]) -> None:
+            for n in nodes:
+                _assert_equal(f"{n.label} ({_where(ctx, n)}) after {what}: a neighbour of the copied "
+                              f"node must stay untouched", ctx.read(n), want[n])
+
+        for node in (x, y):
+            what = (f"device_to_device of {node.label} from {_where(src, node)} to {_where(dst, node)}, "
+                    f"{node.nbytes} bytes")
+            if device_to_device(node, dst=dst, src=src, into_merge_buffer=MergeBuffer.NO) is None:
+                raise AssertionError(f"{what} returned None")
+            _assert_equal(f"{node.label} after {what} (copy_device must read nbytes at the source "
+                          f"offset and write them at the destination offset)", dst.read(node), sv[node])
+            dv[node] = sv[node]
+            untouched(what, dst, dv, (lo, hi, x, y))
+            untouched(what, src, sv, (lo, hi, x, y))
+        # into the merge buffer, then a routine adds it to the destination's own node
+        fresh = _small_ints(rng, x.shape, -99, 99)
+        dst.from_host(x, fresh)
+        dv[x] = fresh
+        rc = device_to_device(x, dst=dst, src=src, into_merge_buffer=MergeBuffer.COPY)
+        what = f"device_to_device of {x.label} from {_where(src, x)} into the merge buffer of {dst_dev.device_id}"
+        if rc is None:
+            raise AssertionError(f"{what} returned None")
+        merged = rc.context.link(reader)
+        held.append(merged.context)
+        merged.run()
+        want = run_reference([_merge_reader(x)], {x: fresh}, merge={x: sv[x]})[x]
+        _assert_equal(f"{x.label} ({_where(dst, x)}) + merge({x.label}) after {what} (copy_device must read "
+                      f"the source at its offset)", merged.context.read(x), want)
+        dv[x] = want
+        untouched(f"{what} and the merge reader", merged.context, dv, (lo, hi, y))
+        untouched(f"{what} and the merge reader", src, sv, (lo, hi, x, y))
+
+
+@_register()
+def check_copy_offsets_one_device(backend: Backend) -> None:
+    """device_to_device (NO, and COPY into the merge buffer read by a routine) between two pools of
+    one device, with both nodes at non-zero offsets: catches a copy_device that ignores the source
+    or the destination offset, or copies more bytes than asked."""
+    _require_devices(backend, 1)
+    _copies_at_offsets(backend, 0, 0)
+
+
+@_register(multi_device=True)
+def check_copy_offsets_two_devices(backend: Backend) -> None:
+    """As copy_offsets_one_device, between two devices, both ways."""
+    _require_devices(backend, 2)
+    _copies_at_offsets(backend, 0, 1)
+    _copies_at_offsets(backend, 1, 0)
+
+
+# ---------------------------------------------------------------------------
 # Finalize and errors
 
 
@@ -709,7 +869,7 @@ def check_finalize(backend: Backend) -> None:
     comp = ir.Comp.of(ir.constant(c, cvals), ir.apply(Op.ADD, a, c, into=out))
     code = backend.compile(comp, name="finalize_me")
     av = np.arange(300, dtype=np.float32)
-    base = dev.used_memory()
+    base = _settled_memory(dev)
     root = dev.make_context()
     keep = root.init_from_host(a, av)  # the parent: survives its child's finalize
     after_parent = dev.used_memory()
@@ -741,6 +901,227 @@ def check_finalize(backend: Backend) -> None:
     _expect(FinalizedError, lambda: keep.read(a), "read from a descendant of a finalized root")
 
 
+# ---------------------------------------------------------------------------
+# Memory comes back
+
+
+FREE_CYCLES = 50
+FREE_POOL_BYTES = 4 << 20
+
+
+def _settle(backend: Backend) -> None:
+    """Let every device of the backend give back what dropped contexts and finished work held."""
+    gc.collect()
+    for dev in backend.devices():
+        dev.synchronize()
+
+
+def _driver_bytes(backend: Backend, ordinal: int) -> int | None:
+    fn = getattr(backend.driver, "allocated_bytes", None)
+    got = fn(ordinal) if fn is not None else None
+    return None if got is None else int(got)
+
+
+def _check_returned(backend: Backend, dev: Device, what: str, used: int, pending: int,
+                    held: int | None) -> None:
+    """After ``what``: used_memory, pending_free_memory and the driver's allocated_bytes are back
+    where they were."""
+    gc.collect()
+    dev.synchronize()
+    if dev.used_memory() != used:
+        raise AssertionError(f"after {what}, used_memory of {dev.device_id} is {dev.used_memory()}, "
+                             f"expected its baseline {used}")
+    if dev.pending_free_memory() != pending:
+        raise AssertionError(f"after {what} and a synchronize, pending_free_memory of {dev.device_id} is "
+                             f"{dev.pending_free_memory()}, expected its baseline {pending}: pools whose "
+                             f"work is done were not handed back to the driver")
+    now = _driver_bytes(backend, dev.ordinal)
+    if held is not None and now is not None and now > held:
+        raise AssertionError(f"after {what}, the driver still holds {now - held} bytes more than before "
+                             f"(allocated_bytes({dev.ordinal}) went from {held} to {now}): its free() does "
+                             f"not release pools")
+
+
+@_register()
+def check_free_returns_memory(backend: Backend) -> None:
+    """Pools and contexts allocated and released many times (finalize, and dropped for the garbage
+    collector): used_memory, pending_free_memory and the driver's allocated_bytes come back
+    (catches a driver whose free() does nothing; allocated_bytes None: that part is skipped)."""
+    _require_devices(backend, 1)
+    dev = backend.get_device(0)
+    _settle(backend)
+    used, pending, held = dev.used_memory(), dev.pending_free_memory(), _driver_bytes(backend, 0)
+    n = max(1, min(FREE_POOL_BYTES, int(dev.info.memory_bytes) // 64) // 8)  # two float32 nodes
+    a, b, seed = _f32("free_a", (n,)), _f32("free_b", (n,)), _f32("free_seed", (4,))
+    batch = backend.compile_batch([ir.Comp.of(ir.fill(a, 1.0)), ir.Comp.of(ir.apply(Op.ADD, a, 2.0, into=b))],
+                                  names=["free_fill", "free_add"])
+    root = dev.make_context()
+    with _finalizing(root):
+        for cycle in range(FREE_CYCLES):
+            ctx = root.init_from_host(seed, np.full(4, cycle, np.float32))  # a small pool
+            routines = ctx.link_batch(batch)  # a pool of a few MiB
+            for r in routines:
+                r.run()
+            if cycle == 0:
+                _assert_equal(f"{b.label} after the first cycle", routines[1].context.read(b),
+                              np.full(n, 3.0, np.float32))
+                grown = _driver_bytes(backend, 0)
+                if held is not None and grown is not None and grown < held + 2 * n * 4:
+                    raise AssertionError(f"allocated_bytes(0) is {grown} with a pool of {2 * n * 4} bytes live, "
+                                         f"{held} before it: it does not count the pools the driver holds")
+            if cycle % 5 == 4:
+                del ctx, routines  # the garbage collector's way: released at the next safe point
+            else:
+                ctx.finalize()
+    _check_returned(backend, dev, f"{FREE_CYCLES} cycles of link and release of a {2 * n * 4}-byte pool",
+                    used, pending, held)
+    if held is None or _driver_bytes(backend, 0) is None:
+        raise CheckSkipped("used_memory and pending_free_memory came back; the driver's allocated_bytes is "
+                           "None (it cannot tell what it holds), so whether free() releases is unchecked")
+
+
+@_register()
+def check_dropped_work(backend: Backend) -> None:
+    """Work still queued when the user drops every reference (its routines, its context, its
+    stream, the host arrays of its copies) runs to the end and is ordered before later work; the
+    memory comes back."""
+    _require_devices(backend, 1)
+    dev = backend.get_device(0)
+    _settle(backend)
+    used, pending, held = dev.used_memory(), dev.pending_free_memory(), _driver_bytes(backend, 0)
+    slow, x, acc = _slow_accumulate(SLOW_ELEMENTS // 4)
+    out = _f32("dropped_out", acc.shape)
+    plus = ir.Comp.of(ir.apply(Op.ADD, acc, 1.0, into=out))
+    slow_code, plus_code = backend.compile(slow, name="dropped_slow"), backend.compile(plus, name="dropped_plus")
+    env = {x: np.ones(x.shape, np.float32), acc: np.zeros(acc.shape, np.float32)}
+    runs = SLOW_RUNS // 2
+    root = dev.make_context()
+    keep = root.init_from_host(x, env[x]).init_from_host(acc, env[acc])
+    with _finalizing(root):
+        stream = dev.new_stream()
+        ctx = keep.with_stream(stream)
+        writer = ctx.link(slow_code)  # writes acc, which the kept context holds
+        reader = writer.context.link(plus_code)  # a new pool, owned by the dropped context
+        for _ in range(runs):
+            writer.run()
+            reader.run()
+        reader.context.from_host(x, np.ones(x.shape, np.float32))  # a host array only the runtime holds
+        reader.context.to_host(out, np.empty(out.shape, np.float32), blocking=False)
+        del stream, ctx, writer, reader
+        gc.collect()
+        want = _reference_runs(slow, env, runs)[acc]
+        _assert_equal(f"{acc.label} read on the default stream after {runs} runs queued on a stream whose "
+                      f"routines, contexts and stream were dropped", keep.read(acc), want)
+        _assert_usable(backend, keep, "dropping queued work")
+    del keep
+    _check_returned(backend, dev, "dropping queued work and finalizing its parent", used, pending, held)
+
+
+# ---------------------------------------------------------------------------
+# Streams, threads, faults
+
+
+@_register()
+def check_stream_close(backend: Backend) -> None:
+    """``with device.new_stream() as s:`` closes s once its queued work is done; a context or a
+    routine on a closed stream raises StreamClosedError; the default stream cannot be closed."""
+    _require_devices(backend, 1)
+    dev = backend.get_device(0)
+    slow, x, acc = _slow_accumulate(SLOW_ELEMENTS // 4)
+    code = backend.compile(slow, name="close_slow")
+    env = {x: np.ones(x.shape, np.float32), acc: np.zeros(acc.shape, np.float32)}
+    root = dev.make_context()
+    keep = root.init_from_host(x, env[x]).init_from_host(acc, env[acc])
+    with _finalizing(root):
+        with dev.new_stream() as s:
+            ctx = keep.with_stream(s)
+            r = ctx.link(code)
+            for _ in range(SLOW_RUNS // 2):
+                r.run()
+            if s not in dev.streams():
+                raise AssertionError("Device.streams() must list a new stream until it is closed")
+        if not s.closed:
+            raise AssertionError("leaving `with device.new_stream() as s:` must close s")
+        if s in dev.streams():
+            raise AssertionError("Device.streams() still lists a closed stream")
+        _assert_equal(f"{acc.label} after closing the stream its {SLOW_RUNS // 2} runs were queued on "
+                      "(close waits for the work)", keep.read(acc), _reference_runs(slow, env, SLOW_RUNS // 2)[acc])
+        arr = np.zeros(x.shape, np.float32)
+        for what, fn in (("Routine.run", r.run), ("Context.link", lambda: ctx.link(code)),
+                         ("Context.from_host", lambda: ctx.from_host(x, arr)),
+                         ("Context.to_host", lambda: ctx.to_host(x, arr)),
+                         ("Context.read", lambda: ctx.read(x)),
+                         ("Device.make_context", lambda: dev.make_context(s)),
+                         ("Context.with_stream", lambda: keep.with_stream(s)),
+                         ("Stream.record", s.record),
+                         ("Stream.wait", lambda: s.wait(dev.default_stream.record()))):
+            _expect(StreamClosedError, fn, f"{what} on a closed stream")
+        s.close()  # twice is harmless
+        s.synchronize()  # nothing left to wait for
+        _expect(StreamClosedError, dev.default_stream.close, "closing the default stream")
+        if dev.default_stream.closed:
+            raise AssertionError("a refused close() marked the default stream closed")
+        _assert_usable(backend, keep, "closing a stream")
+
+
+@_register()
+def check_threads(backend: Backend) -> None:
+    """Four Python threads at once on one device (polyjit.testing.concurrency.thread_stress:
+    link, run, copies, device_to_device, finalize, streams, compile): no error, no deadlock, and
+    the memory comes back."""
+    from polyjit.testing.concurrency import thread_stress
+
+    _require_devices(backend, 1)
+    dev = backend.get_device(0)
+    _settle(backend)
+    used, pending, held = dev.used_memory(), dev.pending_free_memory(), _driver_bytes(backend, 0)
+    errors = thread_stress(backend, threads=4, ops=40, deadline_s=120.0)
+    if errors:
+        shown = "\n".join(errors[:4]) + (f"\n... and {len(errors) - 4} more" if len(errors) > 4 else "")
+        raise AssertionError(f"{len(errors)} error(s) with 4 threads on {dev.device_id}:\n{shown}")
+    _check_returned(backend, dev, "4 threads of 40 operations", used, pending, held)
+
+
+FAULT_OPERATIONS = 40  # each compiles with a chance of 0.15: keep the compiler's share small
+FAULT_RATE = 0.15
+
+
+@_register()
+def check_fault_typing(backend: Backend) -> None:
+    """Driver calls that fail at random (polyjit.testing.faults.FaultyDriver over this backend's
+    driver, driven by fault_storm): every failure reaches the user as a PolyjitError (DriverError,
+    PoolExhaustedError, DeviceFaultError...), and once the faults stop every byte comes back.
+    Runs on a second Backend over the same driver object: the kit runs checks one at a time, so
+    the driver never sees two runtimes' calls at once."""
+    from polyjit.testing.faults import FaultyDriver, fault_storm
+
+    _require_devices(backend, 1)
+    _settle(backend)
+    held = _driver_bytes(backend, 0)
+    faulty = FaultyDriver(backend.driver, rate=FAULT_RATE, seed=1)
+    faulty.armed = False  # the device and its default stream come up without faults
+    wrapped = Backend(faulty)  # a Driver by duck typing
+    dev = wrapped.get_device(0)
+    try:
+        faulty.armed = True
+        try:
+            counts = fault_storm(wrapped, operations=FAULT_OPERATIONS, seed=1)
+        except Exception as e:
+            raise AssertionError(f"a driver failure reached the user untyped (not a PolyjitError) "
+                                 f"after injecting {faulty.injected}: {type(e).__name__}: {e}") from e
+        finally:
+            faulty.armed = False
+        if not faulty.injected:
+            raise AssertionError(f"fault_storm injected no fault in {FAULT_OPERATIONS} operations (counts {counts})")
+        _check_returned(wrapped, dev, f"a storm of {FAULT_OPERATIONS} operations with faults {faulty.injected}",
+                        0, 0, held)
+        _assert_usable(wrapped, dev.make_context(), f"the injected faults {faulty.injected}")
+    finally:
+        faulty.armed = False
+        wrapped.close()  # its devices' streams, the default ones too
+    _assert_usable(backend, backend.get_device(0).make_context(), "a fault storm on the same driver")
+
+
 @_register()
 def check_unknown_device(backend: Backend) -> None:
     """get_device with an ordinal outside [0, num_devices()) raises UnknownDeviceError."""
@@ -758,7 +1139,7 @@ def check_node_not_in_context(backend: Backend) -> None:
     code = backend.compile(ir.Comp.of(ir.apply(Op.MUL, a, missing, into=out)), name="needs_missing")
     ctx = dev.make_context().init_from_host(a, np.ones(5, np.float32))
     with _finalizing(ctx):
-        base = dev.used_memory()
+        base = _settled_memory(dev)
         e = _expect(NodeNotInContextError, lambda: ctx.link(code), "linking without an input node",
                     contains=missing.label)
         if not isinstance(e, KeyError):
@@ -888,8 +1269,14 @@ def run_selftest(backend_name: str, *, verbose: bool = False) -> int:
         t0 = time.perf_counter()
         status, detail = "pass", ""
         try:
-            run_check(check, backend, multi)
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always", KitNote)
+                run_check(check, backend, multi)
             passed += 1
+            detail = "; ".join(str(w.message) for w in seen if issubclass(w.category, KitNote))
+            for w in seen:  # other warnings as they would have shown
+                if not issubclass(w.category, KitNote):
+                    warnings.showwarning(w.message, w.category, w.filename, w.lineno)
         except CheckSkipped as e:
             status, detail = "skip", str(e)
             skipped += 1
@@ -899,7 +1286,8 @@ def run_selftest(backend_name: str, *, verbose: bool = False) -> int:
             detail = (traceback.format_exc() if verbose or not isinstance(e, AssertionError)
                       else f"{e}")
         dt = time.perf_counter() - t0
-        print(f"{status:4}  {check_name(check):{width}}  {dt:7.2f}s" + (f"  ({detail})" if status == "skip" else ""))
+        shown = f"  ({detail})" if status == "skip" else (f"  (note: {detail})" if status == "pass" and detail else "")
+        print(f"{status:4}  {check_name(check):{width}}  {dt:7.2f}s{shown}")
         if status == "FAIL":
             lines = detail.rstrip().splitlines()
             if not verbose and len(lines) > 30:

@@ -1,0 +1,258 @@
+"""The conformance kit fails drivers that break the contract, and passes the ones that keep it.
+
+Each broken driver is the CPU driver (or, where it is cheap, the OpenCL driver) with one
+primitive subtly wrong: a ``copy_device`` that ignores the source or the destination
+offset, a ``free`` that does nothing. Each must fail the kit check that covers it with
+a message that says what went wrong, while the unbroken driver passes the same check. A
+driver whose device has no fp64 passes the catalog check, which skips the float64
+programs and says so.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import pytest
+
+from polyjit.backends.cpu import CpuDriver
+from polyjit.core.codegen import Source
+from polyjit.core.errors import UnsupportedError
+from polyjit.core.protocol import DeviceInfo
+from polyjit.core.runtime import Backend
+from polyjit.testing import (
+    CheckSkipped,
+    KitNote,
+    catalog,
+    run_check,
+    run_selftest,
+    unsupported_reason,
+)
+from polyjit.testing import suite as suite_mod
+
+CheckFn = Callable[[Backend], None]
+
+COPY_CHECKS = (suite_mod.check_copy_offsets_one_device, suite_mod.check_copy_offsets_two_devices)
+FREE_CHECKS = (suite_mod.check_free_returns_memory, suite_mod.check_dropped_work)
+
+
+# -- broken CPU drivers ----------------------------------------------------------------
+
+
+class _IgnoresSourceOffset(CpuDriver):
+    """copy_device reads from the start of the source pool."""
+
+    def copy_device(self, stream: int, dst: tuple[int, int, int], src: tuple[int, int, int], nbytes: int) -> None:
+        super().copy_device(stream, dst, (src[0], src[1], 0), nbytes)
+
+
+class _IgnoresDestinationOffset(CpuDriver):
+    """copy_device writes to the start of the destination pool."""
+
+    def copy_device(self, stream: int, dst: tuple[int, int, int], src: tuple[int, int, int], nbytes: int) -> None:
+        super().copy_device(stream, (dst[0], dst[1], 0), src, nbytes)
+
+
+class _FreeDoesNothing(CpuDriver):
+    """free() keeps every pool."""
+
+    def free(self, ordinal: int, pool: int) -> None:
+        return None
+
+
+class _CannotTell(CpuDriver):
+    """A driver that cannot say what it holds."""
+
+    def allocated_bytes(self, ordinal: int) -> int | None:  # type: ignore[override]
+        return None
+
+
+class _NoFp64(CpuDriver):
+    """A device without fp64, like an OpenCL device without cl_khr_fp64: it says so in its
+    properties and refuses to build kernels that compute in double."""
+
+    def device_info(self, ordinal: int) -> DeviceInfo:
+        info = super().device_info(ordinal)
+        return attrs.evolve(info, properties={**info.properties, "fp64": False})
+
+    def compile(self, source: Source) -> Any:
+        if re.search(r"\bdouble\b", source.text):
+            raise UnsupportedError("this device has no fp64: a kernel computes in double")
+        return super().compile(source)
+
+
+_BACKENDS: dict[str, tuple[Backend, Backend]] = {}
+
+
+def _backends(cls: type[CpuDriver]) -> tuple[Backend, Backend]:
+    """One device and two devices, once per driver class."""
+    if cls.__name__ not in _BACKENDS:
+        _BACKENDS[cls.__name__] = Backend(cls(1)), Backend(cls(2))
+    return _BACKENDS[cls.__name__]
+
+
+def _run(cls: type[CpuDriver], check: CheckFn) -> None:
+    one, two = _backends(cls)
+    run_check(check, one, two)
+
+
+# -- copies at offsets -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("check", COPY_CHECKS, ids=suite_mod.check_name)
+def test_copy_offsets_pass_on_the_cpu_driver(check: CheckFn) -> None:
+    _run(CpuDriver, check)
+
+
+@pytest.mark.parametrize("check", COPY_CHECKS, ids=suite_mod.check_name)
+@pytest.mark.parametrize("cls", [_IgnoresSourceOffset, _IgnoresDestinationOffset], ids=lambda c: c.__name__)
+def test_a_copy_device_that_ignores_an_offset_fails(cls: type[CpuDriver], check: CheckFn) -> None:
+    with pytest.raises(AssertionError) as info:
+        _run(cls, check)
+    message = str(info.value)
+    assert "device_to_device of off_x" in message, message
+    assert re.search(r"from offset [1-9]\d* of pool \d+ on cpu:\d to offset [1-9]\d* of pool", message), message
+    assert "values differ" in message, message
+
+
+def test_the_existing_transfer_checks_miss_what_the_offset_checks_catch() -> None:
+    """Why the offset checks exist: nodes that start their pools hide an ignored offset."""
+    _run(_IgnoresSourceOffset, suite_mod.check_device_to_device_one_device)
+    _run(_IgnoresDestinationOffset, suite_mod.check_device_to_device_two_devices)
+
+
+# -- memory comes back -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("check", FREE_CHECKS, ids=suite_mod.check_name)
+def test_memory_checks_pass_on_the_cpu_driver(check: CheckFn) -> None:
+    _run(CpuDriver, check)
+
+
+@pytest.mark.parametrize("check", FREE_CHECKS, ids=suite_mod.check_name)
+def test_a_free_that_does_nothing_fails(check: CheckFn) -> None:
+    with pytest.raises(AssertionError, match=r"the driver still holds \d+ bytes more than before.*"
+                                             r"its free\(\) does not release pools"):
+        _run(_FreeDoesNothing, check)
+
+
+def test_a_driver_that_cannot_tell_what_it_holds_skips_that_part() -> None:
+    with pytest.raises(CheckSkipped, match=r"allocated_bytes is None"):
+        _run(_CannotTell, suite_mod.check_free_returns_memory)
+
+
+# -- devices without fp64 ----------------------------------------------------------------
+
+
+def _notes(record: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in record if issubclass(w.category, KitNote)]
+
+
+def test_catalog_skips_float64_programs_without_fp64() -> None:
+    progs = catalog()
+    expected = sum(unsupported_reason({"fp64": False}, p) is not None for p in progs)
+    assert 50 < expected < len(progs)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always", KitNote)
+        _run(_NoFp64, suite_mod.check_catalog_programs)  # passes: no float64 program ran
+    notes = _notes(record)
+    assert len(notes) == 1, notes
+    m = re.fullmatch(r"(\d+) of (\d+) catalog programs on cpu:0 \(.*\) skipped: the device has no fp64 "
+                     r"\(its property fp64 is False\) and the program's kernels use float64", notes[0])
+    assert m is not None, notes[0]
+    assert (int(m.group(1)), int(m.group(2))) == (expected, len(progs))
+
+
+def test_catalog_on_the_cpu_driver_skips_nothing() -> None:
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always", KitNote)
+        _run(CpuDriver, suite_mod.check_catalog_programs)
+    assert _notes(record) == []
+
+
+def test_without_the_skip_the_float64_programs_fail() -> None:
+    """The _NoFp64 driver really cannot run them: the skip is what makes the check pass."""
+    from polyjit.testing import run_programs
+
+    float64 = [p for p in catalog() if unsupported_reason({"fp64": False}, p) is not None][:3]
+    failures = run_programs(_backends(_NoFp64)[0], float64)
+    assert {f.program for f in failures} == {p.name for p in float64}
+    assert all("no fp64" in f.message for f in failures)
+
+
+def test_generated_programs_skip_float64_without_fp64(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("hypothesis")
+    monkeypatch.setattr(suite_mod, "HYPOTHESIS_EXAMPLES", 8)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always", KitNote)
+        try:
+            _run(_NoFp64, suite_mod.check_random_matmul_programs)
+        except CheckSkipped as e:  # every example drew float64: allowed, and said
+            assert "no fp64" in str(e)
+    assert all("generated matmul_programs skipped: the device has no fp64" in n for n in _notes(record))
+
+
+def test_selftest_prints_notes(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    def check_noted(backend: Backend) -> None:
+        suite_mod._note("3 of 9 things skipped: a reason")
+
+    monkeypatch.setattr(suite_mod, "CHECKS", [check_noted])
+    monkeypatch.setattr(suite_mod, "_MULTI_DEVICE", set())
+    assert run_selftest("cpu") == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if "noted" in ln)
+    assert line.startswith("pass") and line.endswith("(note: 3 of 9 things skipped: a reason)"), line
+
+
+# -- the OpenCL driver, where it is cheap ------------------------------------------------
+
+
+@functools.cache
+def _opencl_classes() -> dict[str, type[Any]]:
+    cl = pytest.importorskip("pyopencl")
+    del cl
+    from polyjit.backends.opencl import OpenCLDriver
+
+    class SourceOffset(OpenCLDriver):
+        def copy_device(self, stream: Any, dst: tuple[int, Any, int], src: tuple[int, Any, int], nbytes: int) -> Any:
+            return super().copy_device(stream, dst, (src[0], src[1], 0), nbytes)
+
+    class DestinationOffset(OpenCLDriver):
+        def copy_device(self, stream: Any, dst: tuple[int, Any, int], src: tuple[int, Any, int], nbytes: int) -> Any:
+            return super().copy_device(stream, (dst[0], dst[1], 0), src, nbytes)
+
+    class NoFree(OpenCLDriver):
+        def free(self, ordinal: int, pool: Any) -> None:
+            return None
+
+    return {"good": OpenCLDriver, "source": SourceOffset, "destination": DestinationOffset, "free": NoFree}
+
+
+def _opencl(kind: str) -> Backend:
+    driver = _opencl_classes()[kind]()
+    if driver.device_count() == 0:
+        pytest.skip(f"no OpenCL device: {driver.unavailable_reason}")
+    return Backend(driver)
+
+
+@pytest.mark.parametrize("kind", ["good", "source", "destination"])
+def test_opencl_copy_offsets(kind: str) -> None:
+    backend = _opencl(kind)
+    if kind == "good":
+        run_check(suite_mod.check_copy_offsets_one_device, backend)
+        return
+    with pytest.raises(AssertionError, match=r"device_to_device of off_x.* from offset [1-9]"):
+        run_check(suite_mod.check_copy_offsets_one_device, backend)
+
+
+@pytest.mark.parametrize("kind", ["good", "free"])
+def test_opencl_free(kind: str) -> None:
+    backend = _opencl(kind)
+    if kind == "good":
+        run_check(suite_mod.check_free_returns_memory, backend)
+        return
+    with pytest.raises(AssertionError, match=r"its free\(\) does not release pools"):
+        run_check(suite_mod.check_free_returns_memory, backend)
