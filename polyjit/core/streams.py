@@ -144,40 +144,30 @@ class Stream:
         finally:
             with self._lock:
                 self._users -= 1
-                if not self._users:
+                if not self._users and self.closed:  # close() waits for the last one
                     self._idle.notify_all()
 
     def retain(self, event: Event, keep: Any) -> None:
         """Keep ``keep`` alive until ``event`` (just recorded on this stream) completes."""
         retained = self.retained
-        with self._lock:
-            retained.append((event.seq, event.handle, keep))
-            n = len(retained)
-        if n > POLL_AFTER and n % POLL_EVERY == 0:
+        retained.append((event.seq, event.handle, keep))
+        if len(retained) > POLL_AFTER and event.seq % POLL_EVERY == 0:
             self._poll_oldest()
 
     def _poll_oldest(self) -> None:
-        """Release what completed work kept: find the newest retained entry the driver reports
-        done (the newest first, else a binary search: the stream is in order)."""
+        """Release what completed work kept: ask the driver about the newest retained entry,
+        else the middle one, else the oldest (at most three calls: the stream is in order)."""
         with self._lock:
             entries = list(self.retained)
-        lo, hi, found = 0, len(entries) - 1, -1
+        if not entries:
+            return
         try:
-            if entries and self.driver_done(entries[-1][1], block=False):
-                found = hi
-            else:
-                hi -= 1
-                while lo <= hi:
-                    mid = (lo + hi) // 2
-                    if self.driver_done(entries[mid][1], block=False):
-                        found, lo = mid, mid + 1
-                    else:
-                        hi = mid - 1
+            for k in (len(entries) - 1, len(entries) // 2, 0):
+                if self.driver_done(entries[k][1], block=False):
+                    self.completed(entries[k][0])
+                    return
         except Exception as e:
             self.fault(e)  # raised by the next sync, not by this enqueue
-            return
-        if found >= 0:
-            self.completed(entries[found][0])
 
     def completed(self, seq: int) -> None:
         """Everything up to event ``seq`` has run: release what it kept alive."""
@@ -305,9 +295,10 @@ class NodeEvents:
     def wait_for_write(self, stream: Stream) -> None:
         """Before ``stream`` writes: the last writer and every reader since must be done."""
         _wait_unless_done(stream, self.writer)
-        for s, ev in list(self.readers.items()):
-            if s is not stream:
-                _wait_unless_done(stream, ev)
+        if self.readers:
+            for s, ev in list(self.readers.items()):
+                if s is not stream:
+                    _wait_unless_done(stream, ev)
 
     def events(self) -> list[Event]:
         return ([self.writer] if self.writer else []) + list(self.readers.values())
@@ -347,7 +338,8 @@ def enqueue(stream: Stream, reads: Sequence[NodeEvents], writes: Sequence[NodeEv
     the writers of what it reads and the writers and readers of what it writes, call
     ``fn(*args)``, record an event behind it, make it the new reader / writer, and keep
     ``keep`` (plus whatever the driver returned) alive until that event completes. ``what``
-    (a routine, or a word) names the work in an error."""
+    (a routine, or a word) names the work in an error. (The launch path of every routine:
+    written flat, for speed.)"""
     device = stream.device
     with device.lock:
         if stream.closed:
@@ -355,22 +347,29 @@ def enqueue(stream: Stream, reads: Sequence[NodeEvents], writes: Sequence[NodeEv
         if device.released:
             device.reap()
         for st in reads:
-            _wait_unless_done(stream, st.writer)
+            w = st.writer
+            if w is not None and w.stream is not stream and not w.is_done():
+                stream._wait(w)
         for st in writes:
             st.wait_for_write(stream)
         try:
             token = fn(*args)
+            handle = stream.driver.record(stream.handle)
         except PolyjitError:
             raise
         except Exception as e:
             raise DriverError(f"{device.device_id} ({device.name}): {what} failed: "
                               f"{type(e).__name__}: {e}") from e
-        ev = stream._record()
+        stream.seq = seq = stream.seq + 1
+        ev = Event(stream, handle, seq)
         for st in reads:
             st.readers[stream] = ev
         for st in writes:
             st.writer = ev
             if st.readers:
                 st.readers = {}
-        stream.retain(ev, keep if token is None else (keep, token))
+        retained = stream.retained  # appends are atomic; pops take the stream's lock
+        retained.append((seq, handle, keep if token is None else (keep, token)))
+        if len(retained) > POLL_AFTER and seq % POLL_EVERY == 0:
+            stream._poll_oldest()
     return ev
