@@ -104,3 +104,23 @@ def test_batch_must_split_evenly(three_devices: Backend) -> None:
     with pytest.raises(ShapeMismatchError, match="split evenly"):
         pt.data_parallel(lambda x: pt.sum(x @ w), {"x": ((4, 2), "float32")},
                          optimizer=pt.SGD(0.1), devices=three_devices)
+
+
+def test_load_state_dict_sets_every_replica(three_devices: Backend) -> None:
+    mlp = pt.MLP("lsd", [2, 8, 2], activation="tanh", seed=5)
+
+    def model_step(x: pt.Tensor, y: pt.Tensor) -> pt.Tensor:
+        return pt.cross_entropy(mlp(x), y)
+
+    dp = pt.data_parallel(model_step, {"x": ((12, 2), "float32"), "y": ((12,), "int32")},
+                          optimizer=pt.SGD(0.1), devices=three_devices.devices())
+    state = dp.state_dict()
+    new = {k: np.full_like(v, 0.25) for k, v in state.items()}
+    dp.load_state_dict(new)
+    for k in range(3):
+        for name, value in dp.state_dict(k).items():
+            np.testing.assert_array_equal(value, new[name])
+    with pytest.raises(ShapeMismatchError):
+        dp.load_state_dict({**new, next(iter(new)): np.zeros(1, np.float32)})
+    assert all(np.array_equal(v, new[n]) for n, v in dp.state_dict(2).items())  # nothing changed
+    dp.close()

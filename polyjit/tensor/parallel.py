@@ -44,6 +44,7 @@ from polyjit.tensor.hostio import Feed, check_names, enqueue_to_host
 from polyjit.tensor.optim import Optimizer
 from polyjit.tensor.plan import trainable_params
 from polyjit.tensor.program import Program
+from polyjit.tensor.state import StateContext, stage_state
 from polyjit.tensor.tensor import DTypeLike, Tensor, input
 
 Array = np.ndarray[Any, Any]
@@ -65,8 +66,7 @@ class _Replica:
 
     def __init__(self, device: Device, loss: ir.Node) -> None:
         self.device = device
-        self.owned: list[Context] = []
-        self.base: Context = device.make_context()
+        self.state = StateContext(device)
         self.feeds: list[Feed] = []
         self.loss = np.zeros(loss.shape, loss.dtype.np)
         self.compute: Routine | None = None
@@ -74,12 +74,7 @@ class _Replica:
         # what a step runs: the two routines captured (one CUDA graph each on CUDA)
         self.compute_replay: Replay | None = None
         self.update_replay: Replay | None = None
-        self.linked: Context = self.base
-
-    def add_buffer(self, node: ir.Node, value: Array) -> None:
-        if node not in self.base.buffers:
-            self.base = self.base.init_from_host(node, value)
-            self.owned.append(self.base)
+        self.linked: Context = self.state.context
 
 
 class DataParallel:
@@ -155,12 +150,12 @@ class DataParallel:
         for rep in self.replicas:
             for t in self.persistent:
                 assert t.init is not None
-                rep.add_buffer(t.node, t.init)
+                rep.state.add(t.node, t.init)
             for feed in self.compute_program.feeds():
                 rep.feeds.append(feed)
-                rep.add_buffer(feed.node, feed.staging)
+                rep.state.add(feed.node, feed.staging)
             main, _ = self._compiled(rep.device.backend)
-            rep.compute, rep.update = rep.base.link_batch(main)
+            rep.compute, rep.update = rep.state.context.link_batch(main)
             rep.linked = rep.compute.context
             backend = rep.device.backend
             rep.compute_replay = backend.capture([rep.compute])
@@ -193,7 +188,7 @@ class DataParallel:
     @property
     def state_context(self) -> Context:
         """Replica 0's context with the parameters: ``compile(..., share=dp)`` links there."""
-        return self.replicas[0].base
+        return self.replicas[0].state.context
 
     def _compute(self, inputs: Mapping[str, Any]) -> None:
         check_names(inputs, self._input_names, "data_parallel inputs")
@@ -212,7 +207,7 @@ class DataParallel:
                   for k, rep in enumerate(self.replicas)]
         for rep, shards in zip(self.replicas, arrays):
             for f, arr in zip(rep.feeds, shards):
-                rep.base.from_host(f.node, arr)
+                rep.state.context.from_host(f.node, arr)
             assert rep.compute_replay is not None
             rep.compute_replay.replay()
 
@@ -264,12 +259,17 @@ class DataParallel:
 
     def state_dict(self, replica: int = 0) -> dict[str, Array]:
         """Parameters and optimizer state of one replica, by name."""
-        ctx = self._replica(replica).base
-        return {t.name: ctx.read(t.node) for t in self.persistent}
+        return self._replica(replica).state.state_dict(self.persistent)
+
+    def load_state_dict(self, values: Mapping[str, Any], strict: bool = True) -> None:
+        """Set parameters and optimizer state on every replica (checked as Plan.load_state_dict
+        checks them: on an error nothing has changed)."""
+        stage_state(self.persistent, values, strict, "this data_parallel")  # check first
+        for rep in self.replicas:
+            rep.state.load_state_dict(self.persistent, values, strict, "this data_parallel")
 
     def parameters(self, replica: int = 0) -> dict[str, Array]:
-        ctx = self._replica(replica).base
-        return {p.name: ctx.read(p.node) for p in self.params}
+        return self._replica(replica).state.state_dict(self.params)
 
     def _replica(self, k: int) -> _Replica:
         n = len(self.replicas)
@@ -288,9 +288,7 @@ class DataParallel:
 
     def reset(self) -> None:
         for rep in self.replicas:
-            for t in self.persistent:
-                assert t.init is not None
-                rep.base.from_host(t.node, t.init)
+            rep.state.reset(self.persistent)
 
     def close(self) -> None:
         for rep in self.replicas:
@@ -299,8 +297,7 @@ class DataParallel:
                 if replay is not None:
                     replay.close()
             rep.linked.finalize()
-            for ctx in reversed(rep.owned):
-                ctx.finalize()
+            rep.state.close()
 
     def __enter__(self) -> DataParallel:
         return self

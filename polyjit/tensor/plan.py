@@ -23,15 +23,15 @@ from polyjit.core.errors import (
     InvalidProgramError,
     NodeNotInContextError,
     ShapeMismatchError,
-    StateDictKeyError,
 )
 from polyjit.core.ir import MemoryMode
 from polyjit.core.runtime import Backend, Context, Device, Replay, Routine
 from polyjit.tensor.autograd import grad, topo_order
 from polyjit.tensor.devices import DeviceLike, resolve_device
-from polyjit.tensor.hostio import Feed, check_names, convert_into, enqueue_to_host
+from polyjit.tensor.hostio import Feed, check_names, enqueue_to_host
 from polyjit.tensor.optim import Optimizer
 from polyjit.tensor.program import Program
+from polyjit.tensor.state import StateContext
 from polyjit.tensor.tensor import Kind, Tensor
 
 Array = np.ndarray[Any, Any]
@@ -134,19 +134,13 @@ class Plan:
         self.device = device
         self.backend = device.backend
         self.mode: Mode = mode
-        self._owned: list[Context] = []
-        base = share.state_context if share is not None else device.make_context()
+        self._state = StateContext(device, share.state_context if share is not None else None)
         for t in program.persistent:
-            if t.node not in base.buffers:
-                assert t.init is not None
-                base = base.init_from_host(t.node, t.init)
-                self._owned.append(base)
+            assert t.init is not None
+            self._state.add(t.node, t.init)
         self._feeds = program.feeds()
         for f in self._feeds:
-            if f.node not in base.buffers:
-                base = base.init_from_host(f.node, f.staging)
-                self._owned.append(base)
-        self._base = base
+            self._state.add(f.node, f.staging)
         self._input_names = frozenset(f.name for f in self._feeds)
         self._outputs = [(name, t.node, np.empty(t.shape, t.dtype.np)) for name, t in program.outputs.items()]
         self._results = {name: arr for name, _, arr in self._outputs}
@@ -160,12 +154,12 @@ class Plan:
     @property
     def state_context(self) -> Context:
         """The context with the persistent buffers and the inputs (what other plans link into)."""
-        return self._base
+        return self._state.context
 
     @property
     def context(self) -> Context:
         """The context the routines run in (the state context before the first run)."""
-        return self._linked.context if self._linked is not None else self._base
+        return self._linked.context if self._linked is not None else self._state.context
 
     @property
     def input_names(self) -> list[str]:
@@ -186,10 +180,10 @@ class Plan:
     def _link(self, kind: str) -> _Linked:
         """Compile (cached per backend) and link; the routines of an earlier kind are freed."""
         batch = self.program.batch(self.backend, kind)
-        routines = self._base.link_batch(batch)
+        routines = self._state.context.link_batch(batch)
         if self._linked is not None:
             self._linked.finalize()
-        self._linked = _Linked(kind, routines, routines[0].context if routines else self._base)
+        self._linked = _Linked(kind, routines, routines[0].context if routines else self._state.context)
         return self._linked
 
     def build(self) -> Plan:
@@ -212,7 +206,7 @@ class Plan:
         self._routines()
         linked = self._linked
         assert linked is not None
-        base = self._base
+        base = self._state.context
         for f, arr in zip(self._feeds, arrays):
             base.from_host(f.node, arr)
         linked.run(self.backend)
@@ -256,13 +250,11 @@ class Plan:
 
     def reset(self) -> None:
         """Put every parameter and optimizer state back to its initial value."""
-        for t in self.program.persistent:
-            assert t.init is not None
-            self._base.from_host(t.node, t.init)
+        self._state.reset(self.program.persistent)
 
     def state_dict(self) -> dict[str, Array]:
         """Copies of the persistent buffers (parameters, optimizer state), by name."""
-        return {t.name: self._base.read(t.node) for t in self.program.persistent}
+        return self._state.state_dict(self.program.persistent)
 
     def load_state_dict(self, values: Mapping[str, Any], strict: bool = True) -> None:
         """Set parameters and optimizer state from arrays by name (what ``state_dict()`` gives).
@@ -273,27 +265,7 @@ class Plan:
         exactly the plan's (``StateDictKeyError``); without it, unknown and missing names are
         skipped. On an error nothing has changed.
         """
-        by_name = {t.name: t for t in self.program.persistent}
-        if strict:
-            unknown = sorted(k for k in values if k not in by_name)
-            missing = sorted(k for k in by_name if k not in values)
-            if unknown or missing:
-                parts = ([f"unknown {', '.join(map(repr, unknown))}"] if unknown else []) + (
-                    [f"missing {', '.join(map(repr, missing))}"] if missing else [])
-                have = ", ".join(sorted(by_name)) or "no state"
-                raise StateDictKeyError(f"load_state_dict: {'; '.join(parts)} (this plan has {have}; "
-                                        "strict=False skips them)")
-        staged = []
-        for name, value in values.items():
-            t = by_name.get(name)
-            if t is None:
-                continue
-            arr = np.empty(t.shape, t.dtype.np)
-            convert_into(arr, value, f"{'parameter' if t.kind is Kind.PARAM else 'state'} {name!r}")
-            staged.append((t, arr))
-        for t, arr in staged:
-            self._base.from_host(t.node, arr)
-        self._base.stream.synchronize()
+        self._state.load_state_dict(self.program.persistent, values, strict, "this plan")
 
     def read(self, tensor: Tensor) -> Array:
         """The current value of a stored tensor: outputs and state; every op's result in dynamic mode."""
@@ -323,9 +295,7 @@ class Plan:
         if self._linked is not None:
             self._linked.finalize()
             self._linked = None
-        for ctx in reversed(self._owned):
-            ctx.finalize()
-        self._owned.clear()
+        self._state.close()
 
     def __enter__(self) -> Plan:
         return self
