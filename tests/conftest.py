@@ -28,10 +28,6 @@ except ImportError:  # pragma: no cover - hypothesis is a dev dependency
 _OWN_CACHE: str | None = None
 
 
-def required_backends() -> list[str]:
-    return [b.strip() for b in os.environ.get("POLYJIT_REQUIRE_BACKENDS", "").split(",") if b.strip()]
-
-
 def pytest_configure(config: pytest.Config) -> None:
     global _OWN_CACHE
     if not os.environ.get("POLYJIT_CACHE_DIR"):
@@ -58,6 +54,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 def _problems() -> list[str]:
     from polyjit.backends import get_backend
+    from polyjit.testing import required_backends
 
     problems = []
     for name in required_backends():

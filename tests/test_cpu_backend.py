@@ -100,15 +100,15 @@ def test_static_bindings_are_read_when_run_enqueues() -> None:
 
 
 def test_streaming_store_kernels_match_numpy_including_the_tail() -> None:
-    from polyjit.backends.cpu_dialect import STREAMING_MIN_BYTES
+    from polyjit.backends.cpu.dialect import STREAMING_MIN_BYTES
 
     n = STREAMING_MIN_BYTES // 4 + 5  # past the threshold, and not a whole number of vectors
     backend = get_backend("cpu")
     a, s, out = ir.Node("a", (n,)), ir.Node("s", (1,)), ir.Node("out", (n,))
     code = backend.compile(ir.Comp.of(ir.apply(ir.Op.MUL, a, s, into=out)), name="scale_big")
-    from polyjit.backends.cpu_dialect import host_vector_bytes
+    from polyjit.backends.cpu.host import host_cpu
 
-    assert "_stream_" in code.source or host_vector_bytes() < 32
+    assert "_stream_" in code.source or host_cpu().vector_bytes < 32
     rng = np.random.default_rng(3)
     av, sv = rng.standard_normal(n).astype(np.float32), np.array([1.5], np.float32)
     ctx = backend.get_device(0).make_context().init_from_host(a, av).init_from_host(s, sv)
@@ -215,9 +215,9 @@ def test_row_sums_of_exp_stage_the_values_and_sum_them_in_order() -> None:
 def test_narrower_vector_units_take_their_own_paths(vector_bytes: int, march: str) -> None:
     """The dialect's AVX2 (lane masks) and SSE (memcpy tails) paths, compiled for those
     targets (this host runs both), on every catalog program with a matmul, reduction or exp."""
-    from polyjit.backends.cc import CPU_FLAGS, build_shared
     from polyjit.backends.cpu import CpuDriver
-    from polyjit.backends.cpu_dialect import CpuDialect
+    from polyjit.backends.cpu.compiler import CPU_FLAGS, build_shared
+    from polyjit.backends.cpu.dialect import CpuDialect
     from polyjit.core.codegen import Source
     from polyjit.testing import catalog, run_programs
 

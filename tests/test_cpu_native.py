@@ -1,4 +1,4 @@
-"""The native CPU stream runtime (cpu_runtime.c through cpu_native.py) and the C compiler helper."""
+"""The native CPU stream runtime (backends/cpu/runtime.c through native.py) and the C compiler helper."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from polyjit.backends import cc
-from polyjit.backends.cc import build_shared, compiler_identity
-from polyjit.backends.cpu_native import MAX_STATICS, RING_CAPACITY, NativeRuntime, load_runtime
+from polyjit.backends.cpu import compiler as cc
+from polyjit.backends.cpu.compiler import build_shared, compiler_identity
+from polyjit.backends.cpu.native import MAX_STATICS, RING_CAPACITY, NativeRuntime, load_runtime
 from polyjit.core.cache import BinaryCache
 from polyjit.core.errors import CompileError
 
@@ -419,7 +419,7 @@ def test_process_exits_cleanly_with_live_streams(tmp_path: Path) -> None:
     script = """
 import atexit
 import numpy as np
-from polyjit.backends.cpu_native import load_runtime
+from polyjit.backends.cpu.native import load_runtime
 state = {}
 # Registered before the runtime's hook, so it runs after it (atexit is LIFO).
 atexit.register(lambda: print("live after shutdown:", state["rt"].live_streams(), flush=True))
@@ -446,7 +446,7 @@ def test_forked_child_exits_without_touching_parent_streams() -> None:
     script = """
 import os, sys
 import numpy as np
-from polyjit.backends.cpu_native import load_runtime
+from polyjit.backends.cpu.native import load_runtime
 rt = load_runtime()
 s = rt.stream_create(1, None)
 a = np.zeros(64 << 20, dtype=np.uint8)

@@ -31,7 +31,7 @@ from polyjit.core.ir import AccumOp, Node, Op, StaticSymbol
 from polyjit.core.lower import lower
 from polyjit.core.protocol import MergeBuffer
 from polyjit.core.runtime import Backend, device_to_device, init_from_device
-from polyjit.testing import ConformanceSuite
+from polyjit.testing import ConformanceSuite, required_backends
 
 cl: Any = pytest.importorskip("pyopencl")
 
@@ -41,7 +41,7 @@ Array = np.ndarray[Any, Any]
 
 
 def _required() -> bool:
-    return "opencl" in os.environ.get("POLYJIT_REQUIRE_BACKENDS", "").split(",")
+    return "opencl" in required_backends()
 
 
 @pytest.fixture(scope="module")

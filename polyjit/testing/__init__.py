@@ -24,6 +24,7 @@ from polyjit.testing.suite import (
     KitNote,
     default_multi_device_backend,
     needs_multi_device,
+    required_backends,
     run_check,
     run_selftest,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "catalog",
     "default_multi_device_backend",
     "needs_multi_device",
+    "required_backends",
     "run_check",
     "run_programs",
     "run_reference",

@@ -2,7 +2,7 @@
 
 Each device is a set of cores (``POLYJIT_CPU_DEVICES=N`` splits the machine
 into N devices); each stream is a worker thread written in C
-(``cpu_runtime.c``) pinned to its device's cores, so handing a kernel over
+(``runtime.c``) pinned to its device's cores, so handing a kernel over
 costs about a microsecond and the GIL is never held while kernels run.
 A pool is one aligned host allocation; kernels get pool base + offset.
 """
@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import _ctypes
 import ctypes
-import functools
 import os
-import platform
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,41 +20,15 @@ from typing import Any
 import attrs
 import numpy as np
 
-from polyjit.backends.cc import build_shared
-from polyjit.backends.cpu_dialect import CpuDialect
-from polyjit.backends.cpu_native import NativeRuntime, load_runtime
+from polyjit.backends.cpu.compiler import build_shared
+from polyjit.backends.cpu.dialect import CpuDialect
+from polyjit.backends.cpu.host import cpu_model, host_cpu
+from polyjit.backends.cpu.native import NativeRuntime, load_runtime
 from polyjit.core.codegen import KernelSpec, Source
 from polyjit.core.protocol import DeviceInfo
 from polyjit.core.runtime import Backend
 
 BASE_ALIGNMENT = 64  # a cache line; also enough for AVX-512 loads
-
-
-@functools.cache
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-@functools.cache
-def _cpu_flags_digest() -> str:
-    """-march=native depends on the host: its CPU goes into the cache key (via the source)."""
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import hashlib
-
-    return hashlib.sha256(f"{platform.machine()} {cpu_model()} {flags}".encode()).hexdigest()[:16]
 
 
 def _total_memory() -> int:
@@ -185,7 +157,7 @@ class CpuDriver:
     # -- code -------------------------------------------------------------------------
 
     def compile(self, source: Source) -> Path:
-        header = f"/* polyjit cpu kernels; host {_cpu_flags_digest()} */\n"
+        header = f"/* polyjit cpu kernels; host {host_cpu().digest} */\n"
         return build_shared(header + source.text)
 
     def load(self, ordinal: int, binary: Path) -> ctypes.CDLL:

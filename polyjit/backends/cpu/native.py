@@ -1,4 +1,4 @@
-"""ctypes wrapper of the native stream runtime (``cpu_runtime.c``).
+"""ctypes wrapper of the native stream runtime (``runtime.c``).
 
 A stream is an opaque C pointer (a Python ``int``) to an in-order queue with its
 own worker thread. Enqueue calls return a ticket; an event is simply
@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from polyjit.backends.cc import build_shared
+from polyjit.backends.cpu.compiler import build_shared
 from polyjit.core.errors import BackendUnavailableError, PoolExhaustedError
 
 __all__ = [
@@ -51,7 +51,7 @@ class LaunchDesc(ctypes.Structure):
 
 
 def _source() -> str:
-    return Path(__file__).with_name("cpu_runtime.c").read_text()
+    return Path(__file__).with_name("runtime.c").read_text()
 
 
 def _bind(lib: ctypes.CDLL, name: str, restype: Any, argtypes: Sequence[Any]) -> Any:

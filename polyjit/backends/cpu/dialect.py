@@ -20,12 +20,11 @@ A large contiguous elementwise kernel writes its output with non-temporal
 
 from __future__ import annotations
 
-import functools
 import math
 import re
 from collections.abc import Sequence
-from pathlib import Path
 
+from polyjit.backends.cpu.host import host_cpu
 from polyjit.core import dtypes, ir
 from polyjit.core.codegen import Dialect, Emitter, KernelSpec, Names
 from polyjit.core.lower import (
@@ -98,21 +97,6 @@ _VEC_SUFFIX = {dtypes.float32: "f32", dtypes.float64: "f64"}
 STREAMING_MIN_BYTES = 8 << 20
 
 
-@functools.cache
-def host_vector_bytes() -> int:
-    """The widest SIMD register of this host, in bytes."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return 16
-    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), [])
-    if "avx512f" in flags:
-        return 64
-    if "avx2" in flags or "avx" in flags:
-        return 32
-    return 16
-
-
 class CpuDialect(Dialect):
     """C + OpenMP, with tiled contractions."""
 
@@ -121,7 +105,7 @@ class CpuDialect(Dialect):
     nv = 2  # output vectors per tile row
 
     def __init__(self, vector_bytes: int | None = None) -> None:
-        self.vector_bytes = vector_bytes or host_vector_bytes()
+        self.vector_bytes = vector_bytes or host_cpu().vector_bytes
 
     def prelude(self, batch_dtypes: set[dtypes.DType]) -> list[str]:
         return ["#include <stdint.h>", "#include <math.h>", "#if defined(__AVX__)",
