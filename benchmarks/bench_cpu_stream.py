@@ -16,8 +16,8 @@ import time
 import numpy as np
 from timing import median_ns, median_per_call
 
-from polyjit.backends.cc import build_shared
-from polyjit.backends.cpu_native import load_runtime
+from polyjit.backends.cpu.compiler import build_shared
+from polyjit.backends.cpu.native import load_runtime
 
 KERNEL_SOURCE = r"""
 #include <stdint.h>

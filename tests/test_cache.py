@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from polyjit.backends.cc import build_shared
+from polyjit.backends.cpu.compiler import build_shared
 from polyjit.core import cache as cache_mod
 from polyjit.core.cache import HASH_SUFFIX, BinaryCache, CacheDirWarning, cache_dir
 

@@ -12,7 +12,7 @@ import pytest
 
 from polyjit.alloc import slab
 from polyjit.backends import get_backend
-from polyjit.backends.cc import build_shared
+from polyjit.backends.cpu.compiler import build_shared
 from polyjit.core import codegen, ir, lower
 from polyjit.core.errors import (
     CompileError,
@@ -154,7 +154,7 @@ def test_a_second_process_reuses_the_compiled_library(tmp_path: object) -> None:
     script = textwrap.dedent("""
         import sys
         from polyjit.backends import get_backend
-        from polyjit.backends.cc import SHARED_CACHE
+        from polyjit.backends.cpu.compiler import SHARED_CACHE
         from polyjit.demo import chain_program
         comp, _, _ = chain_program(777)
         get_backend("cpu").compile(comp, name="cached_chain")

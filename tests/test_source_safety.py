@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from polyjit.backends import get_backend
-from polyjit.backends.cpu_dialect import CpuDialect
+from polyjit.backends.cpu.dialect import CpuDialect
 from polyjit.backends.cuda_dialect import CudaDialect
 from polyjit.backends.opencl import OpenCLDialect
 from polyjit.core import dtypes, ir
