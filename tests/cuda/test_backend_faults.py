@@ -1,0 +1,90 @@
+"""polyjit's CUDA backend when a kernel faults on a stub GPU: the fault is sticky, as on
+a real GPU (the context fails every call until it is reset)."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import stub
+from scenarios import f32
+
+from polyjit.backends import cuda
+from polyjit.backends.cuda import CudaDriverError
+from polyjit.core import ir
+from polyjit.core.errors import DeviceFaultError
+from polyjit.core.ir import Op
+
+STUB_ENV = {"PJSTUB_DEVICES": "2", "PJSTUB_PEER": "1"}  # as test_backend_current_context.py
+N = 1000
+X, Y = f32("x", (N,)), f32("y", (N,))
+HOST = np.arange(N, dtype=np.float32)
+
+
+@pytest.fixture
+def backend(stub_driver: stub.Driver) -> Iterator[Any]:
+    """A backend of its own per test (a fault breaks it); what it leaves is collected
+    afterwards, before the context is reset."""
+    yield cuda.CudaBackend(cuda.CudaDriver(staging_bytes=1 << 20))
+    gc.collect()
+
+
+@pytest.fixture
+def fault(backend: Any, stub_driver: stub.Driver) -> Iterator[Callable[[], Any]]:
+    """Makes a routine on device 0 fault (returns it); resets device 0's primary context
+    afterwards, for the next tests of this process."""
+    from cuda.bindings import driver as cu
+
+    def make() -> Any:
+        ctx = backend.get_device(0).make_context().init_from_host(X, HOST)
+        r = ctx.link(backend.compile(ir.Comp.of(ir.apply(Op.MUL, X, 2.0, into=Y)), name="doubled"))
+        stub_driver.inject_fault(0)
+        r.run()
+        return r
+
+    yield make
+    (err,) = cu.cuDevicePrimaryCtxReset(0)
+    assert err == cu.CUresult.CUDA_SUCCESS
+
+
+def _works(backend: Any, ordinal: int) -> None:
+    dev = backend.get_device(ordinal)
+    ctx = dev.make_context(dev.new_stream()).init_from_host(X, HOST)
+    np.testing.assert_array_equal(ctx.read(X), HOST)
+    ctx.finalize()
+
+
+def test_a_kernel_fault_is_a_device_fault_naming_the_routine(backend: Any, fault: Callable[[], Any]) -> None:
+    _works(backend, 1)
+    r = fault()
+    with pytest.raises(DeviceFaultError, match="doubled") as info:
+        r.context.read(Y)
+    assert "ILLEGAL_ADDRESS" in str(info.value)
+    _works(backend, 1)  # a device in use before the fault is not touched by it
+
+
+@pytest.mark.xfail(strict=True, raises=CudaDriverError, reason=(
+    "CudaDriver._ctx enables peer access lazily, when a device is first used, from every "
+    "retained context: cuCtxEnablePeerAccess with the faulted device 0 current returns the "
+    "sticky CUDA_ERROR_ILLEGAL_ADDRESS (as on a real GPU), which _enable_peers raises, so a "
+    "device first used after another one faulted cannot be used at all"))
+def test_a_device_first_used_after_a_fault_elsewhere_works(backend: Any, fault: Callable[[], Any]) -> None:
+    r = fault()
+    with pytest.raises(DeviceFaultError):
+        r.context.read(Y)
+    _works(backend, 1)
+
+
+@pytest.mark.xfail(strict=True, raises=CudaDriverError, reason=(
+    "polyjit's runtime promises that after a DeviceFaultError the device's other streams keep "
+    "working; on CUDA a fault poisons the whole context (every later call returns "
+    "CUDA_ERROR_ILLEGAL_ADDRESS, on a real GPU as on the stub) and the CUDA backend never "
+    "resets it (cuDevicePrimaryCtxReset), so every later call on the device fails"))
+def test_the_device_works_again_on_another_stream_after_a_fault(backend: Any, fault: Callable[[], Any]) -> None:
+    r = fault()
+    with pytest.raises(DeviceFaultError):
+        r.context.stream.synchronize()
+    _works(backend, 0)
