@@ -144,6 +144,9 @@ def _fill_free_lists() -> None:
 
 
 def test_runs_do_not_allocate() -> None:
+    """A run allocates nothing that outlives it: of three windows of 30 runs, the best grows
+    the heap by less than 4 KiB (one window may see a one-off: a dict of the runtime resizing,
+    a context an earlier test dropped being given back); a leak grows every window."""
     x = pt.input("x", (256, 256))
     w = pt.param("w", (256, 64))
     plan = pt.compile({"y": pt.tanh(x @ w)})
@@ -156,18 +159,22 @@ def test_runs_do_not_allocate() -> None:
         gc.collect()  # what earlier tests dropped is given back now, not during the count
         _fill_free_lists()
         plan.device.synchronize()
+        growth, peaks = [], []
         tracemalloc.start()
         try:
-            before, _ = tracemalloc.get_traced_memory()
-            tracemalloc.reset_peak()
-            for _ in range(30):
-                out = plan.run(x=value)
-            after, peak = tracemalloc.get_traced_memory()
+            for _ in range(3):
+                before, _ = tracemalloc.get_traced_memory()
+                tracemalloc.reset_peak()
+                for _ in range(30):
+                    out = plan.run(x=value)
+                after, peak = tracemalloc.get_traced_memory()
+                growth.append(after - before)
+                peaks.append(peak - before)
         finally:
             tracemalloc.stop()
         assert out is first  # the same dict and arrays every run
-        assert peak - before < 16 * 1024, f"a run allocated {peak - before} bytes"
-        assert after - before < 4 * 1024
+        assert min(peaks) < 16 * 1024, f"a run allocated {peaks} bytes"
+        assert min(growth) < 4 * 1024, f"30 runs kept {growth} bytes"
     plan.close()
 
 
