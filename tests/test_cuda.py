@@ -47,7 +47,7 @@ from polyjit.core.ir import AccumOp, Node, Op, StaticSymbol, Symbol
 from polyjit.core.lower import LoweredBatch, lower
 from polyjit.testing import ConformanceSuite
 from polyjit.testing.harness import compare, group_programs, program_rng
-from polyjit.testing.programs import Program, catalog
+from polyjit.testing.programs import CatalogProgram, catalog
 from polyjit.testing.reference import run_reference
 
 Array = np.ndarray[Any, Any]
@@ -70,15 +70,15 @@ host_code = _helper("host_code")
 _f32 = scenarios.f32
 cuda_programs = scenarios.cuda_programs
 
-def all_programs() -> list[Program]:
+def all_programs() -> list[CatalogProgram]:
     return list(scenarios.all_programs())
 
 
-def _groups(programs: Sequence[Program], size: int = 48) -> list[list[Program]]:
+def _groups(programs: Sequence[CatalogProgram], size: int = 48) -> list[list[CatalogProgram]]:
     return group_programs(programs, size)
 
 
-def _batch(group: Sequence[Program]) -> tuple[LoweredBatch, Source, list[tuple[int, int]]]:
+def _batch(group: Sequence[CatalogProgram]) -> tuple[LoweredBatch, Source, list[tuple[int, int]]]:
     """One lowered batch and CUDA source for a group; per program, its (first comp, count)."""
     comps: list[ir.Comp] = []
     names: list[str] = []
@@ -93,7 +93,7 @@ def _batch(group: Sequence[Program]) -> tuple[LoweredBatch, Source, list[tuple[i
 
 
 @functools.cache
-def _all_batches() -> tuple[tuple[tuple[Program, ...], LoweredBatch, Source, tuple[tuple[int, int], ...]], ...]:
+def _all_batches() -> tuple[tuple[tuple[CatalogProgram, ...], LoweredBatch, Source, tuple[tuple[int, int], ...]], ...]:
     out = []
     for g in _groups(all_programs()):
         lowered, source, spans = _batch(g)
@@ -256,7 +256,7 @@ def test_the_tensor_examples_fused_steps_compile_to_cubin() -> None:
              (pt.cross_entropy(char_lm.CharModel()(ctx), nxt), pt.AdamW(lr=0.01))]
     for loss, opt in steps:
         plan = pt.compile(loss=loss, optimizer=opt)  # on the CPU: only its program is used here
-        lowered = lower([plan.program.fused()], ["step"])
+        lowered = lower([plan.program.compiled_comp()], ["step"])
         source = generate(lowered, CudaDialect())
         kinds = {plan_kernel(k).kind for k in lowered.kernels}
         assert cuda.nvrtc_compile(source.text, "sm_90")[:4] == b"\x7fELF"
@@ -323,7 +323,7 @@ def test_matmul_vector_loads_only_where_aligned() -> None:
     assert shape("cuda.matmul.static_operand").a_vec == "k"
 
 
-def test_launch_configs() -> None:
+def test_launch_shapes() -> None:
     a, r = _f32("a", (10_000_000,)), _f32("r", (10_000_000,))
     (kernel,) = lower([ir.Comp.of(ir.apply(Op.EXP, a, into=r))], ["e"]).kernels
     launch = plan_kernel(kernel).launch
@@ -355,7 +355,7 @@ def _kernel_args(spec: Any, arrays: dict[Node, Array], bindings: Any) -> list[An
     return args
 
 
-def _emulate_group(lib: ctypes.CDLL, group: Sequence[Program], lowered: LoweredBatch, source: Source,
+def _emulate_group(lib: ctypes.CDLL, group: Sequence[CatalogProgram], lowered: LoweredBatch, source: Source,
                    spans: Sequence[tuple[int, int]]) -> list[str]:
     problems: list[str] = []
     for p, (first, count) in zip(group, spans):
@@ -622,7 +622,7 @@ def test_events_order_work_across_streams(cuda_backend: Any) -> None:
     dev = cuda_backend.get_device(0)
     s = dev.new_stream()
     ev = s.record()
-    ev.sync()
+    ev.synchronize()
     assert ev.is_done()
     dev.synchronize()
     assert dev.is_idle()

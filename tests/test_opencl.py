@@ -130,7 +130,7 @@ def test_launch_sizes_are_rounded_and_guarded() -> None:
     a, t = f32("a", (37, 1001)), f32("t", (1001, 37))
     comp = ir.Comp.of(ir.einsum("ij->ji", a, into=t))
     (kernel,) = lower([comp], ["c0"]).kernels
-    launch = d.launch_config(kernel)
+    launch = d.launch_shape(kernel)
     assert launch.local_size is not None and len(launch.global_size) == 2
     assert int(np.prod(launch.local_size)) <= d.work_group
     for g, lsz, e in zip(launch.global_size, launch.local_size, (37, 1001)):
@@ -144,7 +144,7 @@ def test_more_than_three_parallel_loops_share_dim_2() -> None:
     comp = ir.Comp.of(ir.einsum("abcde->edcba", a, into=t))
     (kernel,) = lower([comp], ["c0"]).kernels
     assert len(kernel.parallel) == 5
-    launch = OpenCLDialect().launch_config(kernel)
+    launch = OpenCLDialect().launch_shape(kernel)
     assert len(launch.global_size) == 3
     assert "pj_flat" in source_of([comp]).text
 
@@ -155,7 +155,7 @@ def test_matmul_shaped_kernels_get_the_tiled_kernel() -> None:
     (kernel,) = lower([comp], ["c0"]).kernels
     d = OpenCLDialect()
     assert d.contraction(kernel) is not None
-    launch = d.launch_config(kernel)
+    launch = d.launch_shape(kernel)
     assert launch.local_size == (d.tiles.lx, d.tiles.ly, 1)
     text = source_of([comp]).text
     assert "PJ_MATMUL_WG" in text and "__local float pj_xs" in text and "vload8" in text
@@ -546,7 +546,7 @@ def test_waits_are_device_side(backend: Backend, gate: Any) -> None:
     time.sleep(0.05)
     assert not e1.is_done() and not e2.is_done()
     gate.set_status(cl.command_execution_status.COMPLETE)
-    e2.sync()
+    e2.synchronize()
     assert e1.is_done() and e2.is_done()
 
 
@@ -560,7 +560,7 @@ def test_record_reuses_the_last_command_event(backend: Backend) -> None:
     seq = handle.seq
     e1, e2 = ctx.stream.record(), ctx.stream.record()
     assert handle.seq == seq and e1.handle.event is e2.handle.event  # no marker per record
-    e2.sync()
+    e2.synchronize()
     np.testing.assert_array_equal(r.context.read(x), np.ones(8, np.float32))
     ctx.finalize()
 

@@ -43,7 +43,7 @@ from polyjit.core.ir import AccumOp, Node, Op
 from polyjit.core.lower import LoweredBatch, lower
 from polyjit.core.runtime import Backend
 from polyjit.testing.harness import group_programs, run_programs
-from polyjit.testing.programs import Program, catalog
+from polyjit.testing.programs import CatalogProgram, catalog
 
 Array = np.ndarray[Any, Any]
 
@@ -412,7 +412,7 @@ class RenamedCpuDialect(CpuDialect):
     name = "mycpu"
 
 
-def _reversed_reductions() -> list[Program]:
+def _reversed_reductions() -> list[CatalogProgram]:
     progs = [p for p in catalog() if p.name.startswith("reduce.reversed")]
     assert len(progs) >= 8
     return progs

@@ -47,7 +47,7 @@ def test_training_step_is_one_kernel_batch_with_a_memory_plan() -> None:
     # parameters, their Adam moments, the step count, the inputs and the loss: no intermediates
     assert stored == ({p.name for p in mlp.params} | {f"{p.name}.{k}" for p in mlp.params for k in "mv"}
                       | {"adam.step", "x", "y", "cross_entropy"})
-    assert len(plan.program.batch(plan.backend, "fused")) == 1  # one computation, one routine
+    assert len(plan.program.batch(plan.backend, "compiled")) == 1  # one computation, one routine
     plan.close()
 
 
@@ -109,8 +109,8 @@ def test_dispatch_modes_give_the_same_numbers() -> None:
             assert plan._linked is not None
             kinds.append(plan._linked.kind)
         results[mode] = (losses, plan.state_dict())
-        expected_kinds = {"compiled": ["fused"] * 6, "dynamic": ["per_op"] * 6,
-                          "auto": ["per_op"] * pt.AUTO_DYNAMIC_STEPS + ["fused"] * (6 - pt.AUTO_DYNAMIC_STEPS)}
+        expected_kinds = {"compiled": ["compiled"] * 6, "dynamic": ["dynamic"] * 6,
+                          "auto": ["dynamic"] * pt.AUTO_DYNAMIC_STEPS + ["compiled"] * (6 - pt.AUTO_DYNAMIC_STEPS)}
         assert kinds == expected_kinds[mode]
         plan.close()
     ref_losses, ref_state = results["compiled"]

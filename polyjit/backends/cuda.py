@@ -42,7 +42,7 @@ import numpy as np
 from polyjit.alloc.slab import MERGE_POOL, BufferLoc
 from polyjit.backends.cuda_dialect import CudaDialect
 from polyjit.core.cache import BinaryCache, content_key
-from polyjit.core.codegen import KernelSpec, LaunchConfig, Source
+from polyjit.core.codegen import KernelSpec, LaunchShape, Source
 from polyjit.core.compiler import source_excerpt
 from polyjit.core.errors import (
     BackendUnavailableError,
@@ -432,7 +432,7 @@ class _Prepared:
     calls: tuple[tuple[Any, ...], ...]  # cuLaunchKernel arguments but the stream, per kernel
 
 
-def grid_and_block(launch: LaunchConfig, sm_count: int | None = None) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+def grid_and_block(launch: LaunchShape, sm_count: int | None = None) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     """CUDA grid and block from an OpenCL-style launch config; 1-D launches (grid-stride
     kernels) are capped at ``BLOCKS_PER_SM * sm_count`` blocks."""
     local = tuple(launch.local_size or (1,) * len(launch.global_size))

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 import attrs
 
 from polyjit.core import dtypes, group_reduce, ir
-from polyjit.core.codegen import Dialect, Emitter, KernelSpec, LaunchConfig, Names
+from polyjit.core.codegen import Dialect, Emitter, KernelSpec, LaunchShape, Names
 from polyjit.core.dtypes import DType
 from polyjit.core.ir import Affine, StaticSymbol, Symbol
 from polyjit.core.lower import Call, Const, Kernel, Load, Reduce
@@ -101,11 +101,11 @@ class KernelPlan:
     matmul: MatmulShape | None = None
 
     @property
-    def launch(self) -> LaunchConfig:
+    def launch(self) -> LaunchShape:
         gx, gy, gz = self.blocks
         if self.kind == "matmul":
-            return LaunchConfig((gx * self.threads, gy, gz), (self.threads, 1, 1))
-        return LaunchConfig((gx * self.threads,), (self.threads,))
+            return LaunchShape((gx * self.threads, gy, gz), (self.threads, 1, 1))
+        return LaunchShape((gx * self.threads,), (self.threads,))
 
 
 # ---------------------------------------------------------------------------
@@ -254,7 +254,7 @@ class CudaDialect(Dialect):
             return f"__longlong_as_double({bits})"
         return super().float_literal(value, dt)
 
-    def launch_config(self, kernel: Kernel) -> LaunchConfig:
+    def launch_shape(self, kernel: Kernel) -> LaunchShape:
         return plan_kernel(kernel).launch
 
     # -- the kernel ------------------------------------------------------------------

@@ -42,7 +42,7 @@ from polyjit.core.lower import (
 
 
 @attrs.frozen
-class LaunchConfig:
+class LaunchShape:
     """How a kernel is launched. ``global_size``/``local_size`` are in work items (OpenCL style);
     CUDA reads grid = global // local. The CPU ignores them (OpenMP decides)."""
 
@@ -59,7 +59,7 @@ class KernelSpec:
     buffers: tuple[ir.Node, ...]  # outputs first; the merge buffer (if any) is not among them
     merge: ir.Node | None  # passed after the buffers
     statics: tuple[ir.StaticSymbol, ...]
-    launch: LaunchConfig
+    launch: LaunchShape
     outputs: tuple[ir.Node, ...]
     inputs: tuple[ir.Node, ...]
 
@@ -130,8 +130,8 @@ class Dialect:
             lines.append(f"  const int64_t {names.var(s)} = pj_statics[{k}];")
         return lines
 
-    def launch_config(self, kernel: Kernel) -> LaunchConfig:
-        return LaunchConfig((max(1, kernel.work),))
+    def launch_shape(self, kernel: Kernel) -> LaunchShape:
+        return LaunchShape((max(1, kernel.work),))
 
     def emit_parallel(self, em: Emitter, kernel: Kernel, names: Names, indent: int) -> list[str]:
         """C: the parallel nest as for loops, the outermost under ``#pragma omp parallel for``."""
@@ -382,7 +382,7 @@ def kernel_spec(kernel: Kernel, dialect: Dialect, statics: tuple[ir.StaticSymbol
     """Every kernel of a computation takes all of its statics, in one order."""
     return KernelSpec(
         kernel.name, kernel.buffers, kernel.merge_input, statics,
-        dialect.launch_config(kernel), kernel.outputs, kernel.inputs,
+        dialect.launch_shape(kernel), kernel.outputs, kernel.inputs,
     )
 
 

@@ -290,7 +290,7 @@ class Context:
             ev = enqueue(self.stream, (dev.tracker.state(loc),), (), "to_host", dev.driver.copy_to_host,
                          (self.stream.handle, dev.pool_handle(loc.pool_id), loc.offset, array), array)
         if blocking:
-            ev.sync()
+            ev.synchronize()
         return True
 
     def read(self, node: Node) -> np.ndarray:

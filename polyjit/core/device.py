@@ -223,7 +223,7 @@ class Device:
                 if not known and (poll or wait):
                     try:
                         if wait:
-                            ev.sync()
+                            ev.synchronize()
                             known = True
                         else:
                             known = ev.is_done()

@@ -45,7 +45,7 @@ class Event:
         self.handle = handle
         self.seq = seq
 
-    def sync(self) -> None:
+    def synchronize(self) -> None:
         """Block until the work before this event is done; raise DeviceFaultError if it failed."""
         s = self.stream
         if self.seq > s.done_seq:
@@ -81,9 +81,9 @@ class AllOf:
     def __init__(self, events: Sequence[Event]) -> None:
         self.events = tuple(events)
 
-    def sync(self) -> None:
+    def synchronize(self) -> None:
         for e in self.events:
-            e.sync()
+            e.synchronize()
 
     def is_done(self) -> bool:
         return all(e.is_done() for e in self.events)
@@ -227,12 +227,12 @@ class Stream:
                 raise DriverError(f"{self.device.label}: {self!r} waiting for {event!r} failed: "
                                   f"{type(e).__name__}: {e}") from e
         else:
-            event.sync()
+            event.synchronize()
 
     def synchronize(self) -> None:
         if self.closed:
             return
-        self.record().sync()
+        self.record().synchronize()
 
     # -- release --------------------------------------------------------------------
 

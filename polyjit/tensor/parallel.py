@@ -139,7 +139,7 @@ class DataParallel:
         hit = self._batches.get(id(backend))
         if hit is None:
             main = backend.compile_batch(
-                [self.compute_program.fused(), self.update_program.fused()],
+                [self.compute_program.compiled_comp(), self.update_program.compiled_comp()],
                 names=[self.compute_program.name, self.update_program.name],
             )
             reduce = backend.compile_batch([self._reduce_comp], names=["allreduce_add"])

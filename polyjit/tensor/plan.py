@@ -68,7 +68,7 @@ class _Linked:
             return
         for r in self.routines:
             r.run()
-        if self.kind == "fused" and self.routines:  # recorded on the first run, replayed after it
+        if self.kind == "compiled" and self.routines:  # recorded on the first run, replayed after it
             self.replay = backend.capture(self.routines)
 
     def finalize(self) -> None:
@@ -167,8 +167,8 @@ class Plan:
 
     def _kind(self) -> str:
         if self.mode == "dynamic" or (self.mode == "auto" and self.runs < AUTO_DYNAMIC_STEPS):
-            return "per_op"
-        return "fused"
+            return "dynamic"
+        return "compiled"
 
     def _routines(self) -> list[Routine]:
         kind = self._kind()
@@ -282,12 +282,12 @@ class Plan:
     @property
     def source(self) -> str:
         """The generated source of the batch in use (the fused one before the first run)."""
-        kind = self._linked.kind if self._linked is not None else "fused"
+        kind = self._linked.kind if self._linked is not None else "compiled"
         return self.program.batch(self.backend, kind).source.text
 
     def memory_modes(self) -> dict[str, MemoryMode]:
         """The inferred memory mode of every node the fused batch writes, by label."""
-        batch = self.program.batch(self.backend, "fused")
+        batch = self.program.batch(self.backend, "compiled")
         return {node.label: mode for node, mode in batch.lowered.modes.items()}
 
     def close(self) -> None:

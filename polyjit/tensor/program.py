@@ -42,7 +42,7 @@ class Step:
     name: str
     assigns: tuple[ir.Assignment, ...]
     node: ir.Node
-    per_op: tuple[ir.Assignment, ...] | None = None  # what dynamic mode runs instead (() skips it)
+    dynamic: tuple[ir.Assignment, ...] | None = None  # what dynamic mode runs instead (() skips it)
 
 
 _ids = itertools.count()
@@ -79,9 +79,9 @@ class Program:
                 staged = ir.Node(f"{w.target.name}_new", w.target.shape, w.target.dtype,
                                  mode=ir.MemoryMode.LOCAL)
                 stage = ir.apply(ir.Op.ID, w.value.node, into=staged)
-                self.steps.append(Step(f"stage_{w.target.name}", (stage,), staged, per_op=()))
+                self.steps.append(Step(f"stage_{w.target.name}", (stage,), staged, dynamic=()))
                 assign = ir.apply(ir.Op.ID, staged, into=w.target.node)
-                self.steps.append(Step(f"update_{w.target.name}", (assign,), w.target.node, per_op=(direct,)))
+                self.steps.append(Step(f"update_{w.target.name}", (assign,), w.target.node, dynamic=(direct,)))
             else:
                 self.steps.append(Step(f"update_{w.target.name}", (direct,), w.target.node))
             if w.target not in seen:
@@ -108,29 +108,31 @@ class Program:
     def assignments(self) -> list[ir.Assignment]:
         return [a for s in self.steps for a in s.assigns]
 
-    def fused(self) -> ir.Comp:
-        """Everything as one computation: intermediates are inlined or LOCAL scratch."""
+    def compiled_comp(self) -> ir.Comp:
+        """Compiled mode: everything as one computation, intermediates inlined or LOCAL scratch."""
         return ir.Comp.of(*self.assignments, embedded=self.embedded)
 
-    def per_op(self) -> list[ir.Comp]:
-        """One computation per op; each op's result is stored (readable while debugging)."""
-        return [ir.Comp.of(*(s.assigns if s.per_op is None else s.per_op), embedded=[s.node])
-                for s in self._per_op_steps]
+    def dynamic_comps(self) -> list[ir.Comp]:
+        """Dynamic mode: one computation per op, each op's result stored (readable while
+        debugging)."""
+        return [ir.Comp.of(*(s.assigns if s.dynamic is None else s.dynamic), embedded=[s.node])
+                for s in self._dynamic_steps]
 
     @property
-    def _per_op_steps(self) -> list[Step]:
-        return [s for s in self.steps if s.per_op != ()]
+    def _dynamic_steps(self) -> list[Step]:
+        return [s for s in self.steps if s.dynamic != ()]
 
     def batch(self, backend: Backend, kind: str) -> CodeBatch:
-        """The compiled batch of this program for a backend (``kind``: "fused" or "per_op"), cached."""
+        """The compiled batch of this program for a backend in a mode ("compiled" or "dynamic"),
+        cached."""
         key = (id(backend), kind)
         hit = self._batches.get(key)
         if hit is None or hit.backend is not backend:
-            if kind == "fused":
-                hit = backend.compile_batch([self.fused()], names=[self.name])
+            if kind == "compiled":
+                hit = backend.compile_batch([self.compiled_comp()], names=[self.name])
             else:
-                comps = self.per_op()
-                names = [f"{self.name}_op{k}_{s.name}" for k, s in enumerate(self._per_op_steps)]
+                comps = self.dynamic_comps()
+                names = [f"{self.name}_op{k}_{s.name}" for k, s in enumerate(self._dynamic_steps)]
                 hit = backend.compile_batch(comps, names=names)
             self._batches[key] = hit
         return hit

@@ -42,7 +42,7 @@ def evaluate(
     for t in program.persistent:
         value = overrides.get(t.name, t.init)
         env[t.node] = np.asarray(value, dtype=t.dtype.np).reshape(t.shape)
-    result = run_reference([program.fused()], env)
+    result = run_reference([program.compiled_comp()], env)
     outs = {name: result[t.node] for name, t in program.outputs.items()}
     persistent = {t.name: result[t.node] for t in program.persistent}
     return outs, persistent

@@ -15,7 +15,7 @@
 """
 
 from polyjit.testing.harness import Failure, run_programs, unsupported_reason
-from polyjit.testing.programs import Program, catalog
+from polyjit.testing.programs import CatalogProgram, catalog
 from polyjit.testing.reference import run_reference
 from polyjit.testing.suite import (
     CHECKS,
@@ -31,11 +31,11 @@ from polyjit.testing.suite import (
 
 __all__ = [
     "CHECKS",
+    "CatalogProgram",
     "CheckSkipped",
     "ConformanceSuite",
     "Failure",
     "KitNote",
-    "Program",
     "catalog",
     "default_multi_device_backend",
     "needs_multi_device",

@@ -14,7 +14,7 @@ from polyjit.core import dtypes, ir, lower
 from polyjit.core.dtypes import DType
 from polyjit.core.ir import MemoryMode, Node
 from polyjit.core.runtime import Backend, Context, Routine
-from polyjit.testing.programs import Program
+from polyjit.testing.programs import CatalogProgram
 from polyjit.testing.reference import run_reference
 
 __all__ = ["Failure", "compare", "kernel_dtypes", "program_rng", "run_programs", "unsupported_reason"]
@@ -67,7 +67,7 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}\n" + "".join(tb[-4:]).rstrip()
 
 
-def _check_modes(p: Program, ctx: Context) -> list[str]:
+def _check_modes(p: CatalogProgram, ctx: Context) -> list[str]:
     problems = []
     modes = lower.infer_modes(p.comps).modes
     for n in p.virtual:
@@ -84,7 +84,7 @@ def _check_modes(p: Program, ctx: Context) -> list[str]:
     return problems
 
 
-def _execute(p: Program, routines: Sequence[Routine], host: dict[Node, Array]) -> list[str]:
+def _execute(p: CatalogProgram, routines: Sequence[Routine], host: dict[Node, Array]) -> list[str]:
     """Run the program's routines for each of its runs; compare with the reference after each."""
     problems: list[str] = []
     ctx = routines[-1].context
@@ -108,7 +108,7 @@ def _execute(p: Program, routines: Sequence[Routine], host: dict[Node, Array]) -
     return problems
 
 
-def _run_group(backend: Backend, ordinal: int, group: Sequence[Program], seed: int) -> list[Failure]:
+def _run_group(backend: Backend, ordinal: int, group: Sequence[CatalogProgram], seed: int) -> list[Failure]:
     device = backend.get_device(ordinal)
     comps: list[ir.Comp] = []
     names: list[str] = []
@@ -145,7 +145,7 @@ def _run_group(backend: Backend, ordinal: int, group: Sequence[Program], seed: i
             ctx.finalize()
 
 
-def program_nodes(p: Program) -> set[Node]:
+def program_nodes(p: CatalogProgram) -> set[Node]:
     """Every node a program touches."""
     nodes = {n for n, _ in p.inputs}
     for c in p.comps:
@@ -155,7 +155,7 @@ def program_nodes(p: Program) -> set[Node]:
     return nodes
 
 
-def kernel_dtypes(p: Program) -> frozenset[DType]:
+def kernel_dtypes(p: CatalogProgram) -> frozenset[DType]:
     """The dtypes the program's kernels compute with: their buffers, the merge buffer and every
     expression (a node that no kernel touches, such as a constant read back as is, is data only)."""
     names = tuple(f"k{k}" for k in range(len(p.comps)))
@@ -169,7 +169,7 @@ def kernel_dtypes(p: Program) -> frozenset[DType]:
     return frozenset(found)
 
 
-def unsupported_reason(properties: Mapping[str, Any], p: Program) -> str | None:
+def unsupported_reason(properties: Mapping[str, Any], p: CatalogProgram) -> str | None:
     """Why the program cannot run on a device with these properties (``Device.properties``), or
     None. A device whose ``fp64`` property is False runs no kernel that computes in float64."""
     if properties.get("fp64", True) is False and dtypes.float64 in kernel_dtypes(p):
@@ -177,10 +177,10 @@ def unsupported_reason(properties: Mapping[str, Any], p: Program) -> str | None:
     return None
 
 
-def group_programs(programs: Sequence[Program], size: int) -> list[list[Program]]:
+def group_programs(programs: Sequence[CatalogProgram], size: int) -> list[list[CatalogProgram]]:
     """Consecutive programs, at most ``size`` a group, no two of a group sharing a node."""
-    groups: list[list[Program]] = []
-    group: list[Program] = []
+    groups: list[list[CatalogProgram]] = []
+    group: list[CatalogProgram] = []
     seen: set[Node] = set()
     for p in programs:
         nodes = program_nodes(p)
@@ -196,7 +196,7 @@ def group_programs(programs: Sequence[Program], size: int) -> list[list[Program]
 
 def run_programs(
     backend: Backend,
-    programs: Sequence[Program],
+    programs: Sequence[CatalogProgram],
     *,
     ordinal: int = 0,
     seed: int = 0,

@@ -30,8 +30,8 @@ from polyjit.core.errors import DTypeMismatchError
 from polyjit.core.ir import AccumOp, MemoryMode, Node, Op, StaticSymbol, Symbol
 
 __all__ = [
+    "CatalogProgram",
     "Gen",
-    "Program",
     "by_name",
     "catalog",
     "default_tolerance",
@@ -44,7 +44,7 @@ Gen = Callable[[np.random.Generator], Array]
 
 
 @attrs.frozen(eq=False)
-class Program:
+class CatalogProgram:
     """A named test program.
 
     ``inputs``: the nodes put in the context before linking, each with its random
@@ -81,7 +81,7 @@ class Program:
         return (self.rtol if self.rtol is not None else rtol, self.atol if self.atol is not None else atol)
 
     def __repr__(self) -> str:
-        return f"Program({self.name})"
+        return f"CatalogProgram({self.name})"
 
 
 def default_tolerance(dt: DType) -> tuple[float, float]:
@@ -159,10 +159,10 @@ def program(
     outputs: Sequence[Node],
     comps: Sequence[ir.Comp] | None = None,
     **kw: Any,
-) -> Program:
+) -> CatalogProgram:
     """A one-computation program (or several, with ``comps=``)."""
     cs = tuple(comps) if comps is not None else (ir.Comp.of(*assignments),)
-    return Program(name, cs, tuple(inputs), tuple(outputs), **kw)
+    return CatalogProgram(name, cs, tuple(inputs), tuple(outputs), **kw)
 
 
 def _valid(op: Op, operand_dtypes: Sequence[DType], lhs: DType) -> DType | None:
@@ -202,8 +202,8 @@ def _pow_gens(dt: DType, shape: tuple[int, ...]) -> tuple[Gen, Gen]:
     return base, expo
 
 
-def _elementwise() -> list[Program]:
-    out: list[Program] = []
+def _elementwise() -> list[CatalogProgram]:
+    out: list[CatalogProgram] = []
     for dt in dtypes.ALL:
         for op in _UNARY:
             rdt = _valid(op, [dt], dt)
@@ -288,7 +288,7 @@ def _cast_source(src: DType, dst: DType, shape: tuple[int, ...]) -> Gen:
     return gen
 
 
-def _casts() -> list[Program]:
+def _casts() -> list[CatalogProgram]:
     out = []
     for src in dtypes.ALL:
         for dst in dtypes.ALL:
@@ -312,7 +312,7 @@ def _f32(name: str, shape: tuple[int, ...], mode: MemoryMode | None = None) -> N
     return Node(name, shape, dtypes.float32, mode)
 
 
-def _broadcasting() -> list[Program]:
+def _broadcasting() -> list[CatalogProgram]:
     out = []
     a, b, r = _f32("a", (3, 1, 5)), _f32("b", (4, 1)), _f32("r", (3, 4, 5))
     out.append(program("broadcast.3d", ir.apply(Op.ADD, a, b, into=r),
@@ -343,7 +343,7 @@ def _broadcasting() -> list[Program]:
     return out
 
 
-def _transposes() -> list[Program]:
+def _transposes() -> list[CatalogProgram]:
     out = []
     for dt in (dtypes.float32, dtypes.int64, dtypes.uint8, dtypes.bool_):
         a, r = Node("a", (5, 7), dt), Node("r", (7, 5), dt)
@@ -363,7 +363,7 @@ def _transpose_assign(a: Node, r: Node) -> ir.Accum:
     return ir.Accum(r, None, Op.ID, (a,), pr)
 
 
-def _reductions() -> list[Program]:
+def _reductions() -> list[CatalogProgram]:
     out = []
     red_dtypes = (dtypes.float32, dtypes.float64, dtypes.int32, dtypes.int64, dtypes.uint8)
     for dt in red_dtypes:
@@ -435,7 +435,7 @@ def _reductions() -> list[Program]:
     return out
 
 
-def _matmuls() -> list[Program]:
+def _matmuls() -> list[CatalogProgram]:
     out = []
     for dt, (m, k, n) in [
         (dtypes.float32, (13, 17, 11)),
@@ -490,7 +490,7 @@ def _matmuls() -> list[Program]:
     return out
 
 
-def _accumulate_onto_context() -> list[Program]:
+def _accumulate_onto_context() -> list[CatalogProgram]:
     """Accumulations without init_neutral add onto what the context holds, run after run."""
     out = []
     a, b, c = _f32("a", (13, 7)), _f32("b", (7, 21)), _f32("c", (13, 21))
@@ -525,7 +525,7 @@ def _accumulate_onto_context() -> list[Program]:
     return out
 
 
-def _writes() -> list[Program]:
+def _writes() -> list[CatalogProgram]:
     """Non-surjective, non-injective, strided and fixed-index writes."""
     out = []
     i, j = Symbol("i"), Symbol("j")
@@ -597,7 +597,7 @@ def _writes() -> list[Program]:
     return out
 
 
-def _fusion() -> list[Program]:
+def _fusion() -> list[CatalogProgram]:
     out = []
     shape = (4, 50)
     a, b, c = (_f32(nm, shape) for nm in "abc")
@@ -648,7 +648,7 @@ def _fusion() -> list[Program]:
     return out
 
 
-def _fetches() -> list[Program]:
+def _fetches() -> list[CatalogProgram]:
     out = []
     for dt in dtypes.ALL:
         fnode, rnode = Node("fill", (3, 5), dt), Node("range", (300,), dt)
@@ -696,7 +696,7 @@ def _fetches() -> list[Program]:
     return out
 
 
-def _reshapes() -> list[Program]:
+def _reshapes() -> list[CatalogProgram]:
     out = []
     a, flat = Node("a", (4, 6), dtypes.int32), Node("flat", (24,), dtypes.int32)
     out.append(program("reshape.copy", ir.reshape(flat, a),
@@ -711,7 +711,7 @@ def _reshapes() -> list[Program]:
     return out
 
 
-def _structure() -> list[Program]:
+def _structure() -> list[CatalogProgram]:
     out = []
     a, b = Node("a", (6, 5), dtypes.float64), Node("b", (6, 5), dtypes.float64)
     t, u, r = Node("t", (6, 5), dtypes.float64), Node("u", (6, 5), dtypes.float64), Node("r", (5,), dtypes.float64)
@@ -770,7 +770,7 @@ def _structure() -> list[Program]:
     return out
 
 
-def _large() -> list[Program]:
+def _large() -> list[CatalogProgram]:
     """Sizes past the CPU dialect's OpenMP thresholds (parallel loops, parallel reductions)."""
     out = []
     shape = (300, 200)
@@ -811,7 +811,7 @@ def _large() -> list[Program]:
 
 
 @functools.cache
-def catalog() -> tuple[Program, ...]:
+def catalog() -> tuple[CatalogProgram, ...]:
     """Every program of the catalog (names are unique)."""
     progs = [
         *_elementwise(), *_casts(), *_broadcasting(), *_transposes(), *_reductions(), *_matmuls(),
@@ -824,7 +824,7 @@ def catalog() -> tuple[Program, ...]:
     return tuple(progs)
 
 
-def by_name(name: str) -> Program:
+def by_name(name: str) -> CatalogProgram:
     for p in catalog():
         if p.name == name:
             return p

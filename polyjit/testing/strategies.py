@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from polyjit.core import dtypes, ir
 from polyjit.core.dtypes import DType
 from polyjit.core.ir import AccumOp, Node, Op, Symbol
-from polyjit.testing.programs import Gen, Program
+from polyjit.testing.programs import CatalogProgram, Gen
 
 __all__ = [
     "affine_programs",
@@ -298,7 +298,7 @@ def _tolerance_for(v: _Val) -> tuple[float, float]:
 
 
 @st.composite
-def elementwise_programs(draw: st.DrawFn, max_inputs: int = 3, max_ops: int = 5) -> Program:
+def elementwise_programs(draw: st.DrawFn, max_inputs: int = 3, max_ops: int = 5) -> CatalogProgram:
     """A random DAG of elementwise ops (mixed dtypes, broadcasting, scalars, casts)."""
     shape = draw(shapes(max_rank=3, max_side=5))
     vals: list[_Val] = []
@@ -348,7 +348,7 @@ def elementwise_programs(draw: st.DrawFn, max_inputs: int = 3, max_ops: int = 5)
     outs = [v for v in made if v.node is not None and v.node in comp.embedded]
     rtol = max(_tolerance_for(v)[0] for v in outs)
     atol = max(_tolerance_for(v)[1] for v in outs)
-    p = Program("hypothesis.elementwise", (comp,), tuple(inputs), tuple(v.node for v in outs if v.node),
+    p = CatalogProgram("hypothesis.elementwise", (comp,), tuple(inputs), tuple(v.node for v in outs if v.node),
                 rtol=rtol, atol=atol)
     return attrs.evolve(p, description=describe(p.comps))
 
@@ -398,7 +398,7 @@ _LETTERS = "ijkl"
 
 
 @st.composite
-def einsum_programs(draw: st.DrawFn) -> Program:
+def einsum_programs(draw: st.DrawFn) -> CatalogProgram:
     """A random einsum (one or two operands) with a random AccumOp and init_neutral."""
     extents = {ch: draw(st.integers(0, 5) if draw(st.integers(0, 9)) == 0 else st.integers(1, 5))
                for ch in _LETTERS}
@@ -445,14 +445,14 @@ def einsum_programs(draw: st.DrawFn) -> Program:
             atol = 1e-300
         else:
             rtol, atol = 2 * eps, 1e-300
-    p = Program(f"hypothesis.einsum[{spec}]", (ir.Comp.of(acc),), tuple(inputs), (out,),
+    p = CatalogProgram(f"hypothesis.einsum[{spec}]", (ir.Comp.of(acc),), tuple(inputs), (out,),
                 rtol=rtol, atol=atol)
     return attrs.evolve(p, description=f"  einsum {spec!r} accum={accum.value} init_neutral={init_neutral} "
                                        f"dtype={dt} extents={extents}\n" + describe(p.comps))
 
 
 @st.composite
-def matmul_programs(draw: st.DrawFn) -> Program:
+def matmul_programs(draw: st.DrawFn) -> CatalogProgram:
     """``[b]ik,[b]kj->[b]ij`` (operands possibly stored transposed) with m, k, n up to 70:
     enough to cross the CPU's 6-row x 2-vector tiles and the GPUs' 16..64-wide tiles."""
     m, k, n = (draw(st.integers(1, 70)) for _ in range(3))
@@ -472,7 +472,7 @@ def matmul_programs(draw: st.DrawFn) -> Program:
     spec = f"{a_spec},{b_spec}->{batch}ij"
     acc = ir.einsum(spec, a, b, into=out, init_neutral=init_neutral)
     eps = _EPS[dt]
-    p = Program(f"hypothesis.matmul[{spec}]", (ir.Comp.of(acc),), tuple(inputs), (out,),
+    p = CatalogProgram(f"hypothesis.matmul[{spec}]", (ir.Comp.of(acc),), tuple(inputs), (out,),
                 rtol=4 * eps, atol=4 * eps * (k + 2) * (4 * k + 2))
     return attrs.evolve(p, description=f"  matmul {spec!r} init_neutral={init_neutral} dtype={dt} "
                                        f"extents={extents}\n" + describe(p.comps))
@@ -502,7 +502,7 @@ def _small_ints(dt: DType, shape: tuple[int, ...]) -> Gen:
 
 
 @st.composite
-def affine_programs(draw: st.DrawFn) -> Program:
+def affine_programs(draw: st.DrawFn) -> CatalogProgram:
     """An Accum with random affine lhs and rhs indices (strides, offsets, reversed and fixed
     indices, diagonals); writes that miss cells or hit one cell several times included."""
     n_syms = draw(st.integers(1, 3))
@@ -528,10 +528,10 @@ def affine_programs(draw: st.DrawFn) -> Program:
     pr = ir.Projections(tuple(space), lidx, ridx)
     a = ir.Accum(lhs, accum, op, rhs, pr, init_neutral)
     inputs: list[tuple[Node, Gen]] = [(n, _small_ints(dt, n.shape)) for n in (*rhs, lhs)]
-    p = Program("hypothesis.affine", (ir.Comp.of(a),), tuple(inputs), (lhs,), rtol=0.0, atol=0.0)
+    p = CatalogProgram("hypothesis.affine", (ir.Comp.of(a),), tuple(inputs), (lhs,), rtol=0.0, atol=0.0)
     return attrs.evolve(p, description=describe(p.comps))
 
 
-def programs() -> st.SearchStrategy[Program]:
+def programs() -> st.SearchStrategy[CatalogProgram]:
     """Any of the random program strategies."""
     return st.one_of(elementwise_programs(), einsum_programs(), matmul_programs(), affine_programs())

@@ -533,13 +533,13 @@ def check_events_and_device_sync(backend: Backend) -> None:
         for _ in range(SLOW_RUNS):
             r.run()
         ev = stream.record()
-        ev.sync()
+        ev.synchronize()
         if not ev.is_done():
-            raise AssertionError("Event.is_done() is False after Event.sync()")
+            raise AssertionError("Event.is_done() is False after Event.synchronize()")
         for _ in range(SLOW_RUNS):
             r.run()
         work = dev.all_work()
-        work.sync()
+        work.synchronize()
         if not work.is_done():
             raise AssertionError("Device.all_work() is not done after its sync()")
         for _ in range(SLOW_RUNS):

@@ -14,7 +14,7 @@ import numpy as np
 from polyjit.backends import cuda
 from polyjit.core import dtypes, ir
 from polyjit.core.ir import AccumOp, Node, Op, StaticSymbol, Symbol
-from polyjit.testing.programs import Program, catalog, program, values
+from polyjit.testing.programs import CatalogProgram, catalog, program, values
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,9 +24,9 @@ def f32(name: str, shape: tuple[int, ...]) -> Node:
 
 
 @functools.cache
-def cuda_programs() -> tuple[Program, ...]:
+def cuda_programs() -> tuple[CatalogProgram, ...]:
     q32 = functools.partial(values, dtypes.float32, kind="quarter")
-    out: list[Program] = []
+    out: list[CatalogProgram] = []
 
     def mm(name: str, spec: str, a_shape: tuple[int, ...], b_shape: tuple[int, ...],
            c_shape: tuple[int, ...], **kw: Any) -> None:
@@ -86,7 +86,7 @@ def cuda_programs() -> tuple[Program, ...]:
     return tuple(out)
 
 
-def all_programs() -> list[Program]:
+def all_programs() -> list[CatalogProgram]:
     return [*catalog(), *cuda_programs()]
 
 

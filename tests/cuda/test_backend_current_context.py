@@ -45,7 +45,7 @@ def test_other_code_may_change_the_current_context_in_between(fresh_backend: Any
     try:
         events += [stream.record() for _ in range(50)]  # more events than polyjit has recycled
         for e in events:
-            e.sync()
+            e.synchronize()
     finally:
         cu.cuCtxSetCurrent(previous)
         cu.cuDevicePrimaryCtxRelease(1)
@@ -66,7 +66,7 @@ def test_two_backends_in_one_thread(stub_driver: stub.Driver) -> None:
     try:
         events += [stream.record() for _ in range(50)]
         for e in events:
-            e.sync()
+            e.synchronize()
     finally:
         other.finalize()
         gc.collect()

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import attrs
 
 from polyjit.core import dtypes, group_reduce
-from polyjit.core.codegen import Dialect, Emitter, KernelSpec, LaunchConfig, Names
+from polyjit.core.codegen import Dialect, Emitter, KernelSpec, LaunchShape, Names
 from polyjit.core.dtypes import DType
 from polyjit.core.ir import Symbol
 from polyjit.core.lower import Const, Contraction, Kernel, Reduce, match_contraction
@@ -145,18 +145,18 @@ class OpenCLDialect(Dialect):
             return [[lp] for lp in reversed(nest)]
         return [[nest[-1]], [nest[-2]], nest[:-2]]
 
-    def launch_config(self, kernel: Kernel) -> LaunchConfig:
+    def launch_shape(self, kernel: Kernel) -> LaunchShape:
         c = self.contraction(kernel)
         if c is not None:
             t = self.tiles
             gx = _ceil_div(c.n, t.bn) * t.lx
             gy = _ceil_div(c.m, t.bm) * t.ly
             nb = math.prod(n for _, n in c.batch)
-            return LaunchConfig((gx, gy, nb), (t.lx, t.ly, 1))
+            return LaunchShape((gx, gy, nb), (t.lx, t.ly, 1))
         if self.group_reduction(kernel):
-            return LaunchConfig((group_reduce.group_count(kernel) * self.work_group,), (self.work_group,))
+            return LaunchShape((group_reduce.group_count(kernel) * self.work_group,), (self.work_group,))
         if not kernel.parallel:
-            return LaunchConfig((1,), (1,))
+            return LaunchShape((1,), (1,))
         extents = [math.prod(n for _, n in loops) for loops in self.dims(kernel)]
         local: list[int] = []
         room = self.work_group
@@ -165,7 +165,7 @@ class OpenCLDialect(Dialect):
             local.append(size)
             room //= size
         glob = tuple(_ceil_div(e, lsz) * lsz for e, lsz in zip(extents, local))
-        return LaunchConfig(glob, tuple(local))
+        return LaunchShape(glob, tuple(local))
 
     # -- kernel bodies -------------------------------------------------------------
 
@@ -183,7 +183,7 @@ class OpenCLDialect(Dialect):
     def emit_parallel(self, em: Emitter, kernel: Kernel, names: Names, indent: int) -> list[str]:
         """Each parallel loop variable from a global id, guarded against the rounded-up size."""
         pad = "  " * indent
-        launch = self.launch_config(kernel)
+        launch = self.launch_shape(kernel)
         lines: list[str] = []
         for d, loops in enumerate(self.dims(kernel)):
             total = math.prod(n for _, n in loops)

@@ -55,7 +55,7 @@ import numpy as np
 
 from polyjit.backends.opencl.dialect import CPU_BUILD_OPTION, OpenCLDialect
 from polyjit.core.cache import BinaryCache, content_key
-from polyjit.core.codegen import KernelSpec, LaunchConfig, Source
+from polyjit.core.codegen import KernelSpec, LaunchShape, Source
 from polyjit.core.compiler import source_excerpt
 from polyjit.core.errors import CompileError, UnknownDeviceError, UnsupportedError
 from polyjit.core.protocol import DeviceInfo
@@ -709,7 +709,7 @@ def _compile_error(program: Any, text: str, devs: Sequence[_Device], err: Except
     return CompileError(message, source=text, log=log)
 
 
-def _fit_launch(launch: LaunchConfig, kernel: Any, dev: _Device) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+def _fit_launch(launch: LaunchShape, kernel: Any, dev: _Device) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
     """The launch configuration, with the work-group shrunk (halved: the rounded global size
     stays a multiple) to what this kernel may use on this device. On CPU devices, kernels that
     do not require a work-group size let the driver choose: PoCL picks larger work-groups than
