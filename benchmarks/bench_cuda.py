@@ -64,7 +64,7 @@ def bench_bandwidth(backend: cuda.CudaBackend, cp: Any, n: int) -> list[Result]:
     out: list[Result] = []
     nbytes = 2 * n * 4
     drv = backend.driver
-    cu = cuda._cu()
+    cu = cuda.driver._cu()
     src_loc, dst_loc = ctx.buffers[x], scale.context.buffers[y]
     src_ptr = dev.pool_handle(src_loc.pool_id).ptr + src_loc.offset
     dst_ptr = dev.pool_handle(dst_loc.pool_id).ptr + dst_loc.offset

@@ -26,7 +26,7 @@ import pytest
 
 from polyjit.backends import get_backend
 from polyjit.backends.cpu.dialect import CpuDialect
-from polyjit.backends.cuda_dialect import CudaDialect
+from polyjit.backends.cuda.dialect import CudaDialect
 from polyjit.backends.opencl import OpenCLDialect
 from polyjit.core import dtypes, ir
 from polyjit.core.codegen import (

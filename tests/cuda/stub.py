@@ -108,9 +108,13 @@ def register_image(image: bytes, text: str) -> Path:
 def install_nvrtc_hook() -> Callable[[], None]:
     """From now on, every image polyjit's NVRTC step (``polyjit.backends.cuda.nvrtc_compile``)
     returns gets its host code. Returns the function that takes the hook out again."""
+    import importlib
+
     from polyjit.backends import cuda
 
-    original: Callable[..., bytes] = cuda.nvrtc_compile
+    # Wrap the function where it is defined: that is the name the backend calls.
+    home = importlib.import_module(cuda.nvrtc_compile.__module__)
+    original: Callable[..., bytes] = home.nvrtc_compile
     if getattr(original, "pjstub_hook", False):
         return lambda: None
 
@@ -121,10 +125,12 @@ def install_nvrtc_hook() -> Callable[[], None]:
         return image
 
     compile_and_register.pjstub_hook = True  # type: ignore[attr-defined]
-    cuda.nvrtc_compile = compile_and_register  # type: ignore[assignment]
+    home.nvrtc_compile = compile_and_register
+    cuda.nvrtc_compile = compile_and_register  # type: ignore[attr-defined]
 
     def remove() -> None:
-        cuda.nvrtc_compile = original  # type: ignore[assignment]
+        home.nvrtc_compile = original
+        cuda.nvrtc_compile = original  # type: ignore[attr-defined]
 
     return remove
 

@@ -40,7 +40,7 @@ import attrs
 import numpy as np
 
 from polyjit.alloc.slab import MERGE_POOL, BufferLoc
-from polyjit.backends.cuda_dialect import CudaDialect
+from polyjit.backends.cuda.dialect import CudaDialect
 from polyjit.core.cache import BinaryCache, content_key
 from polyjit.core.codegen import KernelSpec, LaunchShape, Source
 from polyjit.core.compiler import source_excerpt
@@ -63,6 +63,7 @@ __all__ = [
     "BASE_ALIGNMENT",
     "DEFAULT_ARCH",
     "NVRTC_OPTIONS",
+    "STAGING_BYTES",
     "CudaBackend",
     "CudaBinary",
     "CudaDriver",
@@ -70,6 +71,7 @@ __all__ = [
     "Plan",
     "capture",
     "create_backend",
+    "grid_and_block",
     "nvrtc_compile",
     "nvrtc_log",
     "nvrtc_supported_archs",
