@@ -1,10 +1,13 @@
-"""One C-family emitter for the loop IR, parameterized by a Dialect.
+"""One C-family emitter for the loop IR; a ``Dialect`` only spells.
 
-The emitter writes expressions, stores, reductions and serial loops the same
-way for C, OpenCL C and CUDA C. A ``Dialect`` supplies what differs: type
-names, math functions, the kernel signature and how its buffer parameters are
-declared, and how the nest of parallel loops maps onto hardware (OpenMP,
-global ids, blocks and threads), which also fixes the launch configuration.
+Each kernel's plan (core/patterns.py: its kind, shape, tiles and launch shape) is decided
+once, carried on its ``KernelSpec``, and followed here: the :class:`Emitter` writes
+expressions, stores, reductions and serial loops the same way for C, OpenCL C and CUDA C;
+:func:`emit_loops` writes a parallel nest as for loops (OpenMP threads share the outer ones);
+core/gpu.py writes the kernels the GPU dialects share. A ``Dialect`` supplies spellings
+(type names, math functions, qualifiers, the kernel signature, pragmas, the GPU builtins)
+and declares what its target is (how parallel loops map onto it, its work-group sizes, the
+sizes worth tiling, the shapes only it writes). Its defaults spell C99 with OpenMP.
 """
 
 from __future__ import annotations
@@ -12,16 +15,17 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 import numpy as np
 
-from polyjit.core import dtypes, ir
+from polyjit.core import dtypes, gpu, ir, patterns
 from polyjit.core.dtypes import DType
 from polyjit.core.errors import CompileError, UnsupportedError
+from polyjit.core.gpu import GpuSpelling
 from polyjit.core.ir import Affine, Symbol
-from polyjit.core.lower import (
+from polyjit.core.loops import (
     Call,
     Const,
     Expr,
@@ -34,26 +38,22 @@ from polyjit.core.lower import (
     Stmt,
     Store,
     walk_exprs,
-    walk_stmts,
 )
+from polyjit.core.patterns import KernelPlan, LaunchShape, Tiles, plan_kernel
+
+__all__ = [
+    "COMMENT_MAX", "IDENTIFIER_MAX", "Dialect", "Emitter", "KernelPlan", "KernelSpec", "LaunchShape",
+    "Names", "Source", "comment", "comment_text", "emit_loops", "generate", "kernel_identifier",
+    "kernel_spec", "used_helpers",
+]
 
 # ---------------------------------------------------------------------------
 # What a compiled batch describes about each kernel
 
 
 @attrs.frozen
-class LaunchShape:
-    """How a kernel is launched. ``global_size``/``local_size`` are in work items (OpenCL style);
-    CUDA reads grid = global // local. The CPU ignores them (OpenMP decides)."""
-
-    global_size: tuple[int, ...] = (1,)
-    local_size: tuple[int, ...] | None = None
-    shared_bytes: int = 0
-
-
-@attrs.frozen
 class KernelSpec:
-    """A kernel of a compiled module: its parameters in order, then the statics."""
+    """A kernel of a compiled module: its parameters in order, then the statics; its plan."""
 
     name: str
     buffers: tuple[ir.Node, ...]  # outputs first; the merge buffer (if any) is not among them
@@ -62,21 +62,61 @@ class KernelSpec:
     launch: LaunchShape
     outputs: tuple[ir.Node, ...]
     inputs: tuple[ir.Node, ...]
+    plan: KernelPlan = attrs.field(eq=False)
 
+
+# A shape only one dialect writes (Dialect.shape_emitters): the lines inside the signature.
+ShapeEmitter = Callable[["Emitter", Kernel, KernelPlan, "Names"], list[str]]
 
 # ---------------------------------------------------------------------------
-# Dialect: what differs between C, OpenCL C and CUDA C
+# Dialect: spellings, and what the target is
 
 
 class Dialect:
-    """The C dialect (the CPU backend); OpenCL and CUDA subclass it."""
+    """A C-family language: spellings (the defaults are C99 with OpenMP) and the target's
+    declarations that core/patterns.py plans kernels from. Subclasses override attributes
+    and spelling methods; none decides how a kernel runs."""
 
     name = "c"
     function_qualifier = "static inline"
     restrict = "restrict"
+    int64_suffix = "LL"  # int64_t literals
+    index_value = "((int64_t)({}))"  # an index used as an int64 value
+    reduction_ops = {ir.AccumOp.ADD: "+", ir.AccumOp.MUL: "*", ir.AccumOp.MAX: "max", ir.AccumOp.MIN: "min"}
+    parallel_for_pragma: str | None = "#pragma omp parallel for{collapse} schedule(static)"
+    parallel_reduction_pragma: str | None = (
+        "#pragma omp parallel for{collapse} reduction({op}:pj_acc) schedule(static)")
+    # a reduction whose order is free (Reduce.reassociable): one accumulator per vector lane
+    simd_reduction_pragma: str | None = "#pragma omp simd reduction({op}:pj_acc){collapse}"
+    # Lines before a kernel that sums floats in loop order (KernelPlan.ordered_float). C: GCC
+    # 12's loop vectorizer miscompiles in-order (fold-left) float reductions that read with a
+    # negative stride (``sum_k x[n - k]`` gives wrong sums at -O3), and vectorizing them
+    # gains nothing on the CPU anyway. Keyed to the compiler that reads the source (clang,
+    # which also defines ``__GNUC__``, is left out), never to a dialect's name, and kept
+    # for every GCC version: no later one is known here to be fixed, and it costs nothing.
+    ordered_float_prefix: tuple[str, ...] = (
+        "#if defined(__GNUC__) && !defined(__clang__)",
+        '__attribute__((optimize("no-tree-loop-vectorize")))',
+        "#endif",
+    )
+
+    # -- what the target is (core/patterns.py reads these) --------------------------------
+    mapping = patterns.LOOPS  # how a parallel nest maps onto the target
     # A kernel of less work than this (innermost iterations) runs on one thread: a team
     # costs microseconds.
     omp_min_work = 32768
+    work_group = 256  # work-items of a generic work-group (GPU mappings)
+    max_work_group = 256  # of a group reduction's few, very long cells
+    group_reductions = False  # a work-group per cell for few, long reductions
+    matmul = False  # contractions as tiles
+    matmul_dtypes: tuple[DType, ...] = (dtypes.float32, dtypes.float64)
+    matmul_rows = False  # the tiles load rows of y and the output as vectors (Contraction.row_major)
+    matmul_min_side = 0  # tiles for contractions with both output sides at least this long...
+    matmul_min_work = 0  # ... and at least this many multiply-adds
+    matmul_tiles: tuple[Tiles, ...] = ()  # GPU tiles, biggest first
+    vector_bytes = 0  # the host's vector registers (the CPU's shapes)
+    shape_emitters: Mapping[str, ShapeEmitter] = {}  # the shapes only this dialect writes
+    gpu: GpuSpelling | None = None  # the GPU builtins (GPU mappings)
 
     def type_name(self, dt: DType) -> str:
         return dt.c
@@ -114,9 +154,16 @@ class Dialect:
             return f"{float(np.float32(value))!r}f"
         return repr(float(value))
 
-    # -- kernel signature and the parallel nest --------------------------------
+    def pragma(self, template: str | None, collapse: int, accum: ir.AccumOp | None = None) -> str | None:
+        """A pragma template with its collapse clause (and reduction operator) filled in."""
+        if template is None:
+            return None
+        clause = f" collapse({collapse})" if collapse > 1 else ""
+        return template.format(collapse=clause, op=self.reduction_ops[accum] if accum else "")
 
     def kernel_open(self, spec: KernelSpec, names: Names) -> list[str]:
+        """The signature and what precedes the body: C takes the buffers as an array of
+        pointers and the statics as an array of int64."""
         lines = [f"void {spec.name}(void* const* {self.restrict} pj_bufs, "
                  f"const int64_t* {self.restrict} pj_statics) {{"]
         for k, node in enumerate(spec.buffers):
@@ -130,85 +177,18 @@ class Dialect:
             lines.append(f"  const int64_t {names.var(s)} = pj_statics[{k}];")
         return lines
 
-    def launch_shape(self, kernel: Kernel) -> LaunchShape:
-        return LaunchShape((max(1, kernel.work),))
-
-    def emit_parallel(self, em: Emitter, kernel: Kernel, names: Names, indent: int) -> list[str]:
-        """C: the parallel nest as for loops, the outermost under ``#pragma omp parallel for``."""
-        lines: list[str] = []
-        nest = list(kernel.parallel)
-        pad = "  " * indent
-        if nest and kernel.total_work >= self.omp_min_work:
-            collapse = 1
-            if len(nest) > 1 and nest[0][1] < 64:  # a short outer loop: share the next ones too
-                collapse = len(nest) - 1
-            clause = f" collapse({collapse})" if collapse > 1 else ""
-            lines.append(f"{pad}#pragma omp parallel for{clause} schedule(static)")
-        elif not nest and isinstance(kernel.body, Reduce) and _omp_reduction_op(kernel.body):
-            return em.reduce_parallel_c(kernel.body, indent, _omp_reduction_op(kernel.body) or "")
-        depth = indent
-        for sym, n in nest:
-            lines.append(f"{'  ' * depth}for (int64_t {names.var(sym)} = 0; {names.var(sym)} < {n}; ++{names.var(sym)}) {{")
-            depth += 1
-        lines += em.stmt(kernel.body, depth)
-        for d in range(depth - 1, indent - 1, -1):
-            lines.append(f"{'  ' * d}}}")
-        return lines
-
     def emit_kernel(self, em: Emitter, kernel: Kernel, spec: KernelSpec, names: Names) -> list[str]:
-        return [*self.kernel_open(spec, names), *self.emit_parallel(em, kernel, names, 1), "}"]
+        """The whole kernel, as its plan says (core's emitters; a dialect does not override
+        this to decide anything)."""
+        return [*self.kernel_open(spec, names), *emit_body(em, kernel, spec.plan, names), "}"]
 
-    def reduce_pragma(self, r: Reduce) -> str | None:
-        """C: a reduction whose order is free (``Reduce.reassociable``) vectorizes with one
-        accumulator per lane (``omp simd``). Dialects that are not OpenMP C return None."""
-        op = _OMP_REDUCTION_OPS[r.accum]
-        if not r.reassociable or not r.node.dtype.is_float:
-            return None
-        collapse = f" collapse({len(r.loops)})" if len(r.loops) > 1 else ""
-        return f"#pragma omp simd reduction({op}:pj_acc){collapse}"
+    # -- conveniences over core/patterns.py ----------------------------------------------
 
-    def kernel_prefix(self, kernel: Kernel) -> list[str]:
-        """Lines before a kernel's definition.
+    def plan(self, kernel: Kernel) -> KernelPlan:
+        return plan_kernel(kernel, self)
 
-        C: GCC 12's loop vectorizer miscompiles in-order (fold-left) float reductions
-        that read with a negative stride (``sum_k x[n - k]`` gives wrong sums at -O3);
-        vectorizing an in-order float reduction gains nothing on the CPU anyway, so
-        kernels holding one are compiled without the loop vectorizer. The workaround is
-        keyed to the compiler that reads the source (the preprocessor tests for GCC, and
-        clang, which also defines ``__GNUC__``, is left out), never to this dialect's name:
-        any subclass of the C dialect, whatever it is called, gets it. It is kept for every
-        GCC version, not only 12: no later version is known here to be fixed, and the
-        attribute costs nothing. Dialects for other compilers (OpenCL, CUDA) return [].
-        """
-        if not _has_float_serial_accumulation(kernel):
-            return []
-        return list(GCC_NO_LOOP_VECTORIZE)
-
-
-# The lines before a kernel that GCC must not loop-vectorize (see Dialect.kernel_prefix).
-GCC_NO_LOOP_VECTORIZE = (
-    "#if defined(__GNUC__) && !defined(__clang__)",
-    '__attribute__((optimize("no-tree-loop-vectorize")))',
-    "#endif",
-)
-
-
-def _has_float_serial_accumulation(kernel: Kernel) -> bool:
-    stmts = list(walk_stmts(kernel.body))
-    if any(isinstance(s, Reduce) and s.node.dtype.is_float and not s.reassociable for s in stmts):
-        return True
-    serial = any(isinstance(s, Loop) for s in stmts)
-    return serial and any(isinstance(s, Store) and s.accum is not None and s.node.dtype.is_float for s in stmts)
-
-
-_OMP_REDUCTION_OPS = {ir.AccumOp.ADD: "+", ir.AccumOp.MUL: "*", ir.AccumOp.MAX: "max", ir.AccumOp.MIN: "min"}
-
-
-def _omp_reduction_op(r: Reduce) -> str | None:
-    """A full reduction (no parallel nest) worth splitting across threads with OpenMP."""
-    if not r.loops or math.prod(n for _, n in r.loops) < 65536:
-        return None
-    return _OMP_REDUCTION_OPS[r.accum]
+    def launch_shape(self, kernel: Kernel) -> LaunchShape:
+        return plan_kernel(kernel, self).launch
 
 
 # ---------------------------------------------------------------------------
@@ -243,12 +223,11 @@ _MATH = {ir.Op.EXP: "exp", ir.Op.LOG: "log", ir.Op.SQRT: "sqrt", ir.Op.TANH: "ta
 
 
 class Emitter:
+    """Writes the loop IR's expressions and statements in a dialect's spelling."""
+
     def __init__(self, dialect: Dialect, names: Names) -> None:
         self.d = dialect
         self.names = names
-        # C spells int64 as int64_t (any C dialect, whatever its name): literals get LL and
-        # index values a cast; OpenCL's long and CUDA's long long need neither.
-        self._c_int64 = dialect.type_name(dtypes.int64) == "int64_t"
 
     # -- expressions ---------------------------------------------------------
 
@@ -265,7 +244,7 @@ class Emitter:
             return "1" if value else "0"
         v = int(value)
         if dt is dtypes.int64:
-            suffix = "LL" if self._c_int64 else ""
+            suffix = self.d.int64_suffix
             if v == -(1 << 63):  # the literal 9223372036854775808 does not fit a signed type
                 return f"(({self.d.type_name(dt)})(-9223372036854775807{suffix} - 1))"
             return f"(({self.d.type_name(dt)}){v}{suffix})"
@@ -278,7 +257,7 @@ class Emitter:
         if isinstance(e, Const):
             return self.literal(e.value, e.dtype)
         if isinstance(e, IndexValue):
-            return f"((int64_t)({self.index(e.index)}))" if self._c_int64 else f"({self.index(e.index)})"
+            return self.d.index_value.format(self.index(e.index))
         return self.call(e)
 
     def call(self, e: Call) -> str:
@@ -348,7 +327,8 @@ class Emitter:
         return target, target if r.init is None else self.expr(r.init)
 
     def reduce(self, r: Reduce, indent: int, pragma: str | None = None) -> list[str]:
-        pragma = pragma or self.d.reduce_pragma(r)
+        if pragma is None and r.reassociable and r.node.dtype.is_float:
+            pragma = self.d.pragma(self.d.simd_reduction_pragma, len(r.loops), r.accum)
         pad = "  " * indent
         t = self.d.type_name(r.node.dtype)
         target, init = self.reduce_cell(r)
@@ -367,11 +347,41 @@ class Emitter:
         lines += [f"{pad}  {target} = pj_acc;", f"{pad}}}"]
         return lines
 
-    def reduce_parallel_c(self, r: Reduce, indent: int, op: str) -> list[str]:
-        pragma = f"#pragma omp parallel for reduction({op}:pj_acc) schedule(static)"
-        if len(r.loops) > 1:
-            pragma = pragma.replace("for ", f"for collapse({len(r.loops)}) ")
-        return self.reduce(r, indent, pragma)
+
+# ---------------------------------------------------------------------------
+# Kernel bodies
+
+
+def emit_body(em: Emitter, kernel: Kernel, plan: KernelPlan, names: Names) -> list[str]:
+    """The lines inside a kernel's signature, as its plan says."""
+    special = em.d.shape_emitters.get(plan.shape) if plan.shape else None
+    if special is not None:  # a shape only this dialect writes (the CPU's)
+        return special(em, kernel, plan, names)
+    if em.d.mapping == patterns.LOOPS:
+        return emit_loops(em, kernel, plan, 1)
+    assert em.d.gpu is not None, f"the {em.d.name} dialect maps onto {em.d.mapping} but spells no GPU builtins"
+    return gpu.emit_body(em, kernel, plan, names, em.d.gpu)
+
+
+def emit_loops(em: Emitter, kernel: Kernel, plan: KernelPlan, indent: int) -> list[str]:
+    """The parallel nest as for loops; OpenMP threads share the plan's ``team`` of outer
+    loops, or, without a nest, the loops of the reduction."""
+    d, nest = em.d, kernel.parallel
+    lines: list[str] = []
+    if plan.team and nest:
+        pragma = d.pragma(d.parallel_for_pragma, plan.team)
+        lines += [f"{'  ' * indent}{pragma}"] if pragma else []
+    elif plan.team and isinstance(kernel.body, Reduce):
+        return em.reduce(kernel.body, indent, d.pragma(d.parallel_reduction_pragma, plan.team, kernel.body.accum))
+    depth = indent
+    for sym, n in nest:
+        v = em.names.var(sym)
+        lines.append(f"{'  ' * depth}for (int64_t {v} = 0; {v} < {n}; ++{v}) {{")
+        depth += 1
+    lines += em.stmt(kernel.body, depth)
+    for dd in range(depth - 1, indent - 1, -1):
+        lines.append(f"{'  ' * dd}}}")
+    return lines
 
 
 # ---------------------------------------------------------------------------
@@ -379,11 +389,11 @@ class Emitter:
 
 
 def kernel_spec(kernel: Kernel, dialect: Dialect, statics: tuple[ir.StaticSymbol, ...]) -> KernelSpec:
-    """Every kernel of a computation takes all of its statics, in one order."""
-    return KernelSpec(
-        kernel.name, kernel.buffers, kernel.merge_input, statics,
-        dialect.launch_shape(kernel), kernel.outputs, kernel.inputs,
-    )
+    """The kernel's spec and plan (every kernel of a computation takes all of its statics,
+    in one order)."""
+    plan = plan_kernel(kernel, dialect)
+    return KernelSpec(kernel.name, kernel.buffers, kernel.merge_input, statics, plan.launch,
+                      kernel.outputs, kernel.inputs, plan)
 
 
 def _dtypes_of(kernels: Sequence[Kernel]) -> set[DType]:
@@ -503,7 +513,7 @@ def generate(batch: LoweredBatch, dialect: Dialect) -> Source:
     kernels = batch.kernels
     used = _dtypes_of(kernels)
     for dt in used:  # a DType built by hand would write its own strings as type names
-        if dt not in dtypes.ALL:
+        if all(dt is not known for known in dtypes.ALL):  # by identity: DTypes equal by name
             raise UnsupportedError(f"{dt.name!r} is not a dtype of polyjit's table (polyjit.core.dtypes.ALL)")
     body: list[str] = []
     specs: list[tuple[KernelSpec, ...]] = []
@@ -517,7 +527,7 @@ def generate(batch: LoweredBatch, dialect: Dialect) -> Source:
             em = Emitter(dialect, names)
             if kernel.comment:
                 body.append(comment(kernel.comment))
-            body += dialect.kernel_prefix(kernel)
+            body += dialect.ordered_float_prefix if spec.plan.ordered_float else ()
             body += dialect.emit_kernel(em, kernel, spec, names)
             body.append("")
             comp_specs.append(spec)

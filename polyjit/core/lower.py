@@ -1,4 +1,4 @@
-"""Lowering: assignments -> loop IR.
+"""Lowering: assignments -> the loop IR (core/loops.py).
 
 Steps, for a batch of computations:
 1. memory-mode inference: which written nodes are inlined (VIRTUAL), which are
@@ -9,225 +9,51 @@ Steps, for a batch of computations:
    the accumulation is not injective and surjective;
 3. VIRTUAL nodes are inlined into their readers (this fuses elementwise chains);
 4. simplification: size-1 loops vanish, adjacent loops that walk memory
-   contiguously merge into one.
+   contiguously merge into one;
+5. a long full reduction splits into partial results and their reduction.
 
-Each kernel reports its inputs and outputs *after* inlining.
+Each kernel reports its inputs and outputs *after* inlining. How each kernel then
+runs on a target (its kind, tiles, launch shape) is core/patterns.py's to decide.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterator, Sequence
-from typing import Union
+from collections.abc import Callable, Sequence
 
 import attrs
 import numpy as np
 
-from polyjit.core import dtypes, ir
-from polyjit.core.dtypes import DType
+from polyjit.core import ir
 from polyjit.core.errors import InvalidProgramError
 from polyjit.core.ir import Affine, MemoryMode, Node, Symbol
+from polyjit.core.loops import (
+    Call,
+    Const,
+    Expr,
+    IndexValue,
+    Kernel,
+    Load,
+    Loop,
+    LoweredBatch,
+    LoweredComp,
+    Reduce,
+    Stmt,
+    Store,
+    affines_of,
+    map_expr,
+    map_stmt,
+    walk_exprs,
+    walk_stmts,
+)
 
-# ---------------------------------------------------------------------------
-# Loop IR: expressions
-
-
-@attrs.frozen
-class Load:
-    node: Node
-    index: Affine  # flat, row-major, in elements
-    merge: bool = False  # read from the device's merge buffer
-
-    @property
-    def dtype(self) -> DType:
-        return self.node.dtype
-
-
-@attrs.frozen
-class Const:
-    value: int | float | bool
-    dtype: DType
-
-
-@attrs.frozen
-class IndexValue:
-    """An index expression used as a value (``Range``)."""
-
-    index: Affine
-    dtype: DType = dtypes.int64
-
-
-@attrs.frozen
-class Call:
-    op: ir.Op
-    args: tuple[Expr, ...]
-    dtype: DType  # the result dtype (for CAST: the target)
-
-
-Expr = Union[Load, Const, IndexValue, Call]
-
-# ---------------------------------------------------------------------------
-# Loop IR: statements
-
-
-@attrs.frozen
-class Store:
-    """``node[index] = value``, or ``node[index] = accum(node[index], value)``."""
-
-    node: Node
-    index: Affine
-    value: Expr
-    accum: ir.AccumOp | None = None
-
-
-@attrs.frozen
-class Reduce:
-    """One output cell: ``acc = init (or the cell); for loops: acc = accum(acc, value); cell = acc``."""
-
-    node: Node
-    index: Affine
-    accum: ir.AccumOp
-    init: Expr | None  # None: start from what the cell holds
-    loops: tuple[tuple[Symbol, int], ...]
-    value: Expr
-    # The values may be combined in any order (the partial results of a split reduction):
-    # a dialect may keep several accumulators (vector lanes). Otherwise: in loop order.
-    reassociable: bool = False
-
-
-@attrs.frozen
-class Loop:
-    """A serial loop."""
-
-    sym: Symbol
-    extent: int
-    body: Stmt
-
-
-Stmt = Union[Store, Reduce, Loop]
-
-
-@attrs.frozen
-class Kernel:
-    """One kernel: a nest of parallel loops around a body."""
-
-    name: str
-    parallel: tuple[tuple[Symbol, int], ...]
-    body: Stmt
-    comment: str = ""
-
-    @property
-    def stores(self) -> list[Store | Reduce]:
-        return [s for s in walk_stmts(self.body) if isinstance(s, (Store, Reduce))]
-
-    @property
-    def loads(self) -> list[Load]:
-        return [e for e in walk_exprs(self.body) if isinstance(e, Load)]
-
-    @property
-    def outputs(self) -> tuple[Node, ...]:
-        return tuple(dict.fromkeys(s.node for s in self.stores))
-
-    @property
-    def inputs(self) -> tuple[Node, ...]:
-        """Nodes read from their own buffers (in-place accumulation reads the lhs too)."""
-        nodes = [ld.node for ld in self.loads if not ld.merge]
-        nodes += [s.node for s in self.stores if isinstance(s, Store) and s.accum is not None]
-        nodes += [s.node for s in self.stores if isinstance(s, Reduce) and s.init is None]
-        return tuple(dict.fromkeys(nodes))
-
-    @property
-    def buffers(self) -> tuple[Node, ...]:
-        """The kernel's buffer parameters, in order: outputs first, then inputs."""
-        return tuple(dict.fromkeys(self.outputs + self.inputs))
-
-    @property
-    def merge_input(self) -> Node | None:
-        merged = [ld.node for ld in self.loads if ld.merge]
-        return merged[0] if merged else None
-
-    @property
-    def statics(self) -> tuple[ir.StaticSymbol, ...]:
-        found = {v for a in affines_of(self) for v in a.vars if isinstance(v, ir.StaticSymbol)}
-        return tuple(sorted(found, key=lambda s: s.name))
-
-    @property
-    def work(self) -> int:
-        """Iterations of the parallel nest (the dialects' launch size)."""
-        return int(np.prod([n for _, n in self.parallel], dtype=np.int64))
-
-    @property
-    def total_work(self) -> int:
-        """Iterations of the innermost statement: the parallel nest times the loops inside it."""
-        inner = 1
-        for st in walk_stmts(self.body):
-            if isinstance(st, Reduce):
-                inner *= math.prod(n for _, n in st.loops)
-            elif isinstance(st, Loop):
-                inner *= st.extent
-        return self.work * inner
-
-
-def walk_stmts(s: Stmt) -> Iterator[Stmt]:
-    yield s
-    if isinstance(s, Loop):
-        yield from walk_stmts(s.body)
-
-
-def _expr_children(e: Expr) -> tuple[Expr, ...]:
-    return e.args if isinstance(e, Call) else ()
-
-
-def _walk_expr(e: Expr) -> Iterator[Expr]:
-    yield e
-    for c in _expr_children(e):
-        yield from _walk_expr(c)
-
-
-def walk_exprs(s: Stmt) -> Iterator[Expr]:
-    for st in walk_stmts(s):
-        if isinstance(st, Store):
-            yield from _walk_expr(st.value)
-        elif isinstance(st, Reduce):
-            if st.init is not None:
-                yield from _walk_expr(st.init)
-            yield from _walk_expr(st.value)
-
-
-def affines_of(k: Kernel) -> Iterator[Affine]:
-    for st in walk_stmts(k.body):
-        if isinstance(st, (Store, Reduce)):
-            yield st.index
-    for e in walk_exprs(k.body):
-        if isinstance(e, (Load, IndexValue)):
-            yield e.index
-
-
-# ---------------------------------------------------------------------------
-# Mapping affines (substitution, loop merging)
-
-
-def _map_expr(e: Expr, f: Callable[[Affine], Affine]) -> Expr:
-    if isinstance(e, Load):
-        return attrs.evolve(e, index=f(e.index))
-    if isinstance(e, IndexValue):
-        return attrs.evolve(e, index=f(e.index))
-    if isinstance(e, Call):
-        return attrs.evolve(e, args=tuple(_map_expr(a, f) for a in e.args))
-    return e
-
-
-def _map_stmt(s: Stmt, f: Callable[[Affine], Affine], loops: Callable[[Symbol, int], tuple[Symbol, int]] | None = None) -> Stmt:
-    if isinstance(s, Store):
-        return attrs.evolve(s, index=f(s.index), value=_map_expr(s.value, f))
-    if isinstance(s, Reduce):
-        init = None if s.init is None else _map_expr(s.init, f)
-        new_loops = tuple(loops(*lp) for lp in s.loops) if loops else s.loops
-        return attrs.evolve(s, index=f(s.index), init=init, loops=new_loops, value=_map_expr(s.value, f))
-    sym, ext = loops(s.sym, s.extent) if loops else (s.sym, s.extent)
-    return Loop(sym, ext, _map_stmt(s.body, f, loops))
-
+# The loop IR lives in core/loops.py; its names stay importable from here.
+__all__ = [
+    "Call", "Const", "Expr", "IndexValue", "Inference", "Kernel", "Load", "Loop", "LoweredBatch",
+    "LoweredComp", "Reduce", "Stmt", "Store", "flat_index", "infer_modes", "lower", "simplify",
+    "split_long_reduction", "strides", "walk_exprs", "walk_stmts",
+]
 
 # ---------------------------------------------------------------------------
 # Memory-mode inference
@@ -268,6 +94,7 @@ def _read_covers_space(reader: ir.Accum, node: Node) -> bool:
 class Inference:
     modes: dict[Node, MemoryMode]
     writer: dict[Node, ir.Accum | ir.Fetch]  # the unique writer of each VIRTUAL node
+    why_not: dict[Node, str] = attrs.Factory(dict)  # why each inferred LOCAL node is not inlined
 
 
 def infer_modes(comps: Sequence[ir.Comp]) -> Inference:
@@ -286,6 +113,7 @@ def infer_modes(comps: Sequence[ir.Comp]) -> Inference:
 
     modes: dict[Node, MemoryMode] = {}
     writer_of: dict[Node, ir.Accum | ir.Fetch] = {}
+    why_not: dict[Node, str] = {}
     for node, wpos in writers.items():
         explicit = node.mode
         if node in embedded or explicit in (MemoryMode.ON_DEVICE, MemoryMode.MATERIALIZED):
@@ -295,15 +123,16 @@ def infer_modes(comps: Sequence[ir.Comp]) -> Inference:
                     f"{node.label} is {explicit.value} but is embedded (a result of the computation)"
                 )
             continue
-        why_not = _why_not_inlinable(node, wpos, readers.get(node, []), leaves)
-        if why_not is None and explicit in (None, MemoryMode.VIRTUAL):
+        why_not_inlined = _why_not_inlinable(node, wpos, readers.get(node, []), leaves)
+        if why_not_inlined is None and explicit in (None, MemoryMode.VIRTUAL):
             modes[node] = MemoryMode.VIRTUAL
             writer_of[node] = leaves[wpos[0]][1]
         elif explicit is MemoryMode.VIRTUAL:
-            raise InvalidProgramError(f"{node.label} is marked VIRTUAL but cannot be inlined: {why_not}")
+            raise InvalidProgramError(f"{node.label} is marked VIRTUAL but cannot be inlined: {why_not_inlined}")
         else:
             modes[node] = MemoryMode.LOCAL
-    return Inference(modes, writer_of)
+            why_not[node] = why_not_inlined or "it is marked LOCAL"
+    return Inference(modes, writer_of, why_not)
 
 
 def _why_not_inlinable(
@@ -498,7 +327,7 @@ def _drop_unit_loops(k: Kernel) -> Kernel:
     if not units:
         return k
     body = _strip_loops(k.body, set(units))
-    body = _map_stmt(body, lambda a: a.substitute(units))
+    body = map_stmt(body, lambda a: a.substitute(units))
     return attrs.evolve(k, parallel=tuple((s, n) for s, n in k.parallel if s not in units), body=body)
 
 
@@ -522,7 +351,7 @@ def _merge_parallel(k: Kernel) -> Kernel:
             (so, no), (si, ni) = k.parallel[pos], k.parallel[pos + 1]
             if all(a.coeff(so) == ni * a.coeff(si) for a in affs):
                 drop: dict[ir.Var, Affine] = {so: Affine()}
-                body = _map_stmt(k.body, functools.partial(Affine.substitute, env=drop))
+                body = map_stmt(k.body, functools.partial(Affine.substitute, env=drop))
                 parallel = k.parallel[:pos] + ((si, no * ni),) + k.parallel[pos + 2 :]
                 k = attrs.evolve(k, parallel=parallel, body=body)
                 changed = True
@@ -572,7 +401,7 @@ def split_long_reduction(k: Kernel) -> tuple[list[Kernel], Node | None]:
     whole = ir.as_affine(b).scale(chunk) + ir.as_affine(c)
     partial = Node(f"{r.node.name}_parts", (parts,), r.node.dtype)  # LOCAL: lower() records it
     loops = (*r.loops[:pos], (c, chunk), *r.loops[pos + 1:])
-    value = _map_expr(r.value, lambda a: a.substitute({sym: whole}))
+    value = map_expr(r.value, lambda a: a.substitute({sym: whole}))
     neutral = Const(r.accum.neutral(r.node.dtype), r.node.dtype)
     first = Kernel(f"{k.name}_parts", ((b, parts),),
                    Reduce(partial, ir.as_affine(b), r.accum, neutral, loops, value, reassociable=True),
@@ -584,32 +413,6 @@ def split_long_reduction(k: Kernel) -> tuple[list[Kernel], Node | None]:
 
 # ---------------------------------------------------------------------------
 # The batch
-
-
-@attrs.frozen
-class LoweredComp:
-    name: str
-    kernels: tuple[Kernel, ...]
-    inputs: tuple[Node, ...]  # read before written: must be in the context at link time
-    outputs: tuple[Node, ...]  # persist in the context (embedded)
-    scratch: tuple[Node, ...]  # LOCAL: stored only inside the batch
-    constants: tuple[tuple[Node, np.ndarray], ...]
-    merge_input: Node | None
-
-    @property
-    def statics(self) -> tuple[ir.StaticSymbol, ...]:
-        found = {s for k in self.kernels for s in k.statics}
-        return tuple(sorted(found, key=lambda s: s.name))
-
-
-@attrs.frozen
-class LoweredBatch:
-    comps: tuple[LoweredComp, ...]
-    modes: dict[Node, MemoryMode]
-
-    @property
-    def kernels(self) -> list[Kernel]:
-        return [k for c in self.comps for k in c.kernels]
 
 
 def lower(comps: Sequence[ir.Comp], names: Sequence[str]) -> LoweredBatch:
@@ -663,52 +466,3 @@ def lower(comps: Sequence[ir.Comp], names: Sequence[str]) -> LoweredBatch:
                         next(iter(merges), None))
         )
     return LoweredBatch(tuple(out), inference.modes)
-
-
-# ---------------------------------------------------------------------------
-# Pattern: matmul-shaped kernels, which every dialect may emit with tiles
-
-
-@attrs.frozen
-class Contraction:
-    """``out[.., i, j] (+)= sum_k x[.., i, k] * y[.., k, j]`` with j contiguous in out and y.
-
-    ``x``/``y`` are the two loads (their indices are the general affine forms);
-    batch symbols are the parallel symbols outside i and j.
-    """
-
-    kernel: Kernel
-    reduce: Reduce
-    x: Load
-    y: Load
-    batch: tuple[tuple[Symbol, int], ...]
-    i: Symbol
-    m: int
-    j: Symbol
-    n: int
-    k: Symbol
-    kk: int
-
-
-def match_contraction(k: Kernel) -> Contraction | None:
-    r = k.body
-    if not isinstance(r, Reduce) or r.accum is not ir.AccumOp.ADD or len(r.loops) != 1:
-        return None
-    if len(k.parallel) < 2 or not r.node.dtype.is_float:
-        return None
-    v = r.value
-    if not (isinstance(v, Call) and v.op is ir.Op.MUL and len(v.args) == 2
-            and all(isinstance(a, Load) for a in v.args)):
-        return None
-    (i, m), (j, n) = k.parallel[-2:]
-    ks, kk = r.loops[0]
-    x, y = v.args
-    assert isinstance(x, Load) and isinstance(y, Load)
-    if y.index.coeff(j) != 1:
-        x, y = y, x
-    contiguous = r.index.coeff(j) == 1 and y.index.coeff(j) == 1
-    if not contiguous or x.index.coeff(j) != 0 or y.index.coeff(i) != 0:
-        return None
-    if x.index.coeff(i) == 0 or x.index.coeff(ks) == 0 or y.index.coeff(ks) == 0:
-        return None
-    return Contraction(k, r, x, y, k.parallel[:-2], i, m, j, n, ks, kk)

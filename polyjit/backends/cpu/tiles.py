@@ -1,0 +1,317 @@
+"""What only the CPU's C writes: the shapes core/patterns.py gives some kernels on the CPU
+(listed in ``SHAPES``, which the C dialect registers), and the vector helpers they call.
+
+``register_tiles``
+    a matmul-shaped kernel as tiles of rows x vectors of the output held in registers while
+    k runs, with GCC vector extensions (portable across x86 and Arm, sized to the host's
+    widest vector unit). Edge tiles run the same code with fewer rows or vectors and a last
+    vector under a lane mask, so narrow outputs (a 256x10 classifier head) stay vectorized.
+    Tiles are shared among OpenMP threads j-panel by j-panel so a panel of the right operand
+    stays in cache while its i-tiles run.
+``column``
+    a column reduction (``x.sum(axis=0)``) keeps a block of outputs in a local array while
+    the reduced axis runs outside it: the inner loop is contiguous and vectorizes, and every
+    output still sums in order.
+``staged``
+    a row reduction of costly values (``sum_j exp(x[i, j])``) as a vectorized map into a
+    local array, then an in-order fold.
+``streaming``
+    a large contiguous elementwise kernel writes its output with non-temporal (streaming)
+    stores where the host has AVX: the output is not read first (no write-allocate), which
+    saves a sixth of the memory traffic of ``a*b + c*d - e``.
+"""
+
+from __future__ import annotations
+
+import re
+
+from polyjit.core import dtypes
+from polyjit.core.codegen import Emitter, Names, ShapeEmitter, emit_loops
+from polyjit.core.loops import Kernel, Reduce, Store
+from polyjit.core.patterns import (
+    COLUMN,
+    COLUMN_BLOCK,
+    REGISTER_TILES,
+    STAGED,
+    STREAMING,
+    KernelPlan,
+)
+
+# float32 exp and tanh that GCC vectorizes (libm's expf/tanhf are calls, one lane at a time:
+# tanhf costs ~18 ns, this 0.8 ns). exp: Cody-Waite reduction by ln 2 (ln2_hi has trailing
+# zero bits, so n * ln2_hi is exact), Taylor to r^7 (|r| <= ln2 / 2: truncation < 2^-27),
+# 2^n as two factors so subnormal results come out right. tanh: its odd Taylor series to
+# x^17 below 0.55 (truncation < 2^-27 relative), 1 - 2 / (exp(2|x|) + 1) above. Measured
+# against float64 numpy over 4.6M points: exp within 0.92 ulp, tanh within 1.6 ulp (glibc's
+# tanhf: 2.1, numpy's: 1.4); NaN, +-inf, +-0 and subnormal results as libm gives them.
+FLOAT32_MATH: list[tuple[str, list[str]]] = [
+    ("pj_pow2i_f32", """\
+static inline float pj_pow2i_f32(int32_t k) {  /* 2^k, k in [-126, 127] */
+  const int32_t bits = (k + 127) << 23;
+  float f;
+  __builtin_memcpy(&f, &bits, sizeof f);
+  return f;
+}""".splitlines()),
+    ("pj_exp_f32", """\
+static inline float pj_exp_f32(float x) {
+  const float y = x < -104.0f ? -104.0f : (x > 89.0f ? 89.0f : x);
+  const float n = (y * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  /* round(y / ln 2) */
+  const float r = (y - n * 0.693145751953125f) - n * 1.428606820309417232e-6f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t k = (int32_t)n, k1 = k >> 1;
+  const float v = p * pj_pow2i_f32(k1) * pj_pow2i_f32(k - k1);
+  return x != x ? x : v;
+}""".splitlines()),
+    ("pj_tanh_f32", """\
+static inline float pj_tanh_f32(float x) {
+  const float a = fabsf(x), z = x * x;
+  float q = 6404582.0f / 10854718875.0f;
+  q = q * z - 929569.0f / 638512875.0f;
+  q = q * z + 21844.0f / 6081075.0f;
+  q = q * z - 1382.0f / 155925.0f;
+  q = q * z + 62.0f / 2835.0f;
+  q = q * z - 17.0f / 315.0f;
+  q = q * z + 2.0f / 15.0f;
+  q = q * z - 1.0f / 3.0f;
+  const float small = x + x * z * q;
+  const float e = pj_exp_f32(2.0f * (a < 10.0f ? a : 10.0f));
+  const float v = copysignf(a < 0.55f ? small : 1.0f - 2.0f / (e + 1.0f), x);
+  return x != x ? x : v;
+}""".splitlines()),
+]
+
+
+VEC_SUFFIX = {dtypes.float32: "f32", dtypes.float64: "f64"}
+
+
+def tail_helpers(dt: dtypes.DType, t: str, vb: int) -> list[tuple[str, list[str]]]:
+    """The vector type of ``vb`` bytes of ``dt`` (C type ``t``), and loads/stores of its
+    first ``n`` lanes (the other lanes load as zero) with AVX-512 masks or AVX2 lane masks
+    where the host has them, else a short memcpy; ``n`` is a constant at every call, so the
+    mask is too."""
+    sfx = VEC_SUFFIX[dt]
+    v, ps, lanes = f"pj_v{sfx}", ("ps" if dt is dtypes.float32 else "pd"), vb // dt.itemsize
+    reg = f"__m{vb * 8}{'' if ps == 'ps' else 'd'}"
+    masked: tuple[str, str, str] | None = None  # (guard, load, store)
+    if vb == 64:
+        mask = f"(__mmask{max(8, lanes)})((1u << n) - 1u)"
+        masked = ("__AVX512F__", f"_mm512_maskz_loadu_{ps}({mask}, p)",
+                  f"_mm512_mask_storeu_{ps}(p, {mask}, ({reg})x)")
+    elif vb == 32:
+        bits, ramp = ("32", "0, 1, 2, 3, 4, 5, 6, 7") if ps == "ps" else ("64", "0, 1, 2, 3")
+        x = "x" if bits == "64" else ""
+        mask = f"_mm256_cmpgt_epi{bits}(_mm256_set1_epi{bits}{x}(n), _mm256_setr_epi{bits}{x}({ramp}))"
+        masked = ("__AVX2__", f"_mm256_maskload_{ps}(p, {mask})", f"_mm256_maskstore_{ps}(p, {mask}, ({reg})x)")
+    generic_load = [f"  {v} x = {{0}};", f"  __builtin_memcpy(&x, p, (unsigned)n * sizeof({t}));", "  return x;"]
+    generic_store = [f"  __builtin_memcpy(p, &x, (unsigned)n * sizeof({t}));"]
+    if masked is not None:
+        guard, load, store = masked
+        generic_load = [f"#if defined({guard})", f"  return ({v}){load};", "#else", *generic_load, "#endif"]
+        generic_store = [f"#if defined({guard})", f"  {store};", "#else", *generic_store, "#endif"]
+    return [
+        (v, [f"typedef {t} {v} __attribute__((vector_size({vb})));"]),
+        (f"pj_load_tail_{sfx}", [f"static inline {v} pj_load_tail_{sfx}(const {t}* p, int n) {{", *generic_load, "}"]),
+        (f"pj_store_tail_{sfx}", [f"static inline void pj_store_tail_{sfx}({t}* p, {v} x, int n) {{", *generic_store, "}"]),
+    ]
+
+
+def _open_nest(loops: list[tuple[str, int]], parallel: bool) -> tuple[list[str], int]:
+    """``for`` loops over ``loops`` (outermost first), all shared by OpenMP when ``parallel``;
+    returns the lines and the indent depth inside."""
+    lines = [f"  #pragma omp parallel for collapse({len(loops)}) schedule(static)"] if parallel else []
+    for depth, (v, n) in enumerate(loops, start=1):
+        lines.append(f"{'  ' * depth}for (int64_t {v} = 0; {v} < {n}; ++{v}) {{")
+    return lines, len(loops) + 1
+
+
+def _close_nest(depth: int) -> list[str]:
+    return [f"{'  ' * d}}}" for d in range(depth - 1, 0, -1)]
+
+
+# ---------------------------------------------------------------------------
+# register_tiles
+
+
+def register_tiles(em: Emitter, kernel: Kernel, plan: KernelPlan, names: Names) -> list[str]:
+    """Tiles of ``tm`` rows x ``tn`` columns (whole vectors); edge tiles are the same code with
+    fewer rows, fewer vectors, and a last vector loaded and stored under a lane mask, so no
+    part of the output falls back to scalar loops (a 256x10 head is all edge)."""
+    c, t = plan.contraction, plan.tiles
+    assert c is not None and t is not None
+    dt, lanes, mr, nr = c.reduce.node.dtype, t.lanes, t.tm, t.tn
+    nv = nr // lanes
+    full_i, rows_left = divmod(c.m, mr)
+    full_j, cols_left = divmod(c.n, nr)
+    tiles_i, tiles_j = full_i + (rows_left > 0), full_j + (cols_left > 0)
+    loops = [(names.var(s), n) for s, n in c.batch] + [("pj_tj", tiles_j), ("pj_ti", tiles_i)]
+    nest, depth = _open_nest(loops, plan.team > 0)
+    lines = [f"  typedef {em.d.type_name(dt)} pj_vec __attribute__((vector_size({em.d.vector_bytes})));", *nest]
+    p = "  " * depth
+    lines.append(f"{p}const int64_t pj_i0 = pj_ti * {mr}, pj_j0 = pj_tj * {nr};")
+    # (rows, full vectors, lanes of a masked last vector) of each kind of tile that occurs
+    row_kinds = [(f"pj_ti < {full_i}", mr)] if full_i else []
+    row_kinds += [("1", rows_left)] if rows_left else []
+    col_kinds = [(f"pj_tj < {full_j}", nv, 0)] if full_j else []
+    col_kinds += [("1", *divmod(cols_left, lanes))] if cols_left else []
+    branches = [(" && ".join(x for x in (ri, cj) if x != "1") or "1", rows, vecs, tail)
+                for ri, rows in row_kinds for cj, vecs, tail in col_kinds]
+    for n, (cond, rows, vecs, tail) in enumerate(branches):
+        if len(branches) == 1:
+            opener = "{"
+        elif n == 0:
+            opener = f"if ({cond}) {{"
+        else:
+            opener = "} else {" if n == len(branches) - 1 else f"}} else if ({cond}) {{"
+        lines.append(p + opener)
+        lines += [f"{p}  {ln}" for ln in _tile(em, plan, names, rows, vecs, tail)]
+    lines.append(f"{p}}}")
+    return lines + _close_nest(depth)
+
+
+def _tile(em: Emitter, plan: KernelPlan, names: Names, rows: int, vecs: int, tail: int) -> list[str]:
+    """One tile at (pj_i0, pj_j0): ``rows`` x (``vecs`` vectors + one of ``tail`` lanes)."""
+    c, t = plan.contraction, plan.tiles
+    assert c is not None and t is not None
+    dt, lanes = c.reduce.node.dtype, t.lanes
+    ty, suffix = em.d.type_name(dt), VEC_SUFFIX[dt]
+    i, j, k = names.var(c.i), names.var(c.j), names.var(c.k)
+    out = f"{names.buffer(c.reduce.node)}[{em.index(c.reduce.index)}]"
+    x, y = em.expr(c.x), em.expr(c.y)
+    nvt = vecs + (tail > 0)
+
+    def load(dst: str, src: str, v: int) -> str:
+        if tail and v == vecs:
+            return f"{dst} = pj_load_tail_{suffix}(&{src}, {tail});"
+        return f"__builtin_memcpy(&{dst}, &{src}, sizeof(pj_vec));"
+
+    def store(dst: str, src: str, v: int) -> str:
+        if tail and v == vecs:
+            return f"pj_store_tail_{suffix}(&{dst}, {src}, {tail});"
+        return f"__builtin_memcpy(&{dst}, &{src}, sizeof(pj_vec));"
+
+    lines = [f"pj_vec acc[{rows}][{nvt}];"]
+    for r in range(rows):
+        for v in range(nvt):
+            if c.reduce.init is not None:
+                lines.append(f"acc[{r}][{v}] = (pj_vec){{0}};")
+            else:
+                lines += ["{", f"  const int64_t {i} = pj_i0 + {r}, {j} = pj_j0 + {v * lanes};",
+                          f"  {load(f'acc[{r}][{v}]', out, v)}", "}"]
+    lines += [f"for (int64_t {k} = 0; {k} < {c.kk}; ++{k}) {{", f"  pj_vec bv[{nvt}];"]
+    for v in range(nvt):
+        lines += ["  {", f"    const int64_t {j} = pj_j0 + {v * lanes};", f"    {load(f'bv[{v}]', y, v)}", "  }"]
+    for r in range(rows):
+        lines += ["  {", f"    const int64_t {i} = pj_i0 + {r};", f"    const {ty} pj_a = {x};"]
+        lines += [f"    acc[{r}][{v}] += pj_a * bv[{v}];" for v in range(nvt)]
+        lines.append("  }")
+    lines.append("}")
+    for r in range(rows):
+        for v in range(nvt):
+            lines += ["{", f"  const int64_t {i} = pj_i0 + {r}, {j} = pj_j0 + {v * lanes};",
+                      f"  {store(out, f'acc[{r}][{v}]', v)}", "}"]
+    return lines
+
+
+# ---------------------------------------------------------------------------
+# column, staged, streaming
+
+
+def column(em: Emitter, kernel: Kernel, plan: KernelPlan, names: Names) -> list[str]:
+    """``out[j] = sum_k x[k, j]``: a block of outputs accumulates in a local array while k
+    runs outside it, so the j loop vectorizes and reads rows contiguously; each output
+    still sums in k order, as the plain loop would."""
+    r = kernel.body
+    assert isinstance(r, Reduce)
+    (j_sym, nj), outer = kernel.parallel[-1], kernel.parallel[:-1]
+    blocks = -(-nj // COLUMN_BLOCK)
+    width = min(nj, COLUMN_BLOCK)
+    last = nj - (blocks - 1) * width
+    t, j = em.d.type_name(r.node.dtype), names.var(j_sym)
+    loops = [(names.var(sym), n) for sym, n in outer] + [("pj_jb", blocks)]
+    lines, depth = _open_nest(loops, plan.team > 0)
+    p = "  " * depth
+    target, init = em.reduce_cell(r)
+    each = f"for (int64_t pj_jj = 0; pj_jj < pj_jn; ++pj_jj) {{ const int64_t {j} = pj_jb * {width} + pj_jj;"
+    # a start value that does not read the output cell (a constant) needs no j
+    each_init = each if re.search(rf"\b{j}\b", init) else "for (int64_t pj_jj = 0; pj_jj < pj_jn; ++pj_jj) {"
+    lines += [f"{p}{t} pj_acc[{width}];",
+              f"{p}const int64_t pj_jn = " + (f"pj_jb < {blocks - 1} ? {width} : {last};" if last != width else f"{width};"),
+              f"{p}{each_init} pj_acc[pj_jj] = {init}; }}"]
+    for d, (sym, n) in enumerate(r.loops):
+        v = names.var(sym)
+        lines.append(f"{p}{'  ' * d}for (int64_t {v} = 0; {v} < {n}; ++{v}) {{")
+    q = p + "  " * len(r.loops)
+    value = em.combine(r.accum, r.node.dtype, "pj_acc[pj_jj]", em.expr(r.value))
+    lines.append(f"{q}{each} pj_acc[pj_jj] = {value}; }}")
+    for d in range(len(r.loops) - 1, -1, -1):
+        lines.append(f"{p}{'  ' * d}}}")
+    lines.append(f"{p}{each} {target} = pj_acc[pj_jj]; }}")
+    return lines + _close_nest(depth)
+
+
+class _StagingEmitter(Emitter):
+    """Emits a row reduction as map, then fold: the values (with their exp or tanh) go to a
+    local array in a loop that vectorizes, then a plain loop sums them in order."""
+
+    def reduce(self, r: Reduce, indent: int, pragma: str | None = None) -> list[str]:
+        if pragma is not None:
+            return super().reduce(r, indent, pragma)
+        (sym, n), = r.loops
+        pad, t, k = "  " * indent, self.d.type_name(r.node.dtype), self.names.var(sym)
+        target, init = self.reduce_cell(r)
+        return [f"{pad}{{",
+                f"{pad}  {t} pj_vals[{n}];",
+                f"{pad}  for (int64_t {k} = 0; {k} < {n}; ++{k}) pj_vals[{k}] = {self.expr(r.value)};",
+                f"{pad}  {t} pj_acc = {init};",
+                f"{pad}  for (int64_t {k} = 0; {k} < {n}; ++{k}) "
+                f"pj_acc = {self.combine(r.accum, r.node.dtype, 'pj_acc', f'pj_vals[{k}]')};",
+                f"{pad}  {target} = pj_acc;",
+                f"{pad}}}"]
+
+
+def staged(em: Emitter, kernel: Kernel, plan: KernelPlan, names: Names) -> list[str]:
+    return emit_loops(_StagingEmitter(em.d, names), kernel, plan, 1)
+
+
+def streaming(em: Emitter, kernel: Kernel, plan: KernelPlan, names: Names) -> list[str]:
+    """Blocks of one vector computed into an aligned local array, then streamed out; the
+    tail, and hosts without AVX, take the plain loop."""
+    body = kernel.body
+    assert isinstance(body, Store)
+    (sym, n), = kernel.parallel
+    d, dt = em.d, body.node.dtype
+    lanes = d.vector_bytes // dt.itemsize
+    suffix = "ps" if dt is dtypes.float32 else "pd"
+    width, guard = ("512", "__AVX512F__") if d.vector_bytes == 64 else ("256", "__AVX__")
+    i, out, value = names.var(sym), names.buffer(body.node), em.expr(body.value)
+    blocks = n // lanes
+    pragma = d.pragma(d.parallel_for_pragma, 1) if plan.team else None
+    return [
+        f"#if defined({guard})",
+        *([f"  {pragma}"] if pragma else []),
+        f"  for (int64_t pj_blk = 0; pj_blk < {blocks}; ++pj_blk) {{",
+        f"    {d.type_name(dt)} pj_tmp[{lanes}] __attribute__((aligned({d.vector_bytes})));",
+        f"    for (int pj_l = 0; pj_l < {lanes}; ++pj_l) {{",
+        f"      const int64_t {i} = pj_blk * {lanes} + pj_l;",
+        f"      pj_tmp[pj_l] = {value};",
+        "    }",
+        f"    _mm{width}_stream_{suffix}(&{out}[pj_blk * {lanes}], _mm{width}_load_{suffix}(pj_tmp));",
+        "  }",
+        "  _mm_sfence();  /* streaming stores are weakly ordered */",
+        f"  for (int64_t {i} = {blocks * lanes}; {i} < {n}; ++{i}) {out}[{i}] = {value};",
+        "#else",
+        *emit_loops(em, kernel, plan, 1),
+        "#endif",
+    ]
+
+
+# The shapes the C dialect writes for core/patterns.py
+SHAPES: dict[str, ShapeEmitter] = {REGISTER_TILES: register_tiles, COLUMN: column, STAGED: staged,
+                                   STREAMING: streaming}

@@ -1,0 +1,303 @@
+"""The kernels CUDA and OpenCL share, written from a kernel's plan (core/patterns.py) in the
+spelling a dialect gives (:class:`GpuSpelling`: ids, barriers, qualifiers, vector loads).
+
+- ``serial``: one work-item runs the body.
+- ``elementwise`` / ``reduction``, one work-item per cell: a global id per dimension
+  (``GLOBAL_IDS``, guarded against the rounded-up size), or the flat nest on a grid-stride
+  loop (``GRID_STRIDE``), split into the nest's symbols with div/mod (32-bit when it fits).
+- ``group_reduction``: a group per output cell, striding over the cells: every work-item
+  accumulates a strided share of the reduction, then the group combines the shares as a
+  tree in local (shared) memory. The combining order differs from a serial loop: float
+  sums agree with it to rounding, integer and max/min results exactly.
+- ``contraction``: a group per ``bm`` x ``bn`` block of the output, ``tm`` x ``tn``
+  contiguous outputs per thread, ``bk``-deep slices of x and y staged in local memory
+  (vector loads where the plan says so, bounds checks unless the sizes divide the tiles).
+  A dialect may add a variant compiled instead under a macro (OpenCL's register tiles for
+  CPU devices, ``-D PJ_CPU``): :attr:`GpuSpelling.host_tiles`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import attrs
+
+from polyjit.core import ir
+from polyjit.core.ir import Affine, Symbol
+from polyjit.core.loops import Kernel, Reduce
+from polyjit.core.patterns import (
+    CONTRACTION,
+    GLOBAL_IDS,
+    GROUP_REDUCTION,
+    MAX_GRID_BLOCKS,
+    MAX_GROUPS,
+    SERIAL,
+    KernelPlan,
+)
+
+if TYPE_CHECKING:
+    from polyjit.core.codegen import Emitter, Names
+
+# A variant of the contraction's body: (em, plan, names, spelling) -> lines.
+TileEmitter = Callable[["Emitter", KernelPlan, "Names", "GpuSpelling"], list[str]]
+
+
+@attrs.frozen
+class GpuSpelling:
+    """How a GPU dialect spells work-items, groups and local memory."""
+
+    group_ids: tuple[str, str, str]  # this group's index in dims 0, 1, 2
+    groups: str  # groups in dim 0
+    local: str  # this work-item's index in its group (dim 0)
+    size: str  # work-items of a group (dim 0)
+    barrier: str  # a group barrier over local memory
+    shared: str  # qualifier of a group-local array
+    shared_aligned: str  # the same, 16-byte aligned (for vector accesses)
+    long: str  # a signed 64-bit integer
+    long_suffix: str  # its literal suffix
+    uint: tuple[str, str]  # 32-bit unsigned type and literal suffix
+    ulong: tuple[str, str]  # 64-bit unsigned type and literal suffix
+    pointer: str  # a pointer into global memory: "{const}" and "{t}" are filled in
+    vector_load: str  # the 4-vector "{v}" at "&{p}"
+    vector_store: str  # store "{x}" as the 4-vector "{v}" at "&{p}" (a statement)
+    global_id: str = ""  # the global id in dim "{d}" (GLOBAL_IDS)
+    unroll: str = "#pragma unroll"
+    host_tiles: tuple[str, TileEmitter] | None = None  # (macro, variant compiled when it is defined)
+
+
+def emit_body(em: Emitter, kernel: Kernel, plan: KernelPlan, names: Names, s: GpuSpelling) -> list[str]:
+    """The body of a kernel (inside its signature) on a GPU dialect."""
+    if plan.kind == CONTRACTION:
+        return emit_tiles(em, plan, names, s)
+    if plan.kind == GROUP_REDUCTION:
+        assert isinstance(kernel.body, Reduce)
+        return emit_group_reduce(em, kernel, kernel.body, names, plan.threads, s)
+    if plan.kind == SERIAL:
+        return [f"  if ({s.group_ids[0]} != 0 || {s.local} != 0) return;", *em.stmt(kernel.body, 1)]
+    if em.d.mapping == GLOBAL_IDS:
+        return emit_global_ids(em, kernel, plan, names, s)
+    return emit_grid_stride(em, kernel, names, s)
+
+
+def index_type(total: int, s: GpuSpelling) -> tuple[str, str]:
+    """The flat-index type and its literal suffix: 32-bit unsigned when it cannot overflow."""
+    return s.uint if total < (1 << 31) else s.ulong
+
+
+def decompose(flat: str, nest: Sequence[tuple[Symbol, int]], names: Names, suffix: str, pad: str,
+              s: GpuSpelling) -> list[str]:
+    """``const long iK = (flat / stride) % extent`` for each symbol of a row-major nest."""
+    strides = [math.prod(n for _, n in nest[pos + 1:]) for pos in range(len(nest))]
+    out = []
+    for pos, ((sym, n), st) in enumerate(zip(nest, strides)):
+        e = flat if st == 1 else f"({flat} / {st}{suffix})"
+        if pos > 0:
+            e = f"({e} % {n}{suffix})"
+        out.append(f"{pad}const {s.long} {names.var(sym)} = ({s.long}){e};")
+    return out
+
+
+def emit_global_ids(em: Emitter, kernel: Kernel, plan: KernelPlan, names: Names, s: GpuSpelling) -> list[str]:
+    """Each parallel loop variable from a global id, guarded against the rounded-up size."""
+    lines: list[str] = []
+    for d, loops in enumerate(plan.dims):
+        total = math.prod(n for _, n in loops)
+        gid = s.global_id.format(d=d)
+        if len(loops) == 1:
+            v = names.var(loops[0][0])
+            lines.append(f"  const {s.long} {v} = ({s.long}){gid};")
+            if plan.launch.global_size[d] != total:
+                lines.append(f"  if ({v} >= {total}) return;")
+            continue
+        lines.append(f"  {s.long} pj_flat = ({s.long}){gid};")
+        if plan.launch.global_size[d] != total:
+            lines.append(f"  if (pj_flat >= {total}) return;")
+        for k, (sym, n) in enumerate(reversed(loops)):
+            v = names.var(sym)
+            if k == len(loops) - 1:
+                lines.append(f"  const {s.long} {v} = pj_flat;")
+            else:
+                lines.append(f"  const {s.long} {v} = pj_flat % {n};")
+                lines.append(f"  pj_flat /= {n};")
+    return lines + em.stmt(kernel.body, 1)
+
+
+def emit_grid_stride(em: Emitter, kernel: Kernel, names: Names, s: GpuSpelling) -> list[str]:
+    """The flat nest on a grid-stride loop (the launch may have fewer blocks than cells)."""
+    work = kernel.work
+    if work == 0:  # an empty nest: nothing to do (a loop to 0u would draw a warning)
+        return []
+    ft, suf = index_type(work + MAX_GRID_BLOCKS * em.d.work_group, s)
+    lines = [f"  for ({ft} pj_flat = ({ft}){s.group_ids[0]} * {s.size} + {s.local}; pj_flat < {work}{suf}; "
+             f"pj_flat += ({ft}){s.groups} * {s.size}) {{"]
+    lines += decompose("pj_flat", kernel.parallel, names, suf, "    ", s)
+    lines += em.stmt(kernel.body, 2)
+    lines.append("  }")
+    return lines
+
+
+def emit_group_reduce(em: Emitter, kernel: Kernel, r: Reduce, names: Names, threads: int,
+                      s: GpuSpelling) -> list[str]:
+    """A group-per-cell reduction for groups of at most ``threads`` work-items (a power of
+    two: the tree halves the group size)."""
+    dt = r.node.dtype
+    t = em.d.type_name(dt)
+    cells = kernel.work  # 1 without a parallel nest, 0 for an empty one
+    if cells == 0:  # nothing to do (a loop to 0u would draw a warning)
+        return []
+    cft, csuf = index_type(cells + MAX_GROUPS, s)
+    rft, rsuf = index_type(r.length + threads, s)
+    neutral = em.literal(r.accum.neutral(dt), dt)
+    target, start = em.reduce_cell(r)
+    shared = f"pj_red[{s.local}]"
+    lines = [f"  {s.shared} {t} pj_red[{threads}];",
+             f"  for ({cft} pj_cell = {s.group_ids[0]}; pj_cell < {cells}{csuf}; pj_cell += {s.groups}) {{"]
+    lines += decompose("pj_cell", kernel.parallel, names, csuf, "    ", s)
+    lines += [f"    {t} pj_acc = {neutral};",
+              f"    for ({rft} pj_r = {s.local}; pj_r < {r.length}{rsuf}; pj_r += {s.size}) {{"]
+    lines += decompose("pj_r", r.loops, names, rsuf, "      ", s)
+    lines += [f"      pj_acc = {em.combine(r.accum, dt, 'pj_acc', em.expr(r.value))};",
+              "    }",
+              f"    {shared} = pj_acc;",
+              f"    {s.barrier}",
+              f"    for (unsigned int pj_s = {s.size} >> 1; pj_s > 0u; pj_s >>= 1) {{",
+              f"      if ({s.local} < pj_s) {{",
+              f"        {shared} = {em.combine(r.accum, dt, shared, f'pj_red[{s.local} + pj_s]')};",
+              "      }",
+              f"      {s.barrier}",
+              "    }",
+              f"    if ({s.local} == 0) {target} = {em.combine(r.accum, dt, start, 'pj_red[0]')};",
+              f"    {s.barrier}",
+              "  }"]
+    return lines
+
+
+# ---------------------------------------------------------------------------
+# The tiled contraction
+
+
+def decompose_batch(plan: KernelPlan, names: Names, group_z: str, s: GpuSpelling) -> list[str]:
+    """The batch symbols of a contraction from the index ``group_z`` of dim 2."""
+    assert plan.contraction is not None
+    batch = plan.contraction.batch
+    if len(batch) == 1:
+        return [f"  const {s.long} {names.var(batch[0][0])} = ({s.long}){group_z};"]
+    if not batch:
+        return []
+    return [f"  const {s.long} pj_bz = ({s.long}){group_z};",
+            *decompose("pj_bz", batch, names, s.long_suffix, "  ", s)]
+
+
+def _strip(a: Affine, syms: Sequence[Symbol]) -> Affine:
+    """The affine without the terms of ``syms`` (what is left: batch, statics, constant)."""
+    return Affine.of({v: c for v, c in a.terms if v not in syms}, a.const)
+
+
+def emit_tiles(em: Emitter, plan: KernelPlan, names: Names, s: GpuSpelling) -> list[str]:
+    """The tiled contraction (see the module docstring), and the dialect's variant if any."""
+    if s.host_tiles is None:
+        return _shared_tiles(em, plan, names, s)
+    macro, variant = s.host_tiles
+    return [f"#ifdef {macro}", *variant(em, plan, names, s), "#else", *_shared_tiles(em, plan, names, s), "#endif"]
+
+
+def _shared_tiles(em: Emitter, plan: KernelPlan, names: Names, s: GpuSpelling) -> list[str]:
+    c, t = plan.contraction, plan.tiles
+    assert c is not None and t is not None
+    BM, BN, BK, TM, TN, NT = t.bm, t.bn, t.bk, t.tm, t.tn, t.threads
+    M, N, K = c.m, c.n, c.kk
+    r = c.reduce
+    dt = r.node.dtype
+    ty, L, LL = em.d.type_name(dt), s.long, s.long_suffix
+    vec = f"{ty}4"
+    a_base = names.merge if c.x.merge else names.buffer(c.x.node)
+    b_base = names.merge if c.y.merge else names.buffer(c.y.node)
+    am, ak = c.x.index.coeff(c.i), c.x.index.coeff(c.k)
+    bk, bn = c.y.index.coeff(c.k), c.y.index.coeff(c.j)
+    cm, cn = r.index.coeff(c.i), r.index.coeff(c.j)
+    zero = em.literal(0, dt)
+    const_ptr = s.pointer.format(const="const ", t=ty)
+    lines = [
+        f"  {s.shared_aligned} {ty} pj_As[{BK * BM}];",
+        f"  {s.shared_aligned} {ty} pj_Bs[{BK * BN}];",
+        f"  const int pj_tid = {s.local};",
+        f"  const int pj_ty = pj_tid / {BN // TN};",
+        f"  const int pj_tx = pj_tid % {BN // TN};",
+        f"  const {L} pj_m0 = ({L}){s.group_ids[1]} * {BM};",
+        f"  const {L} pj_n0 = ({L}){s.group_ids[0]} * {BN};",
+        *decompose_batch(plan, names, s.group_ids[2], s),
+        f"  {const_ptr} pj_A = {a_base} + ({em.index(_strip(c.x.index, [c.i, c.k]))});",
+        f"  {const_ptr} pj_B = {b_base} + ({em.index(_strip(c.y.index, [c.k, c.j]))});",
+        f"  {s.pointer.format(const='', t=ty)} pj_C = {names.buffer(r.node)} + "
+        f"({em.index(_strip(r.index, [c.i, c.j]))});",
+        f"  {ty} pj_c[{TM}][{TN}];",
+        f"  {s.unroll}",
+        f"  for (int pj_i = 0; pj_i < {TM}; ++pj_i) {{",
+        f"    {s.unroll}",
+        f"    for (int pj_j = 0; pj_j < {TN}; ++pj_j) pj_c[pj_i][pj_j] = {zero};",
+        "  }",
+        f"  for ({L} pj_k0 = 0; pj_k0 < {K}{LL}; pj_k0 += {BK}) {{",
+    ]
+    lines += _tile_loader("A", plan.x_vector, BM, BK, am, ak, M, K, "pj_m0", NT, vec, zero, s)
+    lines += _tile_loader("B", plan.y_vector, BN, BK, bn, bk, N, K, "pj_n0", NT, vec, zero, s)
+    fma = em.d.math_call("fma", dt, ["pj_a[pj_i]", "pj_b[pj_j]", "pj_c[pj_i][pj_j]"])
+    lines += [f"    {s.barrier}", f"    {s.unroll}", f"    for (int pj_kk = 0; pj_kk < {BK}; ++pj_kk) {{",
+              f"      {ty} pj_a[{TM}];", f"      {ty} pj_b[{TN}];"]
+    for side, tile, width, offset in (("a", "pj_As", TM, f"pj_ty * {TM}"), ("b", "pj_Bs", TN, f"pj_tx * {TN}")):
+        v = s.vector_load.format(v=vec, p=f"{tile}[pj_kk * {BM if side == 'a' else BN} + {offset} + 4 * pj_q]")
+        lines += [f"      {s.unroll}", f"      for (int pj_q = 0; pj_q < {width // 4}; ++pj_q) {{",
+                  f"        const {vec} pj_v = {v};",
+                  f"        pj_{side}[4 * pj_q] = pj_v.x; pj_{side}[4 * pj_q + 1] = pj_v.y; "
+                  f"pj_{side}[4 * pj_q + 2] = pj_v.z; pj_{side}[4 * pj_q + 3] = pj_v.w;",
+                  "      }"]
+    lines += [f"      {s.unroll}", f"      for (int pj_i = 0; pj_i < {TM}; ++pj_i) {{", f"        {s.unroll}",
+              f"        for (int pj_j = 0; pj_j < {TN}; ++pj_j) pj_c[pj_i][pj_j] = {fma};",
+              "      }", "    }", f"    {s.barrier}", "  }"]
+    # the store: C = init + acc, or C += acc when the Reduce starts from the cell
+    cell = f"pj_C[pj_gm * {cm}{LL} + pj_gn * {cn}{LL}]"
+    start = cell if r.init is None else em.expr(r.init)
+    value = em.combine(ir.AccumOp.ADD, dt, start, "pj_c[pj_i][pj_j]")
+    lines += [f"  {s.unroll}", f"  for (int pj_i = 0; pj_i < {TM}; ++pj_i) {{",
+              f"    const {L} pj_gm = pj_m0 + pj_ty * {TM} + pj_i;"]
+    if not plan.aligned:
+        lines.append(f"    if (pj_gm >= {M}{LL}) continue;")
+    lines += [f"    {s.unroll}", f"    for (int pj_j = 0; pj_j < {TN}; ++pj_j) {{",
+              f"      const {L} pj_gn = pj_n0 + pj_tx * {TN} + pj_j;"]
+    if not plan.aligned:
+        lines.append(f"      if (pj_gn >= {N}{LL}) continue;")
+    return lines + [f"      {cell} = {value};", "    }", "  }"]
+
+
+def _tile_loader(which: str, vec: str | None, BO: int, BK: int, co: int, ck: int, extent: int, K: int,
+                 o0: str, NT: int, vtype: str, zero: str, s: GpuSpelling) -> list[str]:
+    """Load one BK x BO tile of A (outer = m) or B (outer = n) into pj_As / pj_Bs, laid out
+    [k][outer] (outer contiguous). ``co``, ``ck``: the operand's strides along outer and k."""
+    src, dst, LL = f"pj_{which}", f"pj_{which}s", s.long_suffix
+    if vec == "k":  # contiguous along k: a vector is 4 k's of one row; stored transposed
+        load = s.vector_load.format(v=vtype, p=f"{src}[({o0} + pj_o) * {co}{LL} + (pj_k0 + pj_k)]")
+        return [f"    for (int pj_e = pj_tid; pj_e < {BO * BK // 4}; pj_e += {NT}) {{",
+                f"      const int pj_o = pj_e / {BK // 4};",
+                f"      const int pj_k = (pj_e % {BK // 4}) * 4;",
+                f"      const {vtype} pj_v = {load};",
+                *(f"      {dst}[(pj_k + {q}) * {BO} + pj_o] = pj_v.{lane};" for q, lane in enumerate("xyzw")),
+                "    }"]
+    if vec is not None:  # contiguous along the outer side: a vector is 4 rows of one k
+        load = s.vector_load.format(v=vtype, p=f"{src}[(pj_k0 + pj_k) * {ck}{LL} + ({o0} + pj_o)]")
+        return [f"    for (int pj_e = pj_tid; pj_e < {BO * BK // 4}; pj_e += {NT}) {{",
+                f"      const int pj_k = pj_e / {BO // 4};",
+                f"      const int pj_o = (pj_e % {BO // 4}) * 4;",
+                f"      {s.vector_store.format(v=vtype, p=f'{dst}[pj_k * {BO} + pj_o]', x=load)}",
+                "    }"]
+    # scalar, bounds-checked; the contiguous side (if any) varies fastest across threads
+    k_fast = ck == 1 or co != 1
+    split = ([f"      const int pj_o = pj_e / {BK};", f"      const int pj_k = pj_e % {BK};"] if k_fast
+             else [f"      const int pj_k = pj_e / {BO};", f"      const int pj_o = pj_e % {BO};"])
+    return [f"    for (int pj_e = pj_tid; pj_e < {BO * BK}; pj_e += {NT}) {{",
+            *split,
+            f"      const {s.long} pj_go = {o0} + pj_o;",
+            f"      const {s.long} pj_gk = pj_k0 + pj_k;",
+            f"      {dst}[pj_k * {BO} + pj_o] = (pj_go < {extent}{LL} && pj_gk < {K}{LL}) ? "
+            f"{src}[pj_go * {co}{LL} + pj_gk * {ck}{LL}] : {zero};",
+            "    }"]

@@ -1,0 +1,253 @@
+"""The loop IR: what lowering (core/lower.py) produces and codegen (core/codegen.py) reads.
+
+A batch lowers to computations (``LoweredComp``), each a list of ``Kernel``s. A kernel is
+a nest of parallel loops (distinct iterations write distinct cells) around one statement:
+a ``Store``, a ``Reduce`` (a per-cell accumulator over reduction loops) or serial
+``Loop``s around either. Expressions (``Load``, ``Const``, ``IndexValue``, ``Call``)
+carry their dtype; indices are flat ``Affine`` forms, in elements.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from typing import Union
+
+import attrs
+import numpy as np
+
+from polyjit.core import dtypes, ir
+from polyjit.core.dtypes import DType
+from polyjit.core.ir import Affine, MemoryMode, Node, Symbol
+
+# ---------------------------------------------------------------------------
+# Expressions
+
+
+@attrs.frozen
+class Load:
+    node: Node
+    index: Affine  # flat, row-major, in elements
+    merge: bool = False  # read from the device's merge buffer
+
+    @property
+    def dtype(self) -> DType:
+        return self.node.dtype
+
+
+@attrs.frozen
+class Const:
+    value: int | float | bool
+    dtype: DType
+
+
+@attrs.frozen
+class IndexValue:
+    """An index expression used as a value (``Range``)."""
+
+    index: Affine
+    dtype: DType = dtypes.int64
+
+
+@attrs.frozen
+class Call:
+    op: ir.Op
+    args: tuple[Expr, ...]
+    dtype: DType  # the result dtype (for CAST: the target)
+
+
+Expr = Union[Load, Const, IndexValue, Call]
+
+# ---------------------------------------------------------------------------
+# Statements
+
+
+@attrs.frozen
+class Store:
+    """``node[index] = value``, or ``node[index] = accum(node[index], value)``."""
+
+    node: Node
+    index: Affine
+    value: Expr
+    accum: ir.AccumOp | None = None
+
+
+@attrs.frozen
+class Reduce:
+    """One output cell: ``acc = init (or the cell); for loops: acc = accum(acc, value); cell = acc``."""
+
+    node: Node
+    index: Affine
+    accum: ir.AccumOp
+    init: Expr | None  # None: start from what the cell holds
+    loops: tuple[tuple[Symbol, int], ...]
+    value: Expr
+    # The values may be combined in any order (the partial results of a split reduction):
+    # a dialect may keep several accumulators (vector lanes). Otherwise: in loop order.
+    reassociable: bool = False
+
+    @property
+    def length(self) -> int:
+        """Values reduced into the cell."""
+        return math.prod(n for _, n in self.loops)
+
+
+@attrs.frozen
+class Loop:
+    """A serial loop."""
+
+    sym: Symbol
+    extent: int
+    body: Stmt
+
+
+Stmt = Union[Store, Reduce, Loop]
+
+
+@attrs.frozen
+class Kernel:
+    """One kernel: a nest of parallel loops around a body."""
+
+    name: str
+    parallel: tuple[tuple[Symbol, int], ...]
+    body: Stmt
+    comment: str = ""
+
+    @property
+    def stores(self) -> list[Store | Reduce]:
+        return [s for s in walk_stmts(self.body) if isinstance(s, (Store, Reduce))]
+
+    @property
+    def loads(self) -> list[Load]:
+        return [e for e in walk_exprs(self.body) if isinstance(e, Load)]
+
+    @property
+    def outputs(self) -> tuple[Node, ...]:
+        return tuple(dict.fromkeys(s.node for s in self.stores))
+
+    @property
+    def inputs(self) -> tuple[Node, ...]:
+        """Nodes read from their own buffers (in-place accumulation reads the lhs too)."""
+        nodes = [ld.node for ld in self.loads if not ld.merge]
+        nodes += [s.node for s in self.stores if isinstance(s, Store) and s.accum is not None]
+        nodes += [s.node for s in self.stores if isinstance(s, Reduce) and s.init is None]
+        return tuple(dict.fromkeys(nodes))
+
+    @property
+    def buffers(self) -> tuple[Node, ...]:
+        """The kernel's buffer parameters, in order: outputs first, then inputs."""
+        return tuple(dict.fromkeys(self.outputs + self.inputs))
+
+    @property
+    def merge_input(self) -> Node | None:
+        merged = [ld.node for ld in self.loads if ld.merge]
+        return merged[0] if merged else None
+
+    @property
+    def statics(self) -> tuple[ir.StaticSymbol, ...]:
+        found = {v for a in affines_of(self) for v in a.vars if isinstance(v, ir.StaticSymbol)}
+        return tuple(sorted(found, key=lambda s: s.name))
+
+    @property
+    def work(self) -> int:
+        """Iterations of the parallel nest (the dialects' launch size)."""
+        return int(np.prod([n for _, n in self.parallel], dtype=np.int64))
+
+    @property
+    def total_work(self) -> int:
+        """Iterations of the innermost statement: the parallel nest times the loops inside it."""
+        inner = 1
+        for st in walk_stmts(self.body):
+            if isinstance(st, Reduce):
+                inner *= st.length
+            elif isinstance(st, Loop):
+                inner *= st.extent
+        return self.work * inner
+
+
+# ---------------------------------------------------------------------------
+# Walkers
+
+
+def walk_stmts(s: Stmt) -> Iterator[Stmt]:
+    yield s
+    if isinstance(s, Loop):
+        yield from walk_stmts(s.body)
+
+
+def walk_expr(e: Expr) -> Iterator[Expr]:
+    yield e
+    if isinstance(e, Call):
+        for c in e.args:
+            yield from walk_expr(c)
+
+
+def walk_exprs(s: Stmt) -> Iterator[Expr]:
+    for st in walk_stmts(s):
+        if isinstance(st, Store):
+            yield from walk_expr(st.value)
+        elif isinstance(st, Reduce):
+            if st.init is not None:
+                yield from walk_expr(st.init)
+            yield from walk_expr(st.value)
+
+
+def affines_of(k: Kernel) -> Iterator[Affine]:
+    for st in walk_stmts(k.body):
+        if isinstance(st, (Store, Reduce)):
+            yield st.index
+    for e in walk_exprs(k.body):
+        if isinstance(e, (Load, IndexValue)):
+            yield e.index
+
+
+def map_expr(e: Expr, f: Callable[[Affine], Affine]) -> Expr:
+    """``e`` with ``f`` applied to every index in it."""
+    if isinstance(e, (Load, IndexValue)):
+        return attrs.evolve(e, index=f(e.index))
+    if isinstance(e, Call):
+        return attrs.evolve(e, args=tuple(map_expr(a, f) for a in e.args))
+    return e
+
+
+def map_stmt(s: Stmt, f: Callable[[Affine], Affine],
+             loops: Callable[[Symbol, int], tuple[Symbol, int]] | None = None) -> Stmt:
+    """``s`` with ``f`` applied to every index, and ``loops`` to every loop (symbol, extent)."""
+    if isinstance(s, Store):
+        return attrs.evolve(s, index=f(s.index), value=map_expr(s.value, f))
+    if isinstance(s, Reduce):
+        init = None if s.init is None else map_expr(s.init, f)
+        new_loops = tuple(loops(*lp) for lp in s.loops) if loops else s.loops
+        return attrs.evolve(s, index=f(s.index), init=init, loops=new_loops, value=map_expr(s.value, f))
+    sym, ext = loops(s.sym, s.extent) if loops else (s.sym, s.extent)
+    return Loop(sym, ext, map_stmt(s.body, f, loops))
+
+
+# ---------------------------------------------------------------------------
+# A lowered batch
+
+
+@attrs.frozen
+class LoweredComp:
+    name: str
+    kernels: tuple[Kernel, ...]
+    inputs: tuple[Node, ...]  # read before written: must be in the context at link time
+    outputs: tuple[Node, ...]  # persist in the context (embedded)
+    scratch: tuple[Node, ...]  # LOCAL: stored only inside the batch
+    constants: tuple[tuple[Node, np.ndarray], ...]
+    merge_input: Node | None
+
+    @property
+    def statics(self) -> tuple[ir.StaticSymbol, ...]:
+        found = {s for k in self.kernels for s in k.statics}
+        return tuple(sorted(found, key=lambda s: s.name))
+
+
+@attrs.frozen
+class LoweredBatch:
+    comps: tuple[LoweredComp, ...]
+    modes: dict[Node, MemoryMode]
+
+    @property
+    def kernels(self) -> list[Kernel]:
+        return [k for c in self.comps for k in c.kernels]

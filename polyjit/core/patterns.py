@@ -1,0 +1,438 @@
+"""Kernel plans: how each kernel runs, decided once, here, for every dialect.
+
+:func:`plan_kernel` gives a kernel its :class:`KernelPlan`: its kind, the special shape a
+dialect writes it in (if any), its tiles and its launch shape. Codegen carries the plan on
+the kernel's ``KernelSpec``; the emitters (core/codegen.py, core/gpu.py, the CPU's tiles)
+follow it and decide nothing. A dialect only declares what its target is (how parallel
+loops map onto it, its work-group sizes, which shapes it can write, the sizes worth tiling):
+
+``serial``
+    no parallel nest: one thread runs the body (serial loops, a short full reduction).
+``elementwise`` / ``reduction``
+    a parallel nest over the cells, one thread (work-item) per cell, around a store or a
+    per-cell reduction. On the C dialect OpenMP threads share the outer loops
+    (``team``), or the loops of a long full reduction; OpenCL maps the nest onto global
+    ids (``dims``), CUDA flattens it onto a grid-stride loop.
+``group_reduction``
+    few cells and long reductions: a work-group (block) per cell, strided shares, then a
+    tree in local memory (GPU dialects).
+``contraction``
+    ``out[i, j] (+)= sum_k x[i, k] * y[k, j]`` (:func:`match_contraction`, the one matcher)
+    as tiles: register tiles with vector extensions on the CPU, shared-memory tiles on GPUs.
+
+The CPU's shapes (``register_tiles``, ``column``, ``staged``, ``streaming``) are chosen here
+too; ``backends/cpu/tiles.py`` only writes them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import attrs
+
+from polyjit.core import ir
+from polyjit.core.ir import Affine, Symbol
+from polyjit.core.loops import (
+    Call,
+    Const,
+    Kernel,
+    Load,
+    Loop,
+    Reduce,
+    Store,
+    walk_exprs,
+    walk_stmts,
+)
+
+if TYPE_CHECKING:
+    from polyjit.core.codegen import Dialect
+
+# Kinds
+SERIAL = "serial"
+ELEMENTWISE = "elementwise"
+REDUCTION = "reduction"
+GROUP_REDUCTION = "group_reduction"
+CONTRACTION = "contraction"
+
+# How a dialect maps a parallel nest (Dialect.mapping)
+LOOPS = "loops"  # for loops; OpenMP threads share the outer ones (C)
+GLOBAL_IDS = "global_ids"  # a work-item per cell, a global id per dimension (OpenCL)
+GRID_STRIDE = "grid_stride"  # the flat nest on a 1-D grid-stride loop (CUDA)
+
+# The CPU's shapes (a dialect that writes them lists them in Dialect.shape_emitters)
+REGISTER_TILES = "register_tiles"
+COLUMN = "column"
+STAGED = "staged"
+STREAMING = "streaming"
+
+
+@attrs.frozen
+class LaunchShape:
+    """How a kernel is launched. ``global_size``/``local_size`` are in work items (OpenCL style);
+    CUDA reads grid = global // local. The CPU ignores them (OpenMP decides)."""
+
+    global_size: tuple[int, ...] = (1,)
+    local_size: tuple[int, ...] | None = None
+    shared_bytes: int = 0
+
+
+@attrs.frozen
+class Tiles:
+    """A contraction's tiles: blocks of ``bm`` x ``bn`` outputs (a work-group's, or one CPU
+    thread's registers), ``tm`` x ``tn`` of them per thread, ``bk``-deep slices of the
+    operands staged in local memory (1: none), vectors of ``lanes`` elements."""
+
+    bm: int
+    bn: int
+    bk: int
+    tm: int
+    tn: int
+    lanes: int = 4
+
+    @property
+    def threads(self) -> int:
+        return (self.bm // self.tm) * (self.bn // self.tn)
+
+
+# GPU tiles: 128x128 blocks (8x8 outputs per thread) for big outputs, 64x64 (4x4) otherwise.
+TILES_LARGE = Tiles(128, 128, 8, 8, 8)
+TILES_SMALL = Tiles(64, 64, 16, 4, 4)
+# The CPU's register tiles: 6 rows x 2 vectors of the output while k runs.
+REGISTER_ROWS = 6
+REGISTER_VECTORS = 2
+
+
+@attrs.frozen
+class Contraction:
+    """``out[.., i, j] (+)= sum_k x[.., i, k] * y[.., k, j]``: ``x`` reads i (not j), ``y``
+    reads j (not i), both read k; batch symbols are the other parallel symbols. The loads
+    keep their general affine indices (transposes, statics, the merge buffer)."""
+
+    kernel: Kernel
+    reduce: Reduce
+    x: Load
+    y: Load
+    batch: tuple[tuple[Symbol, int], ...]
+    i: Symbol
+    m: int
+    j: Symbol
+    n: int
+    k: Symbol
+    kk: int
+
+    @property
+    def row_major(self) -> bool:
+        """j is the innermost parallel loop and i the next, and the output and y are
+        contiguous along j: the layout that tiles loading rows as vectors need."""
+        (pi, _), (pj, _) = self.kernel.parallel[-2:]
+        contiguous = self.reduce.index.coeff(self.j) == 1 and self.y.index.coeff(self.j) == 1
+        return (pi, pj) == (self.i, self.j) and contiguous
+
+    @property
+    def batch_size(self) -> int:
+        return math.prod(n for _, n in self.batch)
+
+
+def match_contraction(k: Kernel) -> Contraction | None:
+    """The kernel as a :class:`Contraction` (a float sum of products of two loads over one
+    loop), if it is one: the one matcher every dialect's plan starts from."""
+    r = k.body
+    if not isinstance(r, Reduce) or r.accum is not ir.AccumOp.ADD or len(r.loops) != 1:
+        return None
+    if len(k.parallel) < 2 or not r.node.dtype.is_float or not (r.init is None or isinstance(r.init, Const)):
+        return None
+    v = r.value
+    if not (isinstance(v, Call) and v.op is ir.Op.MUL and len(v.args) == 2):
+        return None
+    a, b = v.args
+    if not (isinstance(a, Load) and isinstance(b, Load)):
+        return None
+    roles = _roles(k, a, b)
+    if roles is None:
+        return None
+    x, y, i, j = roles
+    ks, kk = r.loops[0]
+    if x.index.coeff(ks) == 0 or y.index.coeff(ks) == 0:
+        return None
+    extent = dict(k.parallel)
+    batch = tuple((s, n) for s, n in k.parallel if s not in (i, j))
+    return Contraction(k, r, x, y, batch, i, extent[i], j, extent[j], ks, kk)
+
+
+def _roles(k: Kernel, a: Load, b: Load) -> tuple[Load, Load, Symbol, Symbol] | None:
+    """(x, y, i, j): x reads i and not j, y reads j and not i. First the innermost two
+    parallel loops (the output's layout), else the one symbol only one load reads."""
+    orders = ((a, b), (b, a))
+    (i, _), (j, _) = k.parallel[-2:]
+    for x, y in orders:
+        if _only_one_reads(x, y, i) and _only_one_reads(y, x, j):
+            return x, y, i, j
+    syms = [s for s, _ in k.parallel]
+    for x, y in orders:
+        rows = [s for s in syms if _only_one_reads(x, y, s)]
+        cols = [s for s in syms if _only_one_reads(y, x, s)]
+        if len(rows) == 1 and len(cols) == 1:
+            return x, y, rows[0], cols[0]
+    return None
+
+
+def _only_one_reads(reader: Load, other: Load, s: Symbol) -> bool:
+    return reader.index.coeff(s) != 0 and other.index.coeff(s) == 0
+
+
+# ---------------------------------------------------------------------------
+# The plan
+
+
+@attrs.frozen
+class KernelPlan:
+    """How one kernel runs (see the module docstring)."""
+
+    kind: str  # SERIAL, ELEMENTWISE, REDUCTION, GROUP_REDUCTION or CONTRACTION
+    launch: LaunchShape
+    shape: str = ""  # a shape of the dialect's own (Dialect.shape_emitters); "": the kind's generic one
+    team: int = 0  # LOOPS: the outer loops OpenMP threads share (0: one thread)
+    dims: tuple[tuple[tuple[Symbol, int], ...], ...] = ()  # GLOBAL_IDS: the parallel loops of each dim
+    contraction: Contraction | None = None
+    tiles: Tiles | None = None
+    aligned: bool = False  # the sizes divide the tiles: no bounds checks
+    x_vector: str | None = None  # "k" or "m": the side along which x loads vectors (None: scalars)
+    y_vector: str | None = None  # "n" or "k"
+    ordered_float: bool = False  # sums floats in loop order (the C dialect's GCC workaround)
+
+    @property
+    def threads(self) -> int:
+        """Work-items of a work-group (CUDA: threads of a block)."""
+        return math.prod(self.launch.local_size or (1,))
+
+
+def plan_kernel(kernel: Kernel, dialect: Dialect) -> KernelPlan:
+    """The kernel's plan on ``dialect``'s target."""
+    plan = _loops_plan(kernel, dialect) if dialect.mapping == LOOPS else _gpu_plan(kernel, dialect)
+    if _has_float_serial_accumulation(kernel) and plan.shape not in (REGISTER_TILES, COLUMN, STAGED):
+        plan = attrs.evolve(plan, ordered_float=True)  # tiles and column blocks vectorize across outputs
+    return plan
+
+
+def _kind(kernel: Kernel) -> str:
+    if not kernel.parallel:
+        return SERIAL
+    return REDUCTION if isinstance(kernel.body, Reduce) else ELEMENTWISE
+
+
+def _has_float_serial_accumulation(kernel: Kernel) -> bool:
+    stmts = list(walk_stmts(kernel.body))
+    if any(isinstance(s, Reduce) and s.node.dtype.is_float and not s.reassociable for s in stmts):
+        return True
+    serial = any(isinstance(s, Loop) for s in stmts)
+    return serial and any(isinstance(s, Store) and s.accum is not None and s.node.dtype.is_float for s in stmts)
+
+
+def _contraction(kernel: Kernel, d: Dialect) -> Contraction | None:
+    """The kernel's contraction, when the dialect tiles it."""
+    if not d.matmul:
+        return None
+    c = match_contraction(kernel)
+    if c is None or c.reduce.node.dtype not in d.matmul_dtypes or (d.matmul_rows and not c.row_major):
+        return None
+    if min(c.m, c.n) < d.matmul_min_side or c.m * c.n * c.kk < d.matmul_min_work:
+        return None
+    return c
+
+
+# ---------------------------------------------------------------------------
+# LOOPS (C): OpenMP teams and the CPU's shapes
+
+# A full reduction (no parallel nest) at least this long is shared among OpenMP threads.
+OMP_REDUCTION_MIN_LENGTH = 65536
+# Outputs of a column reduction accumulated together (a local array of this many).
+COLUMN_BLOCK = 512
+# Values worth staging: what the vector unit computes much faster than a scalar loop.
+STAGED_OPS = frozenset({ir.Op.EXP, ir.Op.TANH, ir.Op.SIGMOID, ir.Op.SQRT, ir.Op.DIV})
+STAGED_MAX_LENGTH = 4096  # the local array: 16 KiB of float32
+# Streaming stores bypass the cache: only worth it for outputs far larger than it.
+STREAMING_MIN_BYTES = 8 << 20
+
+
+def _loops_plan(kernel: Kernel, d: Dialect) -> KernelPlan:
+    launch = LaunchShape((max(1, kernel.work),))
+    shapes = d.shape_emitters
+    c = _contraction(kernel, d) if REGISTER_TILES in shapes else None
+    if c is not None:
+        lanes = d.vector_bytes // c.reduce.node.dtype.itemsize
+        bn = REGISTER_VECTORS * lanes
+        tiles = Tiles(REGISTER_ROWS, bn, 1, REGISTER_ROWS, bn, lanes)
+        team = len(c.batch) + 2 if kernel.total_work >= d.omp_min_work else 0
+        return KernelPlan(CONTRACTION, launch, REGISTER_TILES, team, contraction=c, tiles=tiles)
+    if COLUMN in shapes and column_reduction(kernel) is not None:
+        blocks = -(-kernel.parallel[-1][1] // COLUMN_BLOCK)
+        loops = [n for _, n in kernel.parallel[:-1]] + [blocks]
+        big = kernel.total_work >= d.omp_min_work * 8 and math.prod(loops) > 1
+        return KernelPlan(REDUCTION, launch, COLUMN, len(loops) if big else 0)
+    shape = ""
+    if STAGED in shapes and staged_reduction(kernel) is not None:
+        shape = STAGED
+    elif STREAMING in shapes and streams(kernel, d.vector_bytes):
+        shape = STREAMING
+    nest, body = kernel.parallel, kernel.body
+    if nest and kernel.total_work >= d.omp_min_work:
+        # a short outer loop: share the next ones too
+        team = len(nest) - 1 if len(nest) > 1 and nest[0][1] < 64 else 1
+        return KernelPlan(_kind(kernel), launch, shape, team)
+    if not nest and isinstance(body, Reduce) and body.loops and body.length >= OMP_REDUCTION_MIN_LENGTH:
+        return KernelPlan(REDUCTION, launch, shape, len(body.loops))  # threads share the reduced loops
+    return KernelPlan(_kind(kernel), launch, shape)
+
+
+def column_reduction(kernel: Kernel) -> Reduce | None:
+    """A reduction whose innermost output axis is contiguous in the output and in what it
+    reads, while the reduced axes are strided (``x.sum(axis=0)``): the plain loop would
+    walk a column per output."""
+    r = kernel.body
+    if not isinstance(r, Reduce) or not kernel.parallel or kernel.parallel[-1][1] < 4:
+        return None
+    j = kernel.parallel[-1][0]
+    loads = [e for e in walk_exprs(r) if isinstance(e, Load)]
+    if r.index.coeff(j) != 1 or any(ld.node is r.node or ld.index.coeff(j) not in (0, 1) for ld in loads):
+        return None
+    reduced = {sym for sym, _ in r.loops}
+    return r if any(ld.index.coeff(j) == 1 and any(ld.index.coeff(s) for s in reduced) for ld in loads) else None
+
+
+def staged_reduction(kernel: Kernel) -> Reduce | None:
+    """A float reduction along one short loop whose value costs more than its loads
+    (``sum_j exp(x[i, j] - m[i])``): staged as a vectorized map into a local array, then an
+    in-order fold. The fold reads the staged values forwards, so GCC may vectorize it in
+    order without the miscompile the C dialect's GCC workaround guards against."""
+    r = kernel.body
+    if not isinstance(r, Reduce) or not r.node.dtype.is_float or len(r.loops) != 1:
+        return None
+    if not 8 <= r.loops[0][1] <= STAGED_MAX_LENGTH:
+        return None
+    costly = any(isinstance(e, Call) and e.op in STAGED_OPS for e in walk_exprs(r))
+    return r if costly else None
+
+
+def streams(kernel: Kernel, vector_bytes: int) -> bool:
+    """A flat elementwise kernel over a large, aligned float output, reading contiguously:
+    worth non-temporal stores where the host has 32-byte vectors or wider."""
+    body = kernel.body
+    if len(kernel.parallel) != 1 or not isinstance(body, Store) or body.accum is not None:
+        return False
+    if vector_bytes < 32 or not body.node.dtype.is_float:
+        return False
+    (sym, n), = kernel.parallel
+    if body.index != ir.as_affine(sym) or n * body.node.dtype.itemsize < STREAMING_MIN_BYTES:
+        return False
+    loads = [e for e in walk_exprs(body) if isinstance(e, Load)]
+    return all(ld.index.coeff(sym) in (0, 1) for ld in loads) and all(ld.node is not body.node for ld in loads)
+
+
+# ---------------------------------------------------------------------------
+# GPU dialects: global ids or grid-stride loops, group reductions, shared-memory tiles
+
+# A reduction at least this long, over at most this many cells, gets a group per cell...
+GROUP_MIN_LENGTH = 512
+GROUP_MAX_CELLS = 1 << 22
+# ... unless the cells are contiguous in memory and many: one work-item per cell coalesces then.
+WORK_ITEM_PER_CELL_MIN_CELLS = 4096
+MAX_GROUPS = 1 << 16  # groups of a group-reduction launch; they stride over the cells beyond
+MAX_GRID_BLOCKS = 1 << 16  # blocks of a grid-stride launch (the CUDA driver caps them further)
+MAX_GRID_YZ = 65535  # CUDA's grid limit in y and z
+
+
+def wants_group_reduce(kernel: Kernel) -> bool:
+    """Few cells and long reductions: a group per cell."""
+    r = kernel.body
+    if not isinstance(r, Reduce) or not r.loops or r.length < GROUP_MIN_LENGTH:
+        return False
+    if not kernel.parallel:
+        return True
+    cells = kernel.work
+    if cells > GROUP_MAX_CELLS:
+        return False
+    inner_cell, inner_red = kernel.parallel[-1][0], r.loops[-1][0]
+    loads = [e for e in walk_exprs(r) if isinstance(e, Load)]
+    cell_contiguous = any(ld.index.coeff(inner_cell) == 1 for ld in loads)
+    red_contiguous = any(ld.index.coeff(inner_red) == 1 for ld in loads)
+    return not (cell_contiguous and not red_contiguous and cells >= WORK_ITEM_PER_CELL_MIN_CELLS)
+
+
+def group_count(kernel: Kernel) -> int:
+    return max(1, min(kernel.work, MAX_GROUPS))  # work is 1 without a parallel nest
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _gpu_plan(kernel: Kernel, d: Dialect) -> KernelPlan:
+    plan = _tiles_plan(kernel, d)
+    if plan is not None:
+        return plan
+    if d.group_reductions and wants_group_reduce(kernel):
+        assert isinstance(kernel.body, Reduce)
+        long_and_few = kernel.work <= 64 and kernel.body.length >= 1 << 16
+        threads = d.max_work_group if long_and_few else d.work_group
+        return KernelPlan(GROUP_REDUCTION, LaunchShape((group_count(kernel) * threads,), (threads,)))
+    if not kernel.parallel:
+        return KernelPlan(SERIAL, LaunchShape((1,), (1,)))
+    if d.mapping == GRID_STRIDE:
+        work = kernel.work
+        # a full work-group, or fewer threads (a multiple of 32) for a small nest
+        threads = d.work_group if work >= d.work_group else max(32, _ceil_div(work, 32) * 32)
+        blocks = max(1, min(_ceil_div(work, threads), MAX_GRID_BLOCKS))
+        return KernelPlan(_kind(kernel), LaunchShape((blocks * threads,), (threads,)))
+    dims = global_dims(kernel)
+    extents = [math.prod(n for _, n in loops) for loops in dims]
+    local: list[int] = []
+    room = d.work_group
+    for e in extents:  # fill the work-group from dim 0 (contiguous in memory) outwards
+        size = min(_pow2_at_least(e), room)
+        local.append(size)
+        room //= size
+    glob = tuple(_ceil_div(e, lsz) * lsz for e, lsz in zip(extents, local))
+    return KernelPlan(_kind(kernel), LaunchShape(glob, tuple(local)), dims=dims)
+
+
+def global_dims(kernel: Kernel) -> tuple[tuple[tuple[Symbol, int], ...], ...]:
+    """The parallel loops on each global dimension: dim 0 is the innermost loop; beyond three
+    loops, the outer ones share dim 2 (flattened)."""
+    nest = kernel.parallel
+    if len(nest) <= 3:
+        return tuple((lp,) for lp in reversed(nest))
+    return ((nest[-1],), (nest[-2],), nest[:-2])
+
+
+def _tiles_plan(kernel: Kernel, d: Dialect) -> KernelPlan | None:
+    """Shared-memory tiles: a work-group per ``bm`` x ``bn`` block of the output (and batch
+    index), ``tm`` x ``tn`` outputs per thread; vector loads where the sizes divide the tiles
+    and an operand is contiguous with 4-aligned rows."""
+    c = _contraction(kernel, d)
+    if c is None or not d.matmul_tiles:
+        return None
+    t = next((t for t in d.matmul_tiles if c.m >= 2 * t.bm and c.n >= 2 * t.bn), d.matmul_tiles[-1])
+    if _ceil_div(c.m, t.bm) > MAX_GRID_YZ or c.batch_size > MAX_GRID_YZ:
+        return None
+    aligned = c.m % t.bm == 0 and c.n % t.bn == 0 and c.kk % t.bk == 0
+    x_vec = _vector_side(c.x.index, {"k": c.k, "m": c.i}) if aligned else None
+    y_vec = _vector_side(c.y.index, {"n": c.j, "k": c.k}) if aligned else None
+    launch = LaunchShape((_ceil_div(c.n, t.bn) * t.threads, _ceil_div(c.m, t.bm), c.batch_size), (t.threads, 1, 1))
+    return KernelPlan(CONTRACTION, launch, contraction=c, tiles=t, aligned=aligned, x_vector=x_vec, y_vector=y_vec)
+
+
+def _vector_side(index: Affine, sides: dict[str, Symbol]) -> str | None:
+    """Which side (by name, in order of preference) is contiguous with 4-aligned rows:
+    coefficient 1 there, and every other coefficient and the constant a multiple of 4."""
+    for side, sym in sides.items():
+        if index.coeff(sym) != 1:
+            continue
+        others = [c for v, c in index.terms if v != sym]
+        if all(c > 0 and c % 4 == 0 for c in others) and index.const % 4 == 0:
+            return side
+    return None

@@ -1,0 +1,344 @@
+"""Lowering's decisions and the kernel plans (core/lower.py, core/patterns.py), without a device.
+
+- why a node is or is not inlined: one test per rule of lower.py's memory-mode inference;
+- when a full reduction splits, and into how many parts;
+- the one contraction matcher (its roles, and the row-major layout tiles need);
+- which KernelPlan (kind, shape, tiles, launch shape) each dialect gives: an elementwise chain,
+  a small and a big reduction, few long reductions, a matmul big enough for tiles and one
+  too small, and on the CPU a column reduction, a staged reduction and streaming stores.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from polyjit.backends.cpu.dialect import CpuDialect
+from polyjit.backends.cuda.dialect import CudaDialect
+from polyjit.backends.opencl.dialect import OpenCLDialect
+from polyjit.core import ir, lower, patterns
+from polyjit.core.codegen import Dialect, generate
+from polyjit.core.errors import InvalidProgramError
+from polyjit.core.ir import AccumOp, MemoryMode, Node, Op
+from polyjit.core.loops import Kernel, Reduce
+from polyjit.core.patterns import (
+    COLUMN,
+    CONTRACTION,
+    ELEMENTWISE,
+    GROUP_REDUCTION,
+    REDUCTION,
+    REGISTER_TILES,
+    SERIAL,
+    STAGED,
+    STREAMING,
+    TILES_LARGE,
+    KernelPlan,
+    LaunchShape,
+    plan_kernel,
+)
+
+# ---------------------------------------------------------------------------
+# Memory modes: why a node is (not) inlined
+
+
+def _modes(*comps: ir.Comp) -> lower.Inference:
+    return lower.infer_modes(comps)
+
+
+def _why(node: Node, *comps: ir.Comp) -> str:
+    inference = _modes(*comps)
+    assert inference.modes[node] is MemoryMode.LOCAL
+    return inference.why_not[node]
+
+
+def test_an_elementwise_intermediate_read_once_is_inlined() -> None:
+    a, t, out = Node("a", (8,)), Node("t", (8,)), Node("out", (8,))
+    writer = ir.apply(Op.EXP, a, into=t)
+    inference = _modes(ir.Comp.of(writer, ir.apply(Op.NEG, t, into=out)))
+    assert inference.modes[t] is MemoryMode.VIRTUAL and inference.writer[t] is writer
+    assert inference.modes[out] is MemoryMode.MATERIALIZED  # a result: embedded
+    assert t not in inference.why_not
+
+
+def test_not_inlined_when_written_more_than_once() -> None:
+    a, t, out = Node("a", (8,)), Node("t", (8,)), Node("out", (8,))
+    comp = ir.Comp.of(ir.apply(Op.EXP, a, into=t), ir.apply(Op.NEG, a, into=t, accum=AccumOp.ADD, init_neutral=False),
+                      ir.apply(Op.NEG, t, into=out))
+    assert _why(t, comp) == "it is written more than once"
+
+
+def test_not_inlined_when_its_writer_is_a_reduction() -> None:
+    a, t, out = Node("a", (4, 8)), Node("t", (4,)), Node("out", (4,))
+    comp = ir.Comp.of(ir.einsum("ij->i", a, into=t), ir.apply(Op.NEG, t, into=out))
+    assert "not elementwise" in _why(t, comp)
+
+
+def test_not_inlined_when_read_twice() -> None:
+    a, t, out = Node("a", (8,)), Node("t", (8,)), Node("out", (8,))
+    comp = ir.Comp.of(ir.apply(Op.EXP, a, into=t), ir.apply(Op.MUL, t, t, into=out))
+    assert _why(t, comp) == "it is read 2 times, not once"
+
+
+def test_not_inlined_when_read_before_it_is_written() -> None:
+    a, t, out = Node("a", (8,)), Node("t", (8,)), Node("out", (8,))
+    comp = ir.Comp.of(ir.apply(Op.NEG, t, into=out), ir.apply(Op.EXP, a, into=t))
+    assert _why(t, comp) == "it is read before it is written"
+
+
+def test_not_inlined_when_read_through_a_reshape() -> None:
+    a, t, r, out = Node("a", (8,)), Node("t", (8,)), Node("r", (2, 4)), Node("out", (2, 4))
+    comp = ir.Comp.of(ir.apply(Op.EXP, a, into=t), ir.reshape(r, t), ir.apply(Op.NEG, r, into=out))
+    assert "reshape" in _why(t, comp)
+
+
+def test_not_inlined_when_read_by_another_computation_of_the_batch() -> None:
+    a, t, out = Node("a", (8,)), Node("t", (8,)), Node("out", (8,))
+    first = ir.Comp.of(ir.apply(Op.EXP, a, into=t), embedded=[])
+    second = ir.Comp.of(ir.apply(Op.NEG, t, into=out))
+    assert _why(t, first, second) == "its reader is in another computation of the batch"
+
+
+def test_not_inlined_when_its_reader_broadcasts_it() -> None:
+    a, t, b, out = Node("a", (4,)), Node("t", (4,)), Node("b", (3, 4)), Node("out", (3, 4))
+    comp = ir.Comp.of(ir.apply(Op.EXP, a, into=t), ir.apply(Op.ADD, t, b, into=out))
+    assert "several times" in _why(t, comp)
+
+
+def test_not_inlined_when_its_writer_reads_the_merge_buffer() -> None:
+    m, t, out = Node("m", (8,)), Node("t", (8,)), Node("out", (8,))
+    comp = ir.Comp.of(ir.apply(Op.EXP, ir.merge(m), into=t), ir.apply(Op.NEG, t, into=out))
+    assert _why(t, comp) == "its writer reads the merge buffer"
+
+
+def test_not_inlined_when_what_its_writer_reads_changes_before_the_read() -> None:
+    a, b, t, out = Node("a", (8,)), Node("b", (8,)), Node("t", (8,)), Node("out", (8,))
+    comp = ir.Comp.of(ir.apply(Op.EXP, a, into=t), ir.apply(Op.NEG, b, into=a), ir.apply(Op.NEG, t, into=out))
+    assert _why(t, comp).startswith(a.label) and "changes before the read" in _why(t, comp)
+
+
+def test_explicit_modes_win_where_they_can() -> None:
+    a, t, u, out = Node("a", (8,)), Node("t", (8,), mode=MemoryMode.LOCAL), Node("u", (8,)), Node("out", (8,))
+    kept = u.with_mode(MemoryMode.ON_DEVICE)
+    comp = ir.Comp.of(ir.apply(Op.EXP, a, into=t), ir.apply(Op.NEG, t, into=kept), ir.apply(Op.NEG, kept, into=out))
+    inference = _modes(comp)
+    assert inference.modes[t] is MemoryMode.LOCAL and inference.why_not[t] == "it is marked LOCAL"
+    assert inference.modes[kept] is MemoryMode.ON_DEVICE  # stored, though read once
+    virtual = Node("v", (4,), mode=MemoryMode.VIRTUAL)
+    with pytest.raises(InvalidProgramError, match="cannot be inlined: its writer is not elementwise"):
+        _modes(ir.Comp.of(ir.einsum("ij->i", Node("x", (4, 4)), into=virtual),
+                          ir.apply(Op.NEG, virtual, into=Node("o", (4,)))))
+    with pytest.raises(InvalidProgramError, match="embedded"):
+        _modes(ir.Comp.of(ir.apply(Op.NEG, a, into=Node("r", (8,), mode=MemoryMode.VIRTUAL))))
+
+
+# ---------------------------------------------------------------------------
+# Splitting long full reductions
+
+
+def _reduction_kernels(shape: tuple[int, ...], spec: str) -> list[Kernel]:
+    x, out_shape = Node("x", shape), tuple(n for c, n in zip(spec.split("->")[0], shape) if c in spec.split("->")[1])
+    return lower.lower([ir.Comp.of(ir.einsum(spec, x, into=Node("o", out_shape)))], ["r"]).kernels
+
+
+def _parts(kernels: list[Kernel]) -> tuple[int, int] | None:
+    """(parts, values per part) of a split reduction; None when it stayed one kernel."""
+    if len(kernels) == 1:
+        return None
+    first, second = kernels
+    assert isinstance(first.body, Reduce) and first.body.reassociable and not second.parallel
+    ((_, parts),) = first.parallel
+    return parts, first.body.length
+
+
+@pytest.mark.parametrize(("n", "parts"), [
+    ((1 << 15) - 1, None),  # shorter than SPLIT_MIN_LENGTH: one kernel
+    (1 << 15, (256, 128)),  # a divisor near SPLIT_PARTS...
+    (200_000, (250, 800)),  # ... the closest one
+    (65_537, None),  # prime: no divisor between 32 and 1024 leaves whole chunks
+    (32 * 1031, (32, 1031)),  # the only divisor in range
+])
+def test_a_long_full_reduction_splits_into_partial_results(n: int, parts: tuple[int, int] | None) -> None:
+    assert _parts(_reduction_kernels((n,), "i->")) == parts
+
+
+def test_a_split_takes_the_outermost_reduced_loop() -> None:
+    kernels = _reduction_kernels((300, 400), "ij->")
+    assert _parts(kernels) == (300, 400)  # 300 parts (the divisor of 300 closest to 256) of one row
+    assert _parts(_reduction_kernels((7, 9000), "ij->")) == (250, 252)  # 7 has none: the next loop
+
+
+def test_reductions_into_several_cells_never_split() -> None:
+    assert len(_reduction_kernels((4, 1 << 16), "ij->i")) == 1
+
+
+# ---------------------------------------------------------------------------
+# The contraction matcher
+
+
+def _kernel(comp: ir.Comp) -> Kernel:
+    (kernel,) = lower.lower([comp], ["k"]).kernels
+    return kernel
+
+
+def _matmul(spec: str, a: tuple[int, ...], b: tuple[int, ...], c: tuple[int, ...], dt: str = "float32") -> Kernel:
+    return _kernel(ir.Comp.of(ir.einsum(spec, Node("a", a, dt), Node("b", b, dt), into=Node("c", c, dt))))
+
+
+def test_the_matcher_finds_roles_in_any_operand_order() -> None:
+    c = patterns.match_contraction(_matmul("ik,kj->ij", (8, 4), (4, 6), (8, 6)))
+    assert c is not None and (c.m, c.n, c.kk) == (8, 6, 4) and c.x.node.name == "a" and c.row_major
+    swapped = patterns.match_contraction(_matmul("kj,ik->ij", (4, 6), (8, 4), (8, 6)))
+    assert swapped is not None and swapped.x.node.name == "b" and swapped.row_major
+    transposed = patterns.match_contraction(_matmul("ki,jk->ij", (4, 8), (6, 4), (8, 6)))
+    assert transposed is not None and not transposed.row_major  # y is contiguous along k
+    batched = patterns.match_contraction(_matmul("bik,bkj->bij", (2, 8, 4), (2, 4, 6), (2, 8, 6)))
+    assert batched is not None and [n for _, n in batched.batch] == [2] and batched.batch_size == 2
+
+
+def test_the_matcher_rejects_what_is_not_a_float_sum_of_products() -> None:
+    assert patterns.match_contraction(_matmul("ik,kj->ij", (8, 4), (4, 6), (8, 6), "int32")) is None
+    maxed = ir.einsum("ik,kj->ij", Node("a", (8, 4)), Node("b", (4, 6)), into=Node("c", (8, 6)), accum=AccumOp.MAX)
+    assert patterns.match_contraction(_kernel(ir.Comp.of(maxed))) is None
+    assert patterns.match_contraction(_kernel(ir.Comp.of(ir.einsum("ij->i", Node("x", (8, 6)), into=Node("s", (8,)))))) is None
+
+
+# ---------------------------------------------------------------------------
+# Kernel plans
+
+
+def _plans(comp: ir.Comp, dialect: Dialect) -> list[KernelPlan]:
+    return [plan_kernel(k, dialect) for k in lower.lower([comp], ["k"]).kernels]
+
+
+def _plan(comp: ir.Comp, dialect: Dialect) -> KernelPlan:
+    (plan,) = _plans(comp, dialect)
+    return plan
+
+
+def _chain(n: int) -> ir.Comp:
+    a, b, c, t, out = (Node(name, (n,)) for name in ("a", "b", "c", "t", "out"))
+    return ir.Comp.of(ir.apply(Op.MUL, a, b, into=t), ir.apply(Op.SUB, t, c, into=out))
+
+
+def _reduce(spec: str, shape: tuple[int, ...], out_shape: tuple[int, ...]) -> ir.Comp:
+    return ir.Comp.of(ir.einsum(spec, Node("x", shape), into=Node("o", out_shape)))
+
+
+def _mm(m: int, k: int, n: int) -> ir.Comp:
+    return ir.Comp.of(ir.einsum("ik,kj->ij", Node("a", (m, k)), Node("b", (k, n)), into=Node("c", (m, n))))
+
+
+CPU = CpuDialect(vector_bytes=32)
+
+
+def test_an_elementwise_chain() -> None:
+    n = 1 << 20
+    cpu = _plan(_chain(n), CPU)
+    assert (cpu.kind, cpu.shape, cpu.team, cpu.launch) == (ELEMENTWISE, "", 1, LaunchShape((n,)))
+    assert _plan(_chain(100), CPU).team == 0  # too little work for an OpenMP team
+    ocl = _plan(_chain(n), OpenCLDialect())
+    assert (ocl.kind, ocl.launch) == (ELEMENTWISE, LaunchShape((n,), (256,)))
+    assert [[e for _, e in loops] for loops in ocl.dims] == [[n]]
+    cuda = _plan(_chain(n), CudaDialect())
+    assert (cuda.kind, cuda.launch, cuda.threads) == (ELEMENTWISE, LaunchShape((n,), (256,)), 256)
+    assert _plan(_chain(1 << 26), CudaDialect()).launch.global_size == (patterns.MAX_GRID_BLOCKS * 256,)  # grid-stride
+    assert _plan(_chain(40), CudaDialect()).launch == LaunchShape((64,), (64,))  # a multiple of 32
+
+
+def test_streaming_stores_for_big_outputs_where_the_host_has_avx() -> None:
+    n = patterns.STREAMING_MIN_BYTES // 4
+    assert _plan(_chain(n), CPU).shape == STREAMING
+    assert _plan(_chain(n), CpuDialect(vector_bytes=16)).shape == ""  # SSE: no streaming
+    assert _plan(_chain(n // 2), CPU).shape == ""
+
+
+def test_a_small_reduction_is_a_thread_per_cell_everywhere() -> None:
+    comp = _reduce("ij->i", (8, 64), (8,))
+    assert [(p.kind, p.team) for p in [_plan(comp, CPU), _plan(comp, Dialect())]] == [(REDUCTION, 0)] * 2
+    assert _plan(comp, OpenCLDialect()).launch == LaunchShape((8,), (8,))
+    assert _plan(comp, CudaDialect()).launch == LaunchShape((32,), (32,))
+    assert {p.kind for p in (_plan(comp, OpenCLDialect()), _plan(comp, CudaDialect()))} == {REDUCTION}
+
+
+def test_a_big_reduction_into_many_cells() -> None:
+    comp = _reduce("ij->i", (4096, 256), (4096,))
+    cpu = _plan(comp, CPU)
+    assert (cpu.kind, cpu.shape, cpu.team) == (REDUCTION, "", 1)
+    assert _plan(comp, OpenCLDialect()).kind == REDUCTION  # 256 values a cell: too short for a group
+    assert _plan(comp, CudaDialect()).launch == LaunchShape((4096,), (256,))
+    full = _plans(_reduce("i->", (1 << 20,), ()), CPU)  # split: partial results, then one thread
+    assert [(p.kind, p.team) for p in full] == [(REDUCTION, 1), (SERIAL, 0)]
+    unsplit = _plan(_reduce("i->", (65_537 * 2,), ()), CPU)  # no divisor fits: OpenMP threads share the loop
+    assert (unsplit.kind, unsplit.team) == (REDUCTION, 1)
+
+
+def test_few_long_reductions_get_a_group_per_cell() -> None:
+    comp = _reduce("ij->i", (4, 100_000), (4,))
+    ocl = _plan(comp, OpenCLDialect())
+    assert (ocl.kind, ocl.launch) == (GROUP_REDUCTION, LaunchShape((4 * 256,), (256,)))
+    cuda = _plan(comp, CudaDialect())  # few and very long: blocks of 1024 threads
+    assert (cuda.kind, cuda.launch) == (GROUP_REDUCTION, LaunchShape((4 * 1024,), (1024,)))
+    assert _plan(_reduce("ij->i", (4, 1000), (4,)), CudaDialect()).threads == 256
+    assert _plan(comp, OpenCLDialect(group_reductions=False)).kind == REDUCTION  # PoCL's CPU devices
+    assert _plan(comp, CPU).kind == REDUCTION
+    many = _reduce("ij->j", (600, 5000), (5000,))  # contiguous cells, many: a work-item each coalesces
+    assert _plan(many, CudaDialect()).kind == REDUCTION
+
+
+def test_a_matmul_big_enough_for_tiles() -> None:
+    comp = _mm(256, 256, 256)
+    cpu = _plan(comp, CPU)
+    assert (cpu.kind, cpu.shape, cpu.team) == (CONTRACTION, REGISTER_TILES, 2)
+    assert cpu.tiles is not None and (cpu.tiles.tm, cpu.tiles.tn, cpu.tiles.lanes) == (6, 16, 8)  # 6 x 2 float8
+    ocl = _plan(comp, OpenCLDialect())
+    assert ocl.kind == CONTRACTION and ocl.tiles is not None and ocl.tiles.threads == 64
+    assert ocl.launch == LaunchShape((4 * 64, 4, 1), (64, 1, 1))  # a work-group per 64x64 block
+    cuda = _plan(comp, CudaDialect())
+    assert (cuda.kind, cuda.tiles, cuda.aligned, cuda.x_vector, cuda.y_vector) == (
+        CONTRACTION, TILES_LARGE, True, "k", "n")
+    assert cuda.launch == LaunchShape((2 * 256, 2, 1), (256, 1, 1))
+    small_tiles = _plan(_mm(100, 70, 50), CudaDialect())
+    assert small_tiles.tiles == patterns.TILES_SMALL and not small_tiles.aligned and small_tiles.x_vector is None
+
+
+def test_a_matmul_too_small_for_tiles() -> None:
+    comp = _mm(8, 8, 8)
+    assert _plan(comp, CPU).shape == REGISTER_TILES  # register tiles never lose on the CPU
+    assert _plan(comp, Dialect()).kind == REDUCTION  # the plain C dialect has no tiles
+    assert _plan(comp, OpenCLDialect()).kind == REDUCTION
+    assert _plan(_mm(16, 16, 128), OpenCLDialect()).kind == CONTRACTION  # OpenCL's threshold
+    assert _plan(_mm(16, 16, 128), CudaDialect()).kind == REDUCTION  # CUDA's is higher
+    assert _plan(_mm(256, 256, 256), OpenCLDialect(matmul=False)).kind == REDUCTION
+    double = ir.Comp.of(ir.einsum("ik,kj->ij", *(Node(x, (64, 64), "float64") for x in "ab"),
+                                  into=Node("c", (64, 64), "float64")))
+    assert _plan(double, CudaDialect()).kind == REDUCTION  # CUDA tiles float32 only
+    assert _plan(double, OpenCLDialect()).kind == CONTRACTION
+    transposed = ir.Comp.of(ir.einsum("ki,jk->ij", Node("a", (64, 256)), Node("b", (256, 64)), into=Node("c", (256, 256))))
+    assert _plan(transposed, CudaDialect()).kind == CONTRACTION  # any strides
+    assert _plan(transposed, OpenCLDialect()).kind == REDUCTION  # its CPU variant loads rows of y
+
+
+def test_a_column_reduction_on_the_cpu() -> None:
+    comp = _reduce("ij->j", (2000, 1500), (1500,))
+    cpu = _plan(comp, CPU)
+    assert (cpu.kind, cpu.shape, cpu.team) == (REDUCTION, COLUMN, 1)  # 3 blocks of 512 outputs shared
+    assert not cpu.ordered_float  # vectorizes across outputs, each still sums in order
+    assert _plan(comp, Dialect()).shape == ""
+    assert _plan(_reduce("ij->j", (100, 1500), (1500,)), CPU).team == 0
+
+
+def test_a_staged_reduction_on_the_cpu() -> None:
+    x, e, s = Node("x", (64, 1000)), Node("e", (64, 1000)), Node("s", (64,))
+    comp = ir.Comp.of(ir.apply(Op.EXP, x, into=e), ir.einsum("ij->i", e, into=s))
+    cpu = _plan(comp, CPU)
+    assert (cpu.kind, cpu.shape, cpu.team, cpu.ordered_float) == (REDUCTION, STAGED, 1, False)
+    plain = _plan(_reduce("ij->i", (64, 1000), (64,)), CPU)  # nothing costly to stage
+    assert (plain.shape, plain.ordered_float) == ("", True)
+    assert _plan(comp, CudaDialect()).shape == ""
+
+
+def test_the_plan_travels_on_the_kernel_spec() -> None:
+    lowered = lower.lower([_mm(256, 256, 256), _reduce("ij->i", (4, 100_000), (4,))], ["mm", "r"])
+    for dialect in (CPU, OpenCLDialect(), CudaDialect()):
+        specs = generate(lowered, dialect).all_kernels
+        plans = [plan_kernel(k, dialect) for k in lowered.kernels]
+        assert [s.plan for s in specs] == plans and [s.launch for s in specs] == [p.launch for p in plans]
