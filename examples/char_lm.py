@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from polyjit import tensor as pt
-from polyjit.tensor.datasets import context_windows, decode_text, encode_text
+from polyjit.demo.datasets import context_windows, decode_text, encode_text
 
 CONTEXT, VOCAB, EMBED, HIDDEN = 8, 27, 16, 64
 TEXT = Path(__file__).with_name("data") / "lighthouse.txt"

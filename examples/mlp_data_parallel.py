@@ -20,7 +20,7 @@ import numpy as np
 
 from polyjit import tensor as pt
 from polyjit.backends import get_backend
-from polyjit.tensor.datasets import two_spirals
+from polyjit.demo.datasets import two_spirals
 
 
 def main(argv: list[str] | None = None) -> int:

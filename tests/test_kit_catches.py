@@ -33,6 +33,8 @@ from polyjit.testing import (
     unsupported_reason,
 )
 from polyjit.testing import suite as suite_mod
+from polyjit.testing.checks import common as checks_common
+from polyjit.testing.checks import compute as checks_compute
 
 CheckFn = Callable[[Backend], None]
 
@@ -186,7 +188,7 @@ def test_without_the_skip_the_float64_programs_fail() -> None:
 
 def test_generated_programs_skip_float64_without_fp64(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("hypothesis")
-    monkeypatch.setattr(suite_mod, "HYPOTHESIS_EXAMPLES", 8)
+    monkeypatch.setattr(checks_compute, "HYPOTHESIS_EXAMPLES", 8)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always", KitNote)
         try:
@@ -198,7 +200,7 @@ def test_generated_programs_skip_float64_without_fp64(monkeypatch: pytest.Monkey
 
 def test_selftest_prints_notes(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     def check_noted(backend: Backend) -> None:
-        suite_mod._note("3 of 9 things skipped: a reason")
+        checks_common.note("3 of 9 things skipped: a reason")
 
     monkeypatch.setattr(suite_mod, "CHECKS", [check_noted])
     monkeypatch.setattr(suite_mod, "_MULTI_DEVICE", set())

@@ -244,7 +244,8 @@ hypothesis = pytest.importorskip("hypothesis")
 @hypothesis.settings(max_examples=int(os.environ.get("REF_EXAMPLES", "150")), deadline=None, database=None)
 @hypothesis.given(hypothesis.strategies.data())
 def test_strided_views_match_the_general_path(data: Any) -> None:
-    from polyjit.testing import reference, strategies
+    from polyjit.core import reference
+    from polyjit.testing import strategies
 
     prog = data.draw(hypothesis.strategies.one_of(
         strategies.affine_programs(), strategies.einsum_programs(), strategies.elementwise_programs()))

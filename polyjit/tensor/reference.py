@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 
 from polyjit.core.errors import BindingError
+from polyjit.core.reference import run_reference
 from polyjit.tensor.program import Program, Write
 from polyjit.tensor.tensor import Tensor
-from polyjit.testing.reference import run_reference
 
 Array = np.ndarray[Any, Any]
 

@@ -1,11 +1,13 @@
 """The conformance kit: what any polyjit backend runs to prove itself.
 
-- :func:`run_reference`: a numpy interpreter of the IR, the oracle of every check;
+- :func:`run_reference` (from :mod:`polyjit.core.reference`): the numpy interpreter of the IR,
+  the oracle of every check;
 - :mod:`polyjit.testing.programs`: a catalog of named test programs covering every op,
   dtype and IR construct; :mod:`polyjit.testing.strategies`: hypothesis strategies
   for random programs (imported on demand: it needs hypothesis);
-- :data:`CHECKS` and :class:`ConformanceSuite`: the checks, as plain functions and as
-  a pytest base class (``class TestMine(ConformanceSuite): backend_name = "mine"``);
+- :data:`CHECKS` and :class:`ConformanceSuite`: the checks (:mod:`polyjit.testing.checks`, one
+  module per topic), as plain functions and as a pytest base class
+  (``class TestMine(ConformanceSuite): backend_name = "mine"``);
   :func:`run_check` runs one (raising :class:`CheckSkipped` when it cannot run here); a
   check that passed but left work out (float64 programs on a device without fp64) warns
   with a :class:`KitNote`;
@@ -14,9 +16,9 @@
 - :func:`run_selftest`: ``polyjit selftest --backend NAME``.
 """
 
+from polyjit.core.reference import run_reference
 from polyjit.testing.harness import Failure, run_programs, unsupported_reason
 from polyjit.testing.programs import CatalogProgram, catalog
-from polyjit.testing.reference import run_reference
 from polyjit.testing.suite import (
     CHECKS,
     CheckSkipped,

@@ -18,8 +18,9 @@ from typing import Any
 import numpy as np
 
 from polyjit.core import ir
-from polyjit.core.context import Context, Routine, device_to_device
+from polyjit.core.context import Context
 from polyjit.core.ir import Node, Op
+from polyjit.core.routine import Routine, device_to_device
 from polyjit.core.runtime import Backend
 
 __all__ = ["thread_stress"]

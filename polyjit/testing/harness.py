@@ -13,9 +13,9 @@ import numpy as np
 from polyjit.core import dtypes, ir, lower
 from polyjit.core.dtypes import DType
 from polyjit.core.ir import MemoryMode, Node
+from polyjit.core.reference import run_reference
 from polyjit.core.runtime import Backend, Context, Routine
 from polyjit.testing.programs import CatalogProgram
-from polyjit.testing.reference import run_reference
 
 __all__ = ["Failure", "compare", "kernel_dtypes", "program_rng", "run_programs", "unsupported_reason"]
 

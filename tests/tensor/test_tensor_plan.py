@@ -13,7 +13,7 @@ import pytest
 from polyjit import tensor as pt
 from polyjit.core.errors import BindingError, NodeNotInContextError, ShapeMismatchError
 from polyjit.core.ir import MemoryMode
-from polyjit.tensor.datasets import two_spirals
+from polyjit.demo.datasets import two_spirals
 from polyjit.tensor.reference import evaluate
 
 Array = np.ndarray[Any, Any]

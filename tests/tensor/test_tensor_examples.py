@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from polyjit.tensor import demo
-from polyjit.tensor.plot import ascii_chart
-from polyjit.tensor.png import encode_png, line_chart
+from polyjit import demo
+from polyjit.demo.plot import ascii_chart
+from polyjit.demo.png import encode_png, line_chart
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 
 

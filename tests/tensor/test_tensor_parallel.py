@@ -13,7 +13,7 @@ from polyjit import tensor as pt
 from polyjit.backends.cpu import create_backend
 from polyjit.core.errors import ShapeMismatchError
 from polyjit.core.runtime import Backend
-from polyjit.tensor.datasets import two_spirals
+from polyjit.demo.datasets import two_spirals
 from polyjit.tensor.parallel import tree_rounds
 
 Array = np.ndarray[Any, Any]

@@ -432,7 +432,7 @@ for _ in range(100):
     rt.memcpy(s, b.ctypes.data, a.ctypes.data, a.nbytes)
 print("queued", rt.last_ticket(s))
 """
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
     proc = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
     )
@@ -460,7 +460,7 @@ if pid == 0:
 _, status = os.waitpid(pid, 0)
 print("child", os.waitstatus_to_exitcode(status))
 """
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
     proc = subprocess.run(  # a hang (the child joining a worker it lacks) times out
         [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60
     )

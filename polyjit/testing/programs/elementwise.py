@@ -1,0 +1,157 @@
+"""Catalog programs: every op on every dtype where it is defined (with tensor and scalar
+operands, and ``where``), and casts between all dtypes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from polyjit.core import dtypes, ir
+from polyjit.core.dtypes import DType
+from polyjit.core.errors import DTypeMismatchError
+from polyjit.core.ir import Node, Op
+from polyjit.testing.programs.base import Array, CatalogProgram, Gen, program, values
+
+
+def _valid(op: Op, operand_dtypes: Sequence[DType], lhs: DType) -> DType | None:
+    try:
+        return ir.result_dtype(op, operand_dtypes, lhs)
+    except DTypeMismatchError:
+        return None
+
+
+_UNARY = (Op.ID, Op.NEG, Op.ABS, Op.EXP, Op.LOG, Op.SQRT, Op.TANH, Op.SIGMOID, Op.RELU)
+_BINARY = (Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MAX, Op.MIN, Op.POW,
+           Op.LT, Op.LE, Op.GT, Op.GE, Op.EQ, Op.NE)
+_SHAPE = (3, 37)  # odd sizes: remainders of vector loops
+
+
+def _unary_kind(op: Op) -> str:
+    return {Op.LOG: "pos", Op.SQRT: "pos", Op.EXP: "exp"}.get(op, "any")
+
+
+def _binary_kinds(op: Op) -> tuple[str, str]:
+    if op is Op.DIV:
+        return "any", "nonzero"
+    if op is Op.POW:
+        return "pos", "exp"
+    if op in ir.COMPARISONS or op in (Op.MAX, Op.MIN):
+        return "few", "few"
+    return "any", "any"
+
+
+def _pow_gens(dt: DType, shape: tuple[int, ...]) -> tuple[Gen, Gen]:
+    def base(rng: np.random.Generator) -> Array:
+        return rng.uniform(0.5, 2.0, shape).astype(dt.np)
+
+    def expo(rng: np.random.Generator) -> Array:
+        return rng.uniform(-2.0, 2.0, shape).astype(dt.np)
+
+    return base, expo
+
+
+def elementwise() -> list[CatalogProgram]:
+    out: list[CatalogProgram] = []
+    for dt in dtypes.ALL:
+        for op in _UNARY:
+            rdt = _valid(op, [dt], dt)
+            if rdt is None:
+                continue
+            a, r = Node(f"a_{dt}", _SHAPE, dt), Node(f"r_{op.value}", _SHAPE, rdt)
+            out.append(program(
+                f"elementwise.{op.value}.{dt}", ir.apply(op, a, into=r),
+                inputs=[(a, values(dt, _SHAPE, _unary_kind(op)))], outputs=[r],
+            ))
+        for op in _BINARY:
+            rdt = _valid(op, [dt, dt], dt)
+            if rdt is None:
+                continue
+            ka, kb = _binary_kinds(op)
+            a, b = Node(f"a_{dt}", _SHAPE, dt), Node(f"b_{dt}", _SHAPE, dt)
+            r = Node(f"r_{op.value}", _SHAPE, rdt)
+            ga, gb = (_pow_gens(dt, _SHAPE) if op is Op.POW
+                      else (values(dt, _SHAPE, ka), values(dt, _SHAPE, kb)))
+            out.append(program(
+                f"elementwise.{op.value}.{dt}", ir.apply(op, a, b, into=r),
+                inputs=[(a, ga), (b, gb)], outputs=[r],
+            ))
+            # a Python scalar operand takes the dtype of the tensor beside it
+            scalar: int | float | bool
+            if dt.is_bool:
+                scalar = True
+            elif op is Op.POW:
+                scalar = 1.5
+            elif dt.is_float:
+                scalar = 0.5 if op in ir.COMPARISONS or op in (Op.MAX, Op.MIN) else -1.25
+            else:
+                scalar = 1 if op in ir.COMPARISONS or op in (Op.MAX, Op.MIN) else 7
+            r2, r3 = Node(f"rs_{op.value}", _SHAPE, rdt), Node(f"sr_{op.value}", _SHAPE, rdt)
+            a, b = Node(f"a_{dt}", _SHAPE, dt), Node(f"b_{dt}", _SHAPE, dt)  # fresh nodes
+            comps = [ir.Comp.of(ir.apply(op, a, scalar, into=r2))]
+            ins: list[tuple[Node, Gen]] = [(a, ga)]
+            outs = [r2]
+            if op is not Op.DIV or dt.is_float:  # scalar / tensor would divide by zero for ints
+                comps.append(ir.Comp.of(ir.apply(op, scalar, b if op is Op.DIV else a, into=r3)))
+                outs.append(r3)
+                if op is Op.DIV:
+                    ins.append((b, gb))
+            out.append(program(
+                f"elementwise.{op.value}_scalar.{dt}", comps=comps, inputs=ins, outputs=outs,
+            ))
+        # where(cond, a, b) on every dtype, with a tensor and a scalar branch
+        c = Node("cond", _SHAPE, dtypes.bool_)
+        a, b = Node(f"a_{dt}", _SHAPE, dt), Node(f"b_{dt}", _SHAPE, dt)
+        r, r2 = Node("r_where", _SHAPE, dt), Node("r_where_s", _SHAPE, dt)
+        out.append(program(
+            f"elementwise.where.{dt}",
+            ir.apply(Op.WHERE, c, a, b, into=r),
+            ir.apply(Op.WHERE, c, a, False if dt.is_bool else 3, into=r2),
+            inputs=[(c, values(dtypes.bool_, _SHAPE)), (a, values(dt, _SHAPE)), (b, values(dt, _SHAPE))],
+            outputs=[r, r2],
+        ))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Casts
+
+
+def _cast_source(src: DType, dst: DType, shape: tuple[int, ...]) -> Gen:
+    """Values of ``src`` whose conversion to ``dst`` is defined in C (and so, portable)."""
+
+    def gen(rng: np.random.Generator) -> Array:
+        if src.is_bool:
+            return rng.random(shape) < 0.5
+        zero = rng.random(shape) < 0.2  # zeros: cast to bool must give False
+        if src.is_float:
+            if dst is dtypes.uint8:
+                x = rng.uniform(-0.99, 255.99, shape)
+            elif dst.is_float:
+                x = rng.uniform(-1e3, 1e3, shape)
+            else:
+                x = rng.uniform(-100.0, 100.0, shape)
+            return np.where(zero, 0.0, x).astype(src.np)
+        if src is dtypes.uint8:
+            return np.where(zero, 0, rng.integers(0, 256, shape)).astype(src.np)
+        # signed ints: into uint8 they wrap (defined in C); into signed types stay in range
+        lo, hi = (-300, 300) if dst is dtypes.uint8 else (-1000, 1000)
+        return np.where(zero, 0, rng.integers(lo, hi + 1, shape)).astype(src.np)
+
+    return gen
+
+
+def casts() -> list[CatalogProgram]:
+    out = []
+    for src in dtypes.ALL:
+        for dst in dtypes.ALL:
+            a, r = Node(f"a_{src}", _SHAPE, src), Node(f"r_{dst}", _SHAPE, dst)
+            out.append(program(
+                f"cast.{src}_to_{dst}", ir.apply(Op.CAST, a, into=r),
+                inputs=[(a, _cast_source(src, dst, _SHAPE))], outputs=[r],
+            ))
+    # a scalar cast: the literal takes the lhs dtype
+    for dst in dtypes.ALL:
+        r = Node(f"r_{dst}", (4,), dst)
+        out.append(program(f"cast.scalar_to_{dst}", ir.apply(Op.CAST, 3, into=r), inputs=[], outputs=[r]))
+    return out

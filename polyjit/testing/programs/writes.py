@@ -1,0 +1,168 @@
+"""Catalog programs: accumulation onto what the context holds, non-surjective and non-injective
+writes, fused elementwise chains."""
+
+from __future__ import annotations
+
+import functools
+
+from polyjit.core import dtypes, ir
+from polyjit.core.ir import AccumOp, Node, Op, Symbol
+from polyjit.testing.programs.base import CatalogProgram, f32, program, values
+
+
+def accumulate_onto_context() -> list[CatalogProgram]:
+    """Accumulations without init_neutral add onto what the context holds, run after run."""
+    out = []
+    a, b, c = f32("a", (13, 7)), f32("b", (7, 21)), f32("c", (13, 21))
+    q = functools.partial(values, dtypes.float32, kind="quarter")
+    out.append(program("accumulate.matmul_onto_context",
+                       ir.einsum("ik,kj->ij", a, b, into=c, init_neutral=False),
+                       inputs=[(a, q(a.shape)), (b, q(b.shape)), (c, q(c.shape))],
+                       outputs=[c], runs=({}, {}, {})))
+    x, s = Node("x", (5, 8), dtypes.int32), Node("s", (5,), dtypes.int32)
+    out.append(program("accumulate.sum_onto_context", ir.einsum("ij->i", x, into=s, init_neutral=False),
+                       inputs=[(x, values(dtypes.int32, x.shape)), (s, values(dtypes.int32, s.shape))],
+                       outputs=[s], runs=({}, {})))
+    y, mx = Node("y", (6, 4), dtypes.float64), Node("mx", (4,), dtypes.float64)
+    out.append(program("accumulate.max_onto_context",
+                       ir.einsum("ij->j", y, into=mx, accum=AccumOp.MAX, init_neutral=False),
+                       inputs=[(y, values(dtypes.float64, y.shape)), (mx, values(dtypes.float64, mx.shape))],
+                       outputs=[mx]))
+    e, acc = Node("e", (9,), dtypes.uint8), Node("acc", (9,), dtypes.uint8)
+    out.append(program("accumulate.elementwise_uint8_wraps",
+                       ir.apply(Op.ID, e, into=acc, accum=AccumOp.ADD, init_neutral=False),
+                       inputs=[(e, values(dtypes.uint8, e.shape)), (acc, values(dtypes.uint8, acc.shape))],
+                       outputs=[acc], runs=({}, {}, {})))
+    f, g = Node("f", (4, 6), dtypes.float32), Node("g", (4, 6), dtypes.float32)
+    out.append(program("accumulate.product_onto_context",
+                       ir.apply(Op.ID, f, into=g, accum=AccumOp.MUL, init_neutral=False),
+                       inputs=[(f, values(dtypes.float32, f.shape, "unit")),
+                               (g, values(dtypes.float32, g.shape, "unit"))], outputs=[g], runs=({}, {})))
+    # in place: z = z * 3, the node read and written by one assignment
+    z = Node("z", (17,), dtypes.int64)
+    out.append(program("accumulate.in_place_update", ir.apply(Op.MUL, z, 3, into=z),
+                       inputs=[(z, values(dtypes.int64, z.shape, "small"))], outputs=[z], runs=({}, {})))
+    return out
+
+
+def writes() -> list[CatalogProgram]:
+    """Non-surjective, non-injective, strided and fixed-index writes."""
+    out = []
+    i, j = Symbol("i"), Symbol("j")
+    n = 10
+    x, o = f32("x", (n,)), f32("o", (n + 5,))
+    shift = ir.Accum(o, None, Op.ID, (x,), ir.projections([(i, n)], [ir.affine((1, i), const=3)], [i]))
+    out.append(program("write.offset_into_context", shift,
+                       inputs=[(x, values(dtypes.float32, x.shape)), (o, values(dtypes.float32, o.shape))],
+                       outputs=[o]))
+    o2, x = f32("o2", (n + 5,)), f32("x", (n,))
+    shift2 = ir.Accum(o2, None, Op.ID, (x,), ir.projections([(i, n)], [ir.affine((1, i), const=3)], [i]))
+    out.append(program("write.fill_then_offset", ir.Seq((ir.fill(o2, -1.0), shift2)),
+                       inputs=[(x, values(dtypes.float32, x.shape))], outputs=[o2]))
+    o3 = Node("o3", (2 * n,), dtypes.int32)
+    xi = Node("xi", (n,), dtypes.int32)
+    strided = ir.Accum(o3, None, Op.NEG, (xi,), ir.projections([(i, n)], [ir.affine((2, i), const=1)], [i]))
+    out.append(program("write.strided", strided,
+                       inputs=[(xi, values(dtypes.int32, xi.shape)), (o3, values(dtypes.int32, o3.shape))],
+                       outputs=[o3]))
+    rev, xi = Node("rev", (n,), dtypes.int32), Node("xi", (n,), dtypes.int32)
+    reverse = ir.Accum(rev, None, Op.ID, (xi,), ir.projections([(i, n)], [i], [ir.affine((-1, i), const=n - 1)]))
+    out.append(program("read.reversed", reverse, inputs=[(xi, values(dtypes.int32, xi.shape))], outputs=[rev]))
+    ev, xi = Node("ev", (n // 2,), dtypes.int32), Node("xi", (n,), dtypes.int32)
+    every2 = ir.Accum(ev, None, Op.ID, (xi,), ir.projections([(i, n // 2)], [i], [ir.affine((2, i), const=1)]))
+    out.append(program("read.strided", every2, inputs=[(xi, values(dtypes.int32, xi.shape))], outputs=[ev]))
+    # non-injective: polynomial product out[i + j] += a[i] * b[j]
+    pa, pb, pc = Node("pa", (6,), dtypes.int64), Node("pb", (4,), dtypes.int64), Node("pc", (9,), dtypes.int64)
+    conv = ir.Accum(pc, AccumOp.ADD, Op.MUL, (pa, pb),
+                    ir.projections([(i, 6), (j, 4)], [ir.affine((1, i), (1, j))], [i], [j]))
+    out.append(program("write.non_injective_convolution", conv,
+                       inputs=[(pa, values(dtypes.int64, pa.shape)), (pb, values(dtypes.int64, pb.shape))],
+                       outputs=[pc]))
+    fa, fmx = f32("fa", (5, 5)), f32("fmx", (9,))
+    diag_max = ir.Accum(fmx, AccumOp.MAX, Op.ID, (fa,),
+                        ir.projections([(i, 5), (j, 5)], [ir.affine((1, i), (1, j))], [i, j]))
+    out.append(program("write.non_injective_max", diag_max,
+                       inputs=[(fa, values(dtypes.float32, fa.shape))], outputs=[fmx]))
+    # non-surjective accumulation with init_neutral: cells not written hold the neutral element
+    hs, hx = Node("hs", (7,), dtypes.float64), Node("hx", (3, 4), dtypes.float64)
+    part = ir.Accum(hs, AccumOp.ADD, Op.ID, (hx,), ir.projections([(i, 3), (j, 4)], [ir.affine((2, i))], [i, j]))
+    out.append(program("write.non_surjective_sum", part,
+                       inputs=[(hx, values(dtypes.float64, hx.shape))], outputs=[hs]))
+    # fixed indices: a row of a matrix, a reduction into one cell
+    row_src, mat = Node("rs", (6,), dtypes.float32), Node("mat", (3, 6), dtypes.float32)
+    row_write = ir.Accum(mat, None, Op.EXP, (row_src,), ir.projections([(i, 6)], [1, i], [i]))
+    out.append(program("write.fixed_row", row_write,
+                       inputs=[(row_src, values(dtypes.float32, row_src.shape, "exp")),
+                               (mat, values(dtypes.float32, mat.shape))], outputs=[mat]))
+    cell_src, cells = Node("cs", (8,), dtypes.int32), Node("cells", (2, 3), dtypes.int32)
+    into_cell = ir.Accum(cells, AccumOp.ADD, Op.ID, (cell_src,),
+                         ir.projections([(i, 8)], [1, 2], [i]), init_neutral=False)
+    out.append(program("write.fixed_cell_accumulate", into_cell,
+                       inputs=[(cell_src, values(dtypes.int32, cell_src.shape)),
+                               (cells, values(dtypes.int32, cells.shape))], outputs=[cells]))
+    # an assignment over a symbol the lhs does not use: the last write wins
+    lw_src, lw = Node("lws", (4, 5), dtypes.int32), Node("lw", (4,), dtypes.int32)
+    last = ir.Accum(lw, None, Op.ID, (lw_src,), ir.projections([(i, 4), (j, 5)], [i], [i, j]))
+    out.append(program("write.last_write_wins", last,
+                       inputs=[(lw_src, values(dtypes.int32, lw_src.shape))], outputs=[lw]))
+    # a diagonal: two lhs axes from one symbol
+    dsrc, dmat = Node("ds", (5,), dtypes.float64), Node("dm", (5, 5), dtypes.float64)
+    diag = ir.Accum(dmat, None, Op.ID, (dsrc,), ir.projections([(i, 5)], [i, i], [i]))
+    out.append(program("write.diagonal", ir.Seq((ir.fill(dmat, 0.0), diag)),
+                       inputs=[(dsrc, values(dtypes.float64, dsrc.shape))], outputs=[dmat]))
+    dread, dvec = Node("dr", (6, 6), dtypes.float64), Node("dv", (6,), dtypes.float64)
+    diag_read = ir.Accum(dvec, None, Op.ID, (dread,), ir.projections([(i, 6)], [i], [i, i]))
+    out.append(program("read.diagonal", diag_read,
+                       inputs=[(dread, values(dtypes.float64, dread.shape))], outputs=[dvec]))
+    return out
+
+
+def fusion() -> list[CatalogProgram]:
+    out = []
+    shape = (4, 50)
+    a, b, c = (f32(nm, shape) for nm in "abc")
+    t1, t2, t3, r = f32("t1", shape), f32("t2", shape), f32("t3", shape), f32("r", shape)
+    f = functools.partial(values, dtypes.float32)
+    out.append(program(
+        "fusion.chain_float32",
+        ir.apply(Op.MUL, a, b, into=t1), ir.apply(Op.ADD, t1, c, into=t2),
+        ir.apply(Op.TANH, t2, into=t3), ir.apply(Op.SUB, t3, 1.0, into=r),
+        inputs=[(a, f(shape)), (b, f(shape)), (c, f(shape))], outputs=[r], virtual=(t1, t2, t3),
+        rtol=1e-5, atol=1e-5,
+    ))
+    xi = Node("xi", shape, dtypes.int32)
+    ci, cf, cmp_, sel = (Node("ci", shape, dtypes.int32), Node("cf", shape, dtypes.float64),
+                         Node("cmp", shape, dtypes.bool_), Node("sel", shape, dtypes.float64))
+    out.append(program(
+        "fusion.mixed_dtypes",
+        ir.apply(Op.ABS, xi, into=ci), ir.apply(Op.CAST, ci, into=cf),
+        ir.apply(Op.GT, xi, 0, into=cmp_),
+        ir.apply(Op.WHERE, cmp_, cf, -1.0, into=sel),
+        inputs=[(xi, values(dtypes.int32, shape))], outputs=[sel], virtual=(ci, cf, cmp_),
+    ))
+    # broadcast read of a virtual node: a bias added to a matmul result
+    m, w, bias = f32("m", (5, 6)), f32("w", (6, 7)), f32("bias", (7,))
+    mm, biased, act = f32("mm", (5, 7)), f32("biased", (5, 7)), f32("act", (5, 7))
+    q = functools.partial(values, dtypes.float32, kind="quarter")
+    out.append(program(
+        "fusion.matmul_bias_relu",
+        ir.einsum("ik,kj->ij", m, w, into=mm), ir.apply(Op.ADD, mm, bias, into=biased),
+        ir.apply(Op.RELU, biased, into=act),
+        inputs=[(m, q(m.shape)), (w, q(w.shape)), (bias, q(bias.shape))], outputs=[act],
+        virtual=(biased,), absent=(mm,),
+    ))
+    # a node read twice is scratch (LOCAL): stored inside the batch, absent from the context
+    e, t, sq = f32("e", (33,)), f32("t", (33,)), f32("sq", (33,))
+    out.append(program(
+        "fusion.read_twice_is_local",
+        ir.apply(Op.EXP, e, into=t), ir.apply(Op.MUL, t, t, into=sq),
+        inputs=[(e, f(e.shape, "exp"))], outputs=[sq], absent=(t,), rtol=1e-5,
+    ))
+    # a fetch inlined into its reader
+    rg, rgf = Node("rg", (3, 8), dtypes.int32), f32("rgf", (3, 8))
+    out.append(program(
+        "fusion.range_inlined",
+        ir.arange(rg), ir.apply(Op.CAST, rg, into=rgf),
+        inputs=[], outputs=[rgf], virtual=(rg,),
+    ))
+    return out

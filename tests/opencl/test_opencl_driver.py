@@ -1,0 +1,310 @@
+"""The OpenCL driver: devices and platforms, compiling and its cache, memory, streams and events."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from opencl_helpers import ROOT, f32, run_comps, slow_accumulate
+
+from polyjit.backends.opencl import OpenCLDriver, create_backend
+from polyjit.core import dtypes, ir
+from polyjit.core.codegen import Source
+from polyjit.core.errors import CompileError, PoolExhaustedError, UnsupportedError
+from polyjit.core.ir import Node, Op
+from polyjit.core.runtime import Backend
+
+cl: Any = pytest.importorskip("pyopencl")
+
+
+# ---------------------------------------------------------------------------
+# Devices
+
+
+def test_device_info(backend: Backend) -> None:
+    driver = backend.driver
+    assert isinstance(driver, OpenCLDriver)
+    order = [(d.platform_index, d.device_index) for d in driver.devices]
+    assert order == sorted(order)
+    for k, d in enumerate(driver.devices):
+        dev = backend.get_device(k)
+        props = dev.properties
+        assert dev.name == d.device.name.strip()
+        assert props["memory_bytes"] == d.device.global_mem_size
+        assert props["compute_units"] == d.device.max_compute_units
+        assert props["base_alignment"] >= d.device.mem_base_addr_align // 8  # bits -> bytes
+        assert props["base_alignment"] >= 64
+        assert isinstance(props["fp64"], bool)
+        assert props["fp64"] == ("cl_khr_fp64" in d.device.extensions or d.device.double_fp_config != 0)
+        assert props["platform"] == d.platform.name.strip()
+        # every device of a platform shares one context: copies stay on the device side
+        same = [e for e in driver.devices if e.platform_index == d.platform_index]
+        assert all(e.context is d.context for e in same)
+        s = dev.new_stream()
+        assert s.handle.queue.properties & cl.command_queue_properties.PROFILING_ENABLE
+
+
+def test_platform_selection(backend: Backend) -> None:
+    name = backend.get_device(0).properties["platform"]
+    assert create_backend(platform=name[:6]).num_devices() >= 1
+    assert create_backend(platform="0").num_devices() >= 1
+    none = create_backend(platform="no such platform anywhere")
+    assert none.num_devices() == 0
+    reason = none.driver.unavailable_reason  # type: ignore[attr-defined]
+    assert "POLYJIT_OPENCL_PLATFORM" in reason and name in reason
+
+
+def test_no_opencl_platform_means_zero_devices_not_a_crash(tmp_path: Path) -> None:
+    script = textwrap.dedent("""
+        from polyjit.backends import get_backend, available_backends
+        from polyjit.core import ir
+        be = get_backend("opencl")
+        print("devices", be.num_devices())
+        print("reason", be.driver.unavailable_reason)
+        x, y = ir.Node("x", (4,)), ir.Node("y", (4,))
+        code = be.compile(ir.Comp.of(ir.apply(ir.Op.NEG, x, into=y)))  # generates, builds nothing
+        print("source", "__kernel" in code.source)
+        print("available", "opencl" in available_backends())
+    """)
+    env = {**os.environ, "OCL_ICD_VENDORS": str(tmp_path / "none.icd"),
+           "POLYJIT_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "devices 0" in out.stdout
+    assert "reason no OpenCL platform" in out.stdout
+    assert "source True" in out.stdout and "available False" in out.stdout
+
+
+def test_without_pyopencl_the_backend_has_no_devices() -> None:
+    script = textwrap.dedent("""
+        import sys
+        sys.modules["pyopencl"] = None  # as if it were not installed
+        from polyjit.backends import get_backend
+        from polyjit.core import ir
+        be = get_backend("opencl")
+        print("devices", be.num_devices(), be.driver.unavailable_reason)
+        x, y = ir.Node("x", (4,)), ir.Node("y", (4,))
+        print("source", "__kernel" in be.compile(ir.Comp.of(ir.apply(ir.Op.NEG, x, into=y))).source)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "devices 0 pyopencl cannot be imported" in out.stdout and "source True" in out.stdout
+
+
+# ---------------------------------------------------------------------------
+# Compiling
+
+
+def test_compile_error_names_the_log_and_the_lines(backend: Backend) -> None:
+    bad = "/* polyjit */\n__kernel void broken(__global char* p0) {\n  undefined_name += 1;\n}\n"
+    with pytest.raises(CompileError) as info:
+        backend.driver.compile(Source(bad, "opencl", ()))
+    msg = str(info.value)
+    assert "undefined_name" in info.value.log
+    assert ">>     3 |   undefined_name += 1;" in msg
+    assert info.value.source == bad
+
+
+def test_programs_are_cached_in_memory_and_on_disk(tmp_path: Path) -> None:
+    script = textwrap.dedent("""
+        import numpy as np
+        from polyjit.backends.opencl import create_backend
+        from polyjit.core import ir
+        be = create_backend(binary_cache="always")  # PoCL's binaries are not cached by default
+        x, y = ir.Node("x", (5,)), ir.Node("y", (5,))
+        comp = ir.Comp.of(ir.apply(ir.Op.SQRT, x, into=y))
+        code = be.compile(comp, name="cached")
+        be.compile(comp, name="cached")  # in memory: no second build either
+        ctx = be.get_device(0).make_context().init_from_host(x, np.arange(5, dtype=np.float32))
+        r = ctx.link(code)
+        r.run()
+        print("compiles", be.driver.cache.compiles)
+        print("ok", np.allclose(r.context.read(y), np.sqrt(np.arange(5))))
+    """)
+    env = {**os.environ, "POLYJIT_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
+
+    def run() -> str:
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                             timeout=300)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    first = run()
+    assert "compiles 1" in first and "ok True" in first
+    files = list((tmp_path / "opencl").glob("*.bin"))
+    assert len(files) == 1
+    second = run()  # another process: the binary comes from disk, the compiler never runs
+    assert "compiles 0" in second and "ok True" in second
+    files[0].write_bytes(b"not a binary")  # a damaged entry is rebuilt, not fatal
+    third = run()
+    assert "ok True" in third
+
+
+def test_cpu_devices_keep_binaries_in_memory_only(backend: Backend, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("POLYJIT_CACHE_DIR", str(tmp_path))
+    be = create_backend()
+    x, y = f32("x", (5,)), f32("y", (5,))
+    comp = ir.Comp.of(ir.apply(Op.EXP, x, into=y))
+    be.compile(comp, name="mem")
+    be.compile(comp, name="mem")
+    driver = be.driver
+    assert isinstance(driver, OpenCLDriver)
+    assert driver.cache.compiles == 1
+    on_disk = list(tmp_path.rglob("*.bin"))
+    if all(d.is_cpu for d in driver.devices):
+        assert on_disk == []
+    with pytest.raises(ValueError, match="binary_cache"):
+        create_backend(binary_cache="sometimes")
+
+
+def test_float64_on_a_device_without_fp64_is_unsupported(backend: Backend) -> None:
+    be = create_backend()
+    driver = be.driver
+    assert isinstance(driver, OpenCLDriver)
+    x, y = Node("x", (4,), dtypes.float64), Node("y", (4,), dtypes.float64)
+    comp = ir.Comp.of(ir.apply(Op.NEG, x, into=y))
+    devices = driver.devices
+    for d in devices:
+        d.fp64 = False
+    with pytest.raises(UnsupportedError, match="float64"):
+        be.compile(comp, name="needs_fp64")
+    if len(devices) >= 2:  # one device with fp64: compiles; the other refuses to load it
+        devices[1].fp64 = True
+        code = be.compile(comp, name="needs_fp64")
+        ctx = be.get_device(0).make_context().init_from_host(x, np.ones(4))
+        with pytest.raises(UnsupportedError, match="cl_khr_fp64"):
+            ctx.link(code)
+        got = run_comps(be, [comp], {x: np.arange(4.0)}, [y], ordinal=1)[y]
+        np.testing.assert_array_equal(got, -np.arange(4.0))
+        ctx.finalize()
+
+
+# ---------------------------------------------------------------------------
+# Memory
+
+
+def test_pools_beyond_the_largest_allocation_are_exhausted(backend: Backend) -> None:
+    dev = backend.get_device(0)
+    biggest = dev.properties["max_mem_alloc_size"]
+    if biggest >= dev.properties["memory_bytes"]:
+        pytest.skip("the device allows one allocation as big as its memory")
+    before = dev.used_memory()
+    with pytest.raises(PoolExhaustedError, match="max_mem_alloc_size"):
+        dev.alloc_pool(1 << 29, biggest + 1, 64)
+    assert dev.used_memory() == before
+
+
+def test_memset_at_an_offset(backend: Backend) -> None:
+    dev = backend.get_device(0)
+    for nbytes, offset in ((4096, 0), (1001, 3), (64, 128)):
+        pid = 1 << 28
+        dev.alloc_pool(pid, offset + nbytes + 16, 64)
+        handle = dev.pool_handle(pid)
+        stream = dev.default_stream
+        ones = np.full(offset + nbytes + 16, 7, np.uint8)
+        dev.driver.copy_from_host(stream.handle, handle, 0, ones)
+        dev.memset_zero(pid, offset, nbytes)
+        back = np.empty_like(ones)
+        dev.driver.copy_to_host(stream.handle, handle, 0, back)
+        stream.synchronize()
+        want = ones.copy()
+        want[offset:offset + nbytes] = 0
+        np.testing.assert_array_equal(back, want)
+        dev.free_pool(pid)
+
+
+# ---------------------------------------------------------------------------
+# Streams and events
+
+
+@pytest.fixture()
+def gate(backend: Backend) -> Iterator[Any]:
+    """A user event: a stream that waits for it is stuck until the test opens it."""
+    ctx = backend.driver.devices[0].context  # type: ignore[attr-defined]
+    ev = cl.UserEvent(ctx)
+    yield ev
+    if ev.command_execution_status != cl.command_execution_status.COMPLETE:
+        ev.set_status(cl.command_execution_status.COMPLETE)  # never leave a stream stuck
+
+
+def _block(stream: Any, gate: Any) -> None:
+    stream.handle.enqueued(cl.enqueue_barrier(stream.handle.queue, wait_for=[gate]))
+
+
+def test_waits_are_device_side(backend: Backend, gate: Any) -> None:
+    dev = backend.get_device(0)
+    s1, s2 = dev.new_stream(), dev.new_stream()
+    _block(s1, gate)
+    e1 = s1.record()
+    t0 = time.perf_counter()
+    s2.wait(e1)  # must not block the host
+    e2 = s2.record()
+    assert time.perf_counter() - t0 < 1.0
+    time.sleep(0.05)
+    assert not e1.is_done() and not e2.is_done()
+    gate.set_status(cl.command_execution_status.COMPLETE)
+    e2.synchronize()
+    assert e1.is_done() and e2.is_done()
+
+
+def test_record_reuses_the_last_command_event(backend: Backend) -> None:
+    dev = backend.get_device(0)
+    x = f32("x", (8,))
+    ctx = dev.make_context().init_from_host(x, np.zeros(8, np.float32))
+    r = ctx.link(backend.compile(ir.Comp.of(ir.apply(Op.ADD, x, 1.0, into=x)), name="inc"))
+    handle = ctx.stream.handle
+    r.run()
+    seq = handle.seq
+    e1, e2 = ctx.stream.record(), ctx.stream.record()
+    assert handle.seq == seq and e1.handle.event is e2.handle.event  # no marker per record
+    e2.synchronize()
+    np.testing.assert_array_equal(r.context.read(x), np.ones(8, np.float32))
+    ctx.finalize()
+
+
+def test_host_copies_do_not_block_and_keep_their_arrays(backend: Backend, gate: Any) -> None:
+    dev = backend.get_device(0)
+    x = f32("x", (100_000,))
+    ctx = dev.make_context().init_from_host(x, np.zeros(100_000, np.float32))
+    ctx.stream.synchronize()
+    _block(ctx.stream, gate)
+    t0 = time.perf_counter()
+    ctx.from_host(x, np.arange(100_000, dtype=np.float32))  # the only reference to the array
+    assert time.perf_counter() - t0 < 1.0
+    gc.collect()
+    retained = ctx.stream.retained  # the runtime keeps the array and pyopencl's NannyEvent
+    assert len(retained) == 1
+    time.sleep(0.05)
+    assert not ctx.stream.record().is_done()
+    gate.set_status(cl.command_execution_status.COMPLETE)
+    np.testing.assert_array_equal(ctx.read(x), np.arange(100_000, dtype=np.float32))
+    assert len(retained) == 0  # released once the copy is done
+    ctx.finalize()
+
+
+def test_two_streams_on_one_device(backend: Backend) -> None:
+    dev = backend.get_device(0)
+    comp, x, acc = slow_accumulate()
+    n = x.shape[0]
+    out = f32("out", (n,))
+    ctx = dev.make_context().init_from_host(x, np.ones(n, np.float32)).init_from_host(acc, np.zeros(n, np.float32))
+    writer = ctx.link(backend.compile(comp, name="slow"))
+    other = ctx.with_stream(dev.new_stream())
+    reader = other.link(backend.compile(ir.Comp.of(ir.apply(Op.MUL, acc, 2.0, into=out)), name="double"))
+    for _ in range(8):
+        writer.run()
+    reader.run()  # on the second stream: waits (device side) for the writes on the first
+    np.testing.assert_array_equal(reader.context.read(out), np.full(n, 16, np.float32))
+    ctx.finalize()
