@@ -70,8 +70,8 @@ def bench_bandwidth(backend: cuda.CudaBackend, cp: Any, n: int) -> list[Result]:
     dst_ptr = dev.pool_handle(dst_loc.pool_id).ptr + dst_loc.offset
     stream = ctx.stream.handle
 
-    def memcpy() -> None:
-        drv._use(0)
+    def memcpy() -> None:  # the reference: a bare driver copy (raw cuda.bindings)
+        drv._current(0)
         cu.cuMemcpyDtoDAsync(dst_ptr, src_ptr, n * 4, stream.handle)
 
     t_copy = median_per_call(memcpy, sync, reps=20)
@@ -112,7 +112,7 @@ def bench_launch(backend: cuda.CudaBackend, cp: Any, reps: int) -> list[Result]:
         grid, block = cuda.grid_and_block(spec.launch)
         ref = median_per_call(lambda: kern(grid, block, (cb, ca)), cp.cuda.Device().synchronize, reps=reps) * 1e6
     out.append(_line("Routine.run()", t_run, "us", ref, "cupy RawKernel"))
-    out.append(_line("driver.launch (cuLaunchKernel, prepared args)", t_bare, "us", ref, "cupy RawKernel"))
+    out.append(_line("driver.launch (cuda.core launch, prepared args)", t_bare, "us", ref, "cupy RawKernel"))
     r.context.finalize()
     ctx.finalize()
     return out
@@ -137,7 +137,7 @@ def bench_graph(backend: cuda.CudaBackend, kernels: int, reps: int) -> list[Resu
     want = np.full(1024, float(kernels), np.float32)
     got = routines[-1].context.read(nodes[-1])
     assert np.array_equal(got, want), "graph replay computed a wrong result"
-    out = [_line("Routine.run() each", t_runs, "us"), _line("Plan.replay()", t_replay, "us", t_runs, "run()")]
+    out = [_line("Routine.run() each", t_runs, "us"), _line("CudaGraph.replay()", t_replay, "us", t_runs, "run()")]
     plan.close()
     routines[0].context.finalize()
     ctx.finalize()
@@ -181,15 +181,18 @@ def bench_copy(backend: cuda.CudaBackend, nbytes: int) -> list[Result]:
     assert routine is not None
     sync = c1.stream.synchronize
     t = median_per_call(routine.run, sync, reps=5)
-    drv, cu = backend.driver, cuda._cu()
+    drv, cu = backend.driver, cuda.driver._cu()
     sloc, dloc = c0.buffers[x], c1.buffers[x]
     sptr = d0.pool_handle(sloc.pool_id).ptr + sloc.offset
     dptr = d1.pool_handle(dloc.pool_id).ptr + dloc.offset
     stream = c1.stream.handle
 
-    def peer() -> None:
-        drv._use(d1.ordinal)
-        cu.cuMemcpyPeerAsync(dptr, drv._ctx(d1.ordinal), sptr, drv._ctx(d0.ordinal), nbytes, stream.handle)
+    ctx0 = cu.cuDevicePrimaryCtxRetain(d0.ordinal)[1]
+    ctx1 = cu.cuDevicePrimaryCtxRetain(d1.ordinal)[1]
+
+    def peer() -> None:  # the reference: a bare peer copy (raw cuda.bindings)
+        drv._current(d1.ordinal)
+        cu.cuMemcpyPeerAsync(dptr, ctx1, sptr, ctx0, nbytes, stream.handle)
 
     t_peer = median_per_call(peer, sync, reps=5)
     out = [_line("device_to_device routine", nbytes / t / 1e9, "GB/s", nbytes / t_peer / 1e9, "cuMemcpyPeerAsync")]

@@ -39,16 +39,17 @@ import numpy as np
 import pytest
 
 from polyjit.backends import cuda, get_backend
-from polyjit.backends.cuda.dialect import CudaDialect, matmul_shape, plan_kernel
+from polyjit.backends.cuda.dialect import CudaDialect
 from polyjit.core import dtypes, ir
 from polyjit.core.codegen import Source, generate
 from polyjit.core.errors import CompileError
 from polyjit.core.ir import AccumOp, Node, Op, StaticSymbol, Symbol
 from polyjit.core.lower import LoweredBatch, lower
+from polyjit.core.patterns import plan_kernel
+from polyjit.core.reference import run_reference
 from polyjit.testing import ConformanceSuite
 from polyjit.testing.harness import compare, group_programs, program_rng
 from polyjit.testing.programs import CatalogProgram, catalog
-from polyjit.testing.reference import run_reference
 
 Array = np.ndarray[Any, Any]
 CUDA_TESTS = Path(__file__).resolve().parent / "cuda"
@@ -184,16 +185,17 @@ def test_backend_compile_without_devices_targets_the_default_arch() -> None:
 def test_compile_is_cached_on_disk_across_processes(tmp_path: Path) -> None:
     script = """
         from polyjit.backends import cuda as c
+        from polyjit.backends.cuda import nvrtc
         from polyjit.core import ir
         a = ir.Node("a", (64,)); r = ir.Node("r", (64,))
         b = c.create_backend()
         b.compile(ir.Comp.of(ir.apply(ir.Op.SQRT, a, into=r)), name="cached_sqrt")
-        print(c.CUBIN_CACHE.compiles)
+        print(nvrtc.CACHE.compiles)
     """
     env = {"POLYJIT_CACHE_DIR": str(tmp_path), "POLYJIT_CUDA_DISABLE": "1"}
     assert _run_isolated(script, env).strip() == "1"
     assert _run_isolated(script, env).strip() == "0"  # a second process never calls NVRTC
-    assert list((tmp_path / "cuda").glob("*.cubin"))
+    assert list((tmp_path / "cuda").glob("*.img"))
 
 
 def test_the_cache_key_covers_arch_and_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -203,7 +205,7 @@ def test_the_cache_key_covers_arch_and_options(tmp_path: Path, monkeypatch: pyte
     b = cuda.nvrtc_compile(text, "sm_90")
     c = cuda.nvrtc_compile(text, "sm_90", options=(*cuda.NVRTC_OPTIONS, "--use_fast_math"))
     assert a != b and a[:4] == b[:4] == c[:4] == b"\x7fELF"
-    assert len(list((tmp_path / "cuda").glob("*.cubin"))) == 3
+    assert len(list((tmp_path / "cuda").glob("*.img"))) == 3
 
 
 def test_fast_math_is_off_by_default() -> None:
@@ -258,9 +260,9 @@ def test_the_tensor_examples_fused_steps_compile_to_cubin() -> None:
         plan = pt.compile(loss=loss, optimizer=opt)  # on the CPU: only its program is used here
         lowered = lower([plan.program.compiled_comp()], ["step"])
         source = generate(lowered, CudaDialect())
-        kinds = {plan_kernel(k).kind for k in lowered.kernels}
+        kinds = {plan_kernel(k, CudaDialect()).kind for k in lowered.kernels}
         assert cuda.nvrtc_compile(source.text, "sm_90")[:4] == b"\x7fELF"
-        assert {"matmul", "grid"} <= kinds, kinds
+        assert {"contraction", "elementwise", "reduction"} <= kinds, kinds
         plan.close()
 
 
@@ -288,45 +290,45 @@ def test_kernels_are_extern_c_global_with_device_pointers_and_long_long_statics(
 def _plans(name: str) -> list[str]:
     p = next(p for p in all_programs() if p.name == name)
     lowered = lower(list(p.comps), [f"c{k}" for k in range(len(p.comps))])
-    return [plan_kernel(k).kind for k in lowered.kernels]
+    return [plan_kernel(k, CudaDialect()).kind for k in lowered.kernels]
 
 
 def test_kernel_shapes_are_chosen_by_size() -> None:
-    assert _plans("elementwise.exp.float32") == ["grid"]
-    assert _plans("cuda.reduce.rows_block") == ["block_reduce"]
-    assert _plans("cuda.reduce.columns_threads") == ["grid"]
-    assert _plans("cuda.reduce.columns_block") == ["block_reduce"]
-    assert _plans("cuda.reduce.full_max_1024_threads") == ["block_reduce"]
-    assert _plans("cuda.reduce.full_sum_split") == ["block_reduce", "single"]  # 250 parts of 800
-    assert set(_plans("reduce.add.float32")) == {"grid", "single"}  # short reductions: a thread per cell
-    assert _plans("write.non_injective_convolution")[-1] == "single"
+    assert _plans("elementwise.exp.float32") == ["elementwise"]
+    assert _plans("cuda.reduce.rows_block") == ["group_reduction"]
+    assert _plans("cuda.reduce.columns_threads") == ["reduction"]
+    assert _plans("cuda.reduce.columns_block") == ["group_reduction"]
+    assert _plans("cuda.reduce.full_max_1024_threads") == ["group_reduction"]
+    assert _plans("cuda.reduce.full_sum_split") == ["group_reduction", "serial"]  # 250 parts of 800
+    assert set(_plans("reduce.add.float32")) == {"reduction", "serial"}  # short reductions: a thread per cell
+    assert _plans("write.non_injective_convolution")[-1] == "serial"
     for name in ("cuda.matmul.large_tiles_vec", "cuda.matmul.small_tiles_vec", "cuda.matmul.transposed_vec",
                  "cuda.matmul.batched_vec", "cuda.matmul.unaligned", "cuda.matmul.static_operand",
                  "large.matmul"):
-        assert _plans(name) == ["matmul"], name
-    assert _plans("matmul.float64.13x17x37") == ["grid"]
+        assert _plans(name) == ["contraction"], name
+    assert _plans("matmul.float64.13x17x37") == ["reduction"]
 
 
 def test_matmul_vector_loads_only_where_aligned() -> None:
     def shape(name: str) -> Any:
         p = next(p for p in all_programs() if p.name == name)
         (kernel,) = lower(list(p.comps), ["m"]).kernels
-        return matmul_shape(kernel)
+        return plan_kernel(kernel, CudaDialect())
 
     big = shape("cuda.matmul.large_tiles_vec")
-    assert big.tiles.bm == 128 and big.aligned and (big.a_vec, big.b_vec) == ("k", "n")
+    assert big.tiles.bm == 128 and big.aligned and (big.x_vector, big.y_vector) == ("k", "n")
     tr = shape("cuda.matmul.transposed_vec")
-    assert (tr.a_vec, tr.b_vec) == ("m", "k")
-    assert shape("cuda.matmul.batched_vec").batch is not None
+    assert (tr.x_vector, tr.y_vector) == ("m", "k")
+    assert shape("cuda.matmul.batched_vec").contraction.batch
     un = shape("cuda.matmul.unaligned")
-    assert not un.aligned and un.a_vec is None and un.b_vec is None
-    assert shape("cuda.matmul.static_operand").a_vec == "k"
+    assert not un.aligned and un.x_vector is None and un.y_vector is None
+    assert shape("cuda.matmul.static_operand").x_vector == "k"
 
 
 def test_launch_shapes() -> None:
     a, r = _f32("a", (10_000_000,)), _f32("r", (10_000_000,))
     (kernel,) = lower([ir.Comp.of(ir.apply(Op.EXP, a, into=r))], ["e"]).kernels
-    launch = plan_kernel(kernel).launch
+    launch = plan_kernel(kernel, CudaDialect()).launch
     assert launch.local_size == (256,)
     grid, block = cuda.grid_and_block(launch, sm_count=132)
     assert block == (256, 1, 1) and grid == (32 * 132, 1, 1)
@@ -334,7 +336,7 @@ def test_launch_shapes() -> None:
     assert grid[0] == launch.global_size[0] // 256
     small = _f32("s", (10,))
     (k2,) = lower([ir.Comp.of(ir.apply(Op.EXP, small, into=_f32("t", (10,))))], ["s"]).kernels
-    assert plan_kernel(k2).launch.local_size == (32,)
+    assert plan_kernel(k2, CudaDialect()).launch.local_size == (32,)
 
 
 # ---------------------------------------------------------------------------
@@ -414,9 +416,9 @@ def test_generated_kernels_run_correctly_on_the_host_shim(emu_dir: Path) -> None
 def test_host_copy_splits_large_copies() -> None:
     src = np.random.default_rng(5).integers(0, 256, (9 << 20) + 7, dtype=np.uint8)
     dst = np.zeros_like(src)
-    from polyjit.backends.cuda.driver import _host_copy
+    from polyjit.backends.cuda.staging import host_copy
 
-    _host_copy(dst, src)
+    host_copy(dst, src)
     np.testing.assert_array_equal(dst, src)
 
 

@@ -107,7 +107,7 @@ def check_tensor_plans_replay_a_graph(backend: Any) -> int:
 
     want, cpu_plan = losses("cpu", "compiled")
     got, plan = losses(backend.get_device(0), "compiled")
-    assert isinstance(plan._linked.replay, cuda.Plan)
+    assert isinstance(plan._linked.replay, cuda.CudaGraph)
     np.testing.assert_allclose(got, want, rtol=1e-5)
     dynamic, dyn_plan = losses(backend.get_device(0), "dynamic")
     assert dyn_plan._linked.replay is None

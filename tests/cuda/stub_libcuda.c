@@ -3546,6 +3546,24 @@ EXPORT CUresult cuGraphExecKernelNodeSetParams_v2(CUhandle h, CUhandle node, con
   LEAVE(CUDA_SUCCESS);
 }
 
+// The generic node update (CUDA 12.2+), which cuda.core's executable-node views call: the
+// node type leads, then 3 reserved ints, then the params (a kernel node's are the v2 layout).
+typedef struct {
+  int type;
+  int reserved0[3];
+  union {
+    long long reserved1[29];
+    CUDA_KERNEL_NODE_PARAMS kernel;
+  } u;
+  long long reserved2;
+} CUgraphNodeParams;
+
+EXPORT CUresult cuGraphExecNodeSetParams(CUhandle h, CUhandle node, CUgraphNodeParams* p) {
+  if (!p) return CUDA_ERROR_INVALID_VALUE;
+  if (p->type != CU_GRAPH_NODE_TYPE_KERNEL) return CUDA_ERROR_NOT_SUPPORTED;  // not modelled
+  return cuGraphExecKernelNodeSetParams_v2(h, node, &p->u.kernel);
+}
+
 // An update takes a graph of the same shape: same node count, types and dependencies.
 EXPORT CUresult cuGraphExecUpdate_v2(CUhandle h, CUhandle hg, CUgraphExecUpdateResultInfo* info) {
   ENTER;
@@ -4243,6 +4261,7 @@ static const proc procs[] = {
   P("cuGraphExecDestroy", 10000, cuGraphExecDestroy), P("cuGraphLaunch", 10000, cuGraphLaunch),
   P("cuGraphUpload", 11010, cuGraphUpload),
   P("cuGraphExecKernelNodeSetParams", 12000, cuGraphExecKernelNodeSetParams_v2),
+  P("cuGraphExecNodeSetParams", 12020, cuGraphExecNodeSetParams),
   P("cuGraphExecUpdate", 12000, cuGraphExecUpdate_v2),
   P("cuUserObjectCreate", 11030, cuUserObjectCreate), P("cuUserObjectRetain", 11030, cuUserObjectRetain),
   P("cuUserObjectRelease", 11030, cuUserObjectRelease),

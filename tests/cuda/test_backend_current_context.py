@@ -13,7 +13,6 @@ import stub
 from scenarios import f32
 
 from polyjit.backends import cuda
-from polyjit.backends.cuda import CudaDriverError
 
 # Two stub GPUs; a process apart from the other backend tests, since these leave drivers
 # in states that break others (see conftest.py's backend fixture).
@@ -28,13 +27,6 @@ def fresh_backend(stub_driver: stub.Driver) -> Iterator[Any]:
     gc.collect()
 
 
-@pytest.mark.xfail(strict=True, raises=CudaDriverError, reason=(
-    "CudaDriver._use caches, per thread, which device's context it made current and skips "
-    "cuCtxSetCurrent when the cache says it is current; other code in the thread (cuda.core's "
-    "Device.set_current() and its handles' destructors, CuPy, a second CudaDriver) changes the "
-    "current context behind it, so cuEventCreate in _raw_record makes the event in the wrong "
-    "context and cuEventRecord on the device's stream fails with CUDA_ERROR_INVALID_HANDLE "
-    "(event and stream of two devices: an error on real GPUs too)"))
 def test_other_code_may_change_the_current_context_in_between(fresh_backend: Any) -> None:
     from cuda.bindings import driver as cu
 
@@ -51,11 +43,6 @@ def test_other_code_may_change_the_current_context_in_between(fresh_backend: Any
         cu.cuDevicePrimaryCtxRelease(1)
 
 
-@pytest.mark.xfail(strict=True, raises=CudaDriverError, reason=(
-    "two CudaBackend instances (get_backend('cuda') and create_backend(fast_math=True), say) each "
-    "cache the current device per thread: the second makes device 1's context current, and the "
-    "first, believing device 0's still is, creates its events in device 1's context "
-    "(cuEventRecord: CUDA_ERROR_INVALID_HANDLE)"))
 def test_two_backends_in_one_thread(stub_driver: stub.Driver) -> None:
     first = cuda.CudaBackend(cuda.CudaDriver(staging_bytes=1 << 20))
     second = cuda.CudaBackend(cuda.CudaDriver(staging_bytes=1 << 20, fast_math=True))

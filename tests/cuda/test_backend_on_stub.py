@@ -123,7 +123,7 @@ def test_char_lm_trains_like_on_the_cpu(backend: Any, schedule: str) -> None:
     """examples/char_lm.py's model (gathers, reshape, tanh, AdamW) in compiled mode: the same
     losses on the stub GPU (generated CUDA, graph replays) as on the CPU backend."""
     from polyjit import tensor as pt
-    from polyjit.tensor.datasets import context_windows, encode_text
+    from polyjit.demo.datasets import context_windows, encode_text
 
     char_lm = scenarios.char_lm()
     contexts, targets = context_windows(encode_text(char_lm.TEXT.read_text()), char_lm.CONTEXT)

@@ -1,0 +1,106 @@
+"""Graph replay: linked routines recorded once into a CUDA graph, launched with one call.
+
+The graph is a ``cuda.core`` GraphDefinition with one kernel node per kernel of the
+routines, in order; ``replay()`` updates the nodes whose static arguments changed
+(executable-node updates, no new graph) and launches it on the replay's stream, ordered
+by the per-node events like ``Routine.run()`` (:meth:`Replay.enqueue_launch`). A graph
+built by stream capture (GraphBuilder) would have to be captured again to change one
+kernel's arguments; a definition updates them in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from polyjit.backends.cuda.driver import CudaDriver, _Prepared
+from polyjit.core.errors import InvalidProgramError, MergeBufferMismatchError
+from polyjit.core.ir import StaticSymbol
+from polyjit.core.routine import Replay, Routine
+from polyjit.core.streams import Stream
+
+__all__ = ["CudaGraph", "capture"]
+
+
+class CudaGraph(Replay):
+    """Linked CUDA routines as one graph (build it with :func:`capture` or
+    ``backend.capture(routines)``); ``bindings`` / ``bind(name=value)`` set the statics the
+    next ``replay()`` uses. It may replay on any stream of the routines' device."""
+
+    same_stream = False
+
+    def __init__(self, routines: Sequence[Routine], stream: Stream | None = None) -> None:
+        super().__init__(routines, stream)
+        driver = self.device.driver
+        if not isinstance(driver, CudaDriver):
+            raise InvalidProgramError(f"a CUDA graph needs routines of the cuda backend, not {self.device.backend.name}")
+        self._driver: CudaDriver = driver
+        self._merge_generation = self.device.merge.generation
+        from cuda.core.graph import GraphDefinition
+
+        driver._current(self.device.ordinal)
+        self._definition = GraphDefinition()
+        self._nodes: list[tuple[int, Any, Any]] = []  # (routine index, kernel node, its launch)
+        self._last: list[tuple[int, ...] | None] = []
+        previous: Any = None
+        for k, r in enumerate(self.routines):
+            r.check_merge()
+            prepared = r.prepared()
+            assert isinstance(prepared, _Prepared)
+            statics = r.static_values(self.bindings) if r.statics else ()
+            self._last.append(statics)
+            for ln in prepared.launches:
+                owner = self._definition if previous is None else previous
+                previous = owner.launch(ln.config, ln.kernel, *_arguments(ln.pointers, statics))
+                self._nodes.append((k, previous, ln))
+        self._graph = self._definition.instantiate()
+
+    @property
+    def kernel_count(self) -> int:
+        return len(self._nodes)
+
+    def _enqueue(self) -> None:
+        if self.device.merge.generation != self._merge_generation and any(
+                r.merge_buffer_input is not None for r in self.routines):
+            raise MergeBufferMismatchError(
+                "a routine of this graph reads the merge buffer, which has grown and moved since "
+                "capture; capture again")
+        changed = set()
+        for k, r in enumerate(self.routines):
+            if r.statics:
+                values = r.static_values(self.bindings)
+                if values != self._last[k]:
+                    self._last[k] = values
+                    changed.add(k)
+        self._driver._current(self.device.ordinal)
+        for k, node, ln in self._nodes:
+            if k in changed:
+                self._graph[node].update(config=ln.config, kernel=ln.kernel,
+                                         args=_arguments(ln.pointers, self._last[k] or ()))
+        self.enqueue_launch(self._graph.launch, self.stream.handle.core)
+
+    def close(self) -> None:
+        """Destroy the graph once its last launch is done (the routines stay usable)."""
+        if not self.closed:
+            self.closed = True
+            self.stream.synchronize()
+            self._graph.close()
+
+
+def _arguments(pointers: Sequence[Any], statics: Sequence[int]) -> list[Any]:
+    """Kernel arguments as cuda.core takes them: device pointers and ``long long`` statics."""
+    return [*pointers, *(np.int64(v) for v in statics)]
+
+
+def capture(routines: Routine | Iterable[Routine], *, stream: Stream | None = None,
+            bindings: Mapping[StaticSymbol, int] | None = None) -> CudaGraph:
+    """Capture linked cuda routines (run in this order) into a CUDA graph; ``stream`` defaults
+    to the first routine's context stream. Set ``graph.bindings[sym]`` (or
+    ``graph.bind(name=value)``) and call ``graph.replay()``."""
+    rs = [routines] if isinstance(routines, Routine) else list(routines)
+    graph = CudaGraph(rs, stream)
+    if bindings:
+        graph.bindings.update(bindings)
+    return graph

@@ -1,0 +1,157 @@
+"""Host copies through a ring of pinned memory, so that large transfers run at DMA speed.
+
+Each chunk of a host copy takes a segment of the device's ring (cuda.core's
+``PinnedMemoryResource``); the host side of one chunk overlaps the DMA of the previous
+one. A segment is reused only after the event recorded behind its DMA is done. A
+device-to-host chunk carries a completion (copying it out to the user's array), run when
+its event is found done, at the latest before its space is reused: ``event_done`` and
+``event_sync`` run them, so a copy has landed when its event reports done.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import functools
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+__all__ = ["STAGING_BYTES", "Staging", "host_copy"]
+
+STAGING_BYTES = int(float(os.environ.get("POLYJIT_CUDA_STAGING_MB", "64")) * (1 << 20))
+_COPY_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
+_PARALLEL_COPY_BYTES = 4 << 20
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def host_copy(dst: np.ndarray, src: np.ndarray) -> None:
+    """memcpy between uint8 views; large copies are split across a few threads (numpy releases
+    the GIL while it copies), so staging keeps up with the DMA engines."""
+    global _pool
+    n = dst.nbytes
+    if n < _PARALLEL_COPY_BYTES or _COPY_THREADS == 1:
+        np.copyto(dst, src)
+        return
+    if _pool is None:
+        with _pool_lock:
+            if _pool is None:
+                _pool = ThreadPoolExecutor(_COPY_THREADS, thread_name_prefix="polyjit-cuda-copy")
+    step = (n + _COPY_THREADS - 1) // _COPY_THREADS
+    futures = [_pool.submit(np.copyto, dst[k : k + step], src[k : k + step]) for k in range(0, n, step)]
+    for f in futures:
+        f.result()
+
+
+def _fill(part: np.ndarray, view: np.ndarray) -> None:
+    host_copy(view, part)
+
+
+def _drain(part: np.ndarray, view: np.ndarray) -> None:
+    host_copy(part, view)
+
+
+class Staging:
+    """The ring of one device. ``record(stream)`` returns an event object with ``is_done``
+    and ``sync()`` (a cuda.core Event); ``copy(dst, src, n, stream)`` enqueues a DMA between
+    two addresses."""
+
+    def __init__(self, buffer: Any, record: Callable[[Any], Any],
+                 copy: Callable[[int, int, int, Any], None]) -> None:
+        self.buffer = buffer  # a pinned cuda.core Buffer
+        self.nbytes = int(buffer.size)
+        self.ptr = int(buffer.handle)
+        self.view = np.ctypeslib.as_array((ctypes.c_uint8 * self.nbytes).from_address(self.ptr))
+        self._record, self._copy = record, copy
+        self.head = 0
+        self.segments: collections.deque[list[Any]] = collections.deque()  # [start, end, event, done]
+        self.pending = 0  # segments whose completion has not run
+        self.lock = threading.RLock()
+
+    @property
+    def chunk(self) -> int:
+        return max(1 << 20, self.nbytes // 4)
+
+    def _complete(self, seg: list[Any]) -> None:
+        done = seg[3]
+        if done is not None:
+            seg[3] = None
+            self.pending -= 1
+            done()
+
+    def _reclaim_done(self) -> None:
+        while self.segments and self.segments[0][2].is_done:
+            self._complete(self.segments.popleft())
+
+    def _retire_oldest(self) -> None:
+        seg = self.segments.popleft()
+        seg[2].sync()
+        self._complete(seg)
+
+    def stage(self, stream: Any, n: int, fill: Callable[[np.ndarray], None] | None,
+              dma: Callable[[int], None], completion: Callable[[np.ndarray], None] | None) -> None:
+        """Take ``n`` bytes of the ring, ``fill`` them (host side), enqueue ``dma(address)`` on
+        ``stream``, record an event behind it, and remember ``completion`` (called with the
+        segment's bytes once the event is done)."""
+        size = (n + 255) // 256 * 256
+        with self.lock:
+            self._reclaim_done()
+            if self.head + size > self.nbytes:
+                self.head = 0
+            start, end = self.head, self.head + size
+            while self.segments and any(s[0] < end and start < s[1] for s in self.segments):
+                self._retire_oldest()
+            self.head = end
+            view = self.view[start : start + n]
+            if fill is not None:
+                fill(view)
+            dma(self.ptr + start)
+            done = None if completion is None else (lambda: completion(view))
+            self.segments.append([start, end, self._record(stream), done])
+            if done is not None:
+                self.pending += 1
+
+    def to_device(self, stream: Any, dst: int, src: np.ndarray) -> None:
+        """Enqueue ``src`` (uint8, C-contiguous) -> device address ``dst``, chunk by chunk."""
+        n, chunk = src.nbytes, self.chunk
+        for off in range(0, n, chunk):
+            m = min(chunk, n - off)
+            part = src[off : off + m]
+
+            def dma(ptr: int, at: int = dst + off, m: int = m) -> None:
+                self._copy(at, ptr, m, stream)
+
+            self.stage(stream, m, functools.partial(_fill, part), dma, None)
+
+    def to_host(self, stream: Any, out: np.ndarray, src: int) -> None:
+        """Enqueue device address ``src`` -> ``out`` (uint8); the bytes land when the stream's
+        next event is found done (see the module docstring)."""
+        n, chunk = out.nbytes, self.chunk
+        for off in range(0, n, chunk):
+            m = min(chunk, n - off)
+
+            def dma(ptr: int, at: int = src + off, m: int = m) -> None:
+                self._copy(ptr, at, m, stream)
+
+            self.stage(stream, m, None, dma, functools.partial(_drain, out[off : off + m]))
+
+    def poll(self) -> None:
+        """Run the completions whose events are done."""
+        if not self.pending:
+            return
+        with self.lock:
+            for seg in self.segments:
+                if seg[3] is not None and seg[2].is_done:
+                    self._complete(seg)
+            self._reclaim_done()
+
+    def close(self) -> None:
+        with self.lock:
+            while self.segments:
+                self._retire_oldest()
+            self.buffer.close()
