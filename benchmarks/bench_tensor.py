@@ -35,7 +35,7 @@ from timing import best_of
 from polyjit import tensor as pt
 from polyjit.backends import get_backend
 from polyjit.backends.cpu import cpu_model, create_backend
-from polyjit.tensor.datasets import context_windows, encode_text
+from polyjit.demo.datasets import context_windows, encode_text
 from polyjit.tensor.plan import Mode
 
 Array = np.ndarray[Any, Any]

@@ -6,11 +6,20 @@ device you choose, and run it; move data between devices with
 ``device_to_device`` and merge buffers.
 """
 
-from polyjit.backends import available_backends, get_backend, register_backend
+from polyjit.backends import (
+    available_backends,
+    default_device,
+    device,
+    get_backend,
+    register_backend,
+    set_default_device,
+)
 from polyjit.core import ir
 from polyjit.core.errors import (
     BackendUnavailableError,
     BindingError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
     CompileError,
     DTypeMismatchError,
     FinalizedError,
@@ -38,6 +47,8 @@ __all__ = [
     "AccumOp",
     "BackendUnavailableError",
     "BindingError",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
     "Comp",
     "CompileError",
     "DTypeMismatchError",
@@ -62,9 +73,12 @@ __all__ = [
     "UnsupportedError",
     "ValueRangeError",
     "available_backends",
+    "default_device",
+    "device",
     "device_to_device",
     "get_backend",
     "init_from_device",
     "ir",
     "register_backend",
+    "set_default_device",
 ]

@@ -44,7 +44,33 @@ def cmd_devices(args: argparse.Namespace) -> int:
         print("  ".join(cell.ljust(w) for cell, w in zip(r[:5], widths)) + "  " + r[5])
     for note in notes:
         print(note)
+    if "cuda" in backends():  # what a first run on a GPU must know, with a driver or without
+        try:
+            from polyjit.backends.cuda import versions
+
+            print("cuda versions: " + ", ".join(f"{k}={v}" for k, v in versions().items()))
+        except ImportError as e:
+            print(f"cuda versions: unavailable ({e})")
     return 0
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    from polyjit.core.cache import cache_clear, cache_info
+
+    if args.action == "clear":
+        print(f"removed {cache_clear()} entries from {cache_info()['directory']}")
+        return 0
+    info = cache_info()
+    print(f"compile cache: {info['directory']}")
+    for space, counts in info["namespaces"].items():  # type: ignore[attr-defined]
+        print(f"  {space:10s} {counts['entries']:6d} entries  {_fmt_bytes(counts['bytes'])}")
+    return 0
+
+
+def cmd_gpucheck(args: argparse.Namespace) -> int:
+    from polyjit.gpucheck import main as gpucheck_main
+
+    return gpucheck_main(args.rest)
 
 
 def cmd_selftest(args: argparse.Namespace) -> int:
@@ -55,13 +81,9 @@ def cmd_selftest(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    if args.kernels:
-        from polyjit.demo import main as kernels_main
+    from polyjit.demo import main as demo_main
 
-        return kernels_main(args)
-    from polyjit.tensor.demo import main as train_main
-
-    return train_main(args)
+    return demo_main(args)
 
 
 def _bench_dir() -> Path:
@@ -93,13 +115,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-v", "--verbose", action="store_true")
     s.set_defaults(func=cmd_selftest)
     m = sub.add_parser("demo", help="train an MLP data-parallel on every device of a backend")
-    from polyjit.tensor.demo import add_arguments
+    from polyjit.demo import add_arguments
 
     add_arguments(m)
-    m.add_argument("--kernels", action="store_true",
-                   help="instead: a fused chain and a matmul on every device, checked against numpy")
-    m.add_argument("--size", type=int, default=1 << 20, help="with --kernels: elements of the chain")
     m.set_defaults(func=cmd_demo)
+    c = sub.add_parser("cache", help="what the compile cache holds (info), or empty it (clear)")
+    c.add_argument("action", choices=("info", "clear"), nargs="?", default="info")
+    c.set_defaults(func=cmd_cache)
+    g = sub.add_parser("gpucheck", help="everything a first run on a GPU checks, into one report")
+    g.add_argument("rest", nargs=argparse.REMAINDER)
+    g.set_defaults(func=cmd_gpucheck)
     b = sub.add_parser("bench", help="run a benchmark suite: cpu, opencl, cuda, ...")
     b.add_argument("suite", nargs="?", default="cpu")
     b.add_argument("rest", nargs=argparse.REMAINDER)

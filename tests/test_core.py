@@ -10,10 +10,9 @@ import textwrap
 import numpy as np
 import pytest
 
-from polyjit.alloc import slab
 from polyjit.backends import get_backend
 from polyjit.backends.cpu.compiler import build_shared
-from polyjit.core import codegen, ir, lower
+from polyjit.core import codegen, ir, lower, patterns, slab
 from polyjit.core.errors import (
     CompileError,
     DTypeMismatchError,
@@ -80,7 +79,7 @@ def test_elementwise_2d_loops_merge_into_one() -> None:
 def test_matmul_is_recognised_as_a_contraction() -> None:
     a, b, c = ir.Node("a", (8, 4)), ir.Node("b", (4, 6)), ir.Node("c", (8, 6))
     (kernel,) = lower.lower([ir.Comp.of(ir.einsum("ik,kj->ij", a, b, into=c))], ["mm"]).kernels
-    match = lower.match_contraction(kernel)
+    match = patterns.match_contraction(kernel)
     assert match is not None and (match.m, match.n, match.kk) == (8, 6, 4)
 
 

@@ -9,12 +9,19 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import threading
 from collections.abc import Callable
 from importlib.metadata import entry_points
-from typing import Any
+from typing import Any, Union
 
-from polyjit.core.errors import BackendUnavailableError, PolyjitError, UnknownBackendError
+from polyjit.core.device import Device, scoped_device
+from polyjit.core.errors import (
+    BackendUnavailableError,
+    PolyjitError,
+    UnknownBackendError,
+    UnknownDeviceError,
+)
 from polyjit.core.protocol import Driver
 from polyjit.core.runtime import Backend
 
@@ -82,6 +89,45 @@ def get_backend(name: str = "cpu") -> Backend:
         backend = made if isinstance(made, Backend) else Backend(made)
         _instances[name] = backend
         return backend
+
+
+DeviceLike = Union[Device, Backend, str, None]
+DEFAULT_DEVICE_ENV = "POLYJIT_DEVICE"
+_default: Device | str | None = None
+
+
+def device(spec: DeviceLike = None) -> Device:
+    """A device by name: ``"cuda:1"`` (``"cuda"`` is ``"cuda:0"``), a Device, a Backend (its
+    device 0), or None for the default device (:func:`default_device`)."""
+    if isinstance(spec, Device):
+        return spec
+    if isinstance(spec, Backend):
+        return spec.get_device(0)
+    if spec is None:
+        return default_device()
+    if not isinstance(spec, str):
+        raise UnknownDeviceError(f"not a device: {spec!r} (a name such as 'cpu:0' or 'cuda:1', or a Device)")
+    name, _, ordinal = spec.strip().partition(":")
+    if ordinal and not ordinal.isdigit():
+        raise UnknownDeviceError(f"{spec!r}: the ordinal after ':' must be a number ('{name}:0')")
+    return get_backend(name).get_device(int(ordinal) if ordinal else 0)
+
+
+def default_device() -> Device:
+    """The device APIs use when given none: the innermost ``with device:`` of this thread, else
+    :func:`set_default_device`'s, else ``$POLYJIT_DEVICE``, else ``cpu:0``."""
+    scoped = scoped_device()
+    if scoped is not None:
+        return scoped
+    if _default is not None:
+        return device(_default)
+    return device(os.environ.get(DEFAULT_DEVICE_ENV) or "cpu:0")
+
+
+def set_default_device(spec: DeviceLike) -> None:
+    """Set the process's default device (None: back to ``$POLYJIT_DEVICE``, else ``cpu:0``)."""
+    global _default
+    _default = device(spec) if spec is not None else None
 
 
 def available_backends() -> list[str]:

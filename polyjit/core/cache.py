@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from polyjit.core.errors import CompileError, PolyjitError
+from polyjit.core.log import logger
 
 __all__ = [
     "HASH_SUFFIX",
@@ -463,14 +464,17 @@ class BinaryCache:
         name = self._name(key)
         hit = self._hit(key, self.directory() / name, want_bytes)
         if hit is not None:
+            logger.debug("cache hit %s", hit[0])
             return hit
         with self._key_lock(key):  # threads of one process build a key once
             directory = self.directory()
             hit = self._hit(key, directory / name, want_bytes)
             if hit is not None:
+                logger.debug("cache hit %s", hit[0])
                 return hit
             with self._lock:
                 self.compiles += 1
+            logger.debug("cache miss %s: building it", directory / name)
             return self._publish(directory, name, key, build)
 
     def _new_tmp(self, directory: Path, name: str) -> tuple[Path, str]:
@@ -527,3 +531,26 @@ class BinaryCache:
                     os.unlink(tmp)
         except OSError as e:
             raise CacheError(f"polyjit compile cache: cannot publish {name} in {directory}: {e}") from e
+
+
+def cache_info() -> dict[str, object]:
+    """What the compile cache holds: its directory and, per namespace, entries and bytes."""
+    root = cache_dir()
+    spaces: dict[str, dict[str, int]] = {}
+    for space in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []:
+        files = [f for f in space.iterdir() if f.is_file() and not f.name.endswith(HASH_SUFFIX)]
+        spaces[space.name] = {"entries": len(files), "bytes": sum(f.stat().st_size for f in files)}
+    return {"directory": str(root), "namespaces": spaces}
+
+
+def cache_clear() -> int:
+    """Remove every entry of the compile cache (this user's own directory); returns how many.
+    Processes running keep what they loaded."""
+    root = cache_dir()
+    removed = 0
+    for space in (p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []:
+        for f in space.iterdir():
+            if f.is_file() and not f.is_symlink():
+                f.unlink(missing_ok=True)
+                removed += not f.name.endswith(HASH_SUFFIX)
+    return removed

@@ -1,4 +1,4 @@
-"""Contexts, linked routines and transfers between devices.
+"""Contexts: the buffers of nodes on one device, and the stream their work runs on.
 
 A context maps nodes to buffers on one device and names the stream its work runs
 on. It never changes after it is made: linking returns a child context that adds
@@ -11,21 +11,15 @@ their last work is done.
 from __future__ import annotations
 
 import contextlib
-import time
 import weakref
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-import attrs
 import numpy as np
 
-from polyjit.alloc import slab
-from polyjit.alloc.slab import MERGE_POOL, BufferLoc
-from polyjit.core.codegen import KernelSpec, Source
-from polyjit.core.device import driver_call
+from polyjit.core import interop, slab
 from polyjit.core.errors import (
-    BindingError,
     DTypeMismatchError,
     FinalizedError,
     InvalidArgumentError,
@@ -36,54 +30,15 @@ from polyjit.core.errors import (
     ShapeMismatchError,
     UnknownDeviceError,
 )
-from polyjit.core.ir import MemoryMode, Node, StaticSymbol
-from polyjit.core.lower import LoweredBatch, LoweredComp
-from polyjit.core.protocol import MergeBuffer
+from polyjit.core.interop import Exported
+from polyjit.core.ir import MemoryMode, Node
+from polyjit.core.lower import LoweredComp
+from polyjit.core.routine import Code, CodeBatch, Routine
+from polyjit.core.slab import BufferLoc
 from polyjit.core.streams import AllOf, Event, Stream, enqueue
 
 if TYPE_CHECKING:
-    from polyjit.core.device import Device, LoadedModule
-    from polyjit.core.runtime import Backend
-
-
-@attrs.frozen(eq=False)
-class CodeBatch:
-    """A compiled batch: one source, one binary, one entry per computation."""
-
-    backend: Backend
-    lowered: LoweredBatch
-    source: Source
-    binary: Any
-    names: tuple[str, ...]
-    bindings: tuple[Mapping[StaticSymbol, int], ...]
-
-    def __len__(self) -> int:
-        return len(self.names)
-
-
-@attrs.frozen(eq=False)
-class Code:
-    """One computation of a compiled batch (what ``Backend.compile`` returns)."""
-
-    batch: CodeBatch
-    index: int = 0
-
-    @property
-    def name(self) -> str:
-        return self.batch.names[self.index]
-
-    @property
-    def source(self) -> str:
-        return self.batch.source.text
-
-
-def check_binding(where: str, sym: StaticSymbol, value: Any) -> int:
-    """A static symbol's value: an integer (not a bool, a float or a string) in [0, bound)."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise BindingError(f"{where}: {sym!r} = {value!r} is a {type(value).__name__}, not an integer")
-    if not 0 <= value < sym.bound:
-        raise BindingError(f"{where}: {sym!r} = {value} is outside [0, {sym.bound})")
-    return int(value)
+    from polyjit.core.device import Device
 
 
 class Context:
@@ -315,6 +270,39 @@ class Context:
         pid = self.device.new_pool(node.nbytes)
         return self._child({node: BufferLoc(pid, 0)}, own_pools=[pid])
 
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes of the pools this context created, and with its live descendants'."""
+        dev = self.device
+        with dev.lock:
+            sizes = {pid: n for pid, (_, n) in dev._pools.items()}
+            own = sum(sizes.get(pid, 0) for pid in self._own_pools)
+            stack, total, seen = [self], 0, set()
+            while stack:
+                ctx = stack.pop()
+                if id(ctx) in seen:
+                    continue
+                seen.add(id(ctx))
+                total += sum(sizes.get(pid, 0) for pid in ctx._own_pools)
+                stack.extend(ctx._children)
+        return {"own_bytes": own, "with_descendants_bytes": total, "buffers": len(self.buffers)}
+
+    def export(self, node: Node) -> Exported:
+        """The node's buffer for other libraries, zero-copy: ``np.from_dlpack``,
+        ``torch.from_dlpack``, CuPy (DLPack; ``__cuda_array_interface__`` on CUDA). See
+        ``core/interop.py`` for the ordering it promises."""
+        return interop.export(self, node)
+
+    def host_view(self, node: Node, *, write: bool = False) -> contextlib.AbstractContextManager[np.ndarray]:
+        """``with ctx.host_view(node, write=True) as values:``: the node's values on the host,
+        ordered by the per-node events (zero-copy on the cpu backend; see core/interop.py)."""
+        return interop.host_view(self, node, write=write)
+
+    def init_from_dlpack(self, node: Node, obj: Any) -> Context:
+        """A child context whose buffer for ``node`` is another library's tensor (any DLPack
+        producer): zero-copy where device, layout and alignment allow, else a copy of a host
+        tensor, else a typed error."""
+        return interop.init_from_dlpack(self, node, obj)
+
     def will_wait_for(self, event: Event | AllOf) -> None:
         """Make this context's stream wait (device side) for an event."""
         self.check_alive()
@@ -411,238 +399,3 @@ def _plan_requests(
 
 # ---------------------------------------------------------------------------
 # Routines
-
-
-class Replay:
-    """Linked routines replayed as one unit (see :meth:`Backend.capture`); this generic one
-    runs them one after the other on their contexts' streams."""
-
-    def __init__(self, routines: Sequence[Routine], stream: Stream | None = None) -> None:
-        if not routines:
-            raise InvalidProgramError("capture() needs at least one routine")
-        self.routines = tuple(routines)
-        self.stream = stream or self.routines[0].context.stream
-        if any(r.context.stream is not self.stream for r in self.routines):
-            raise InvalidProgramError(
-                "capture(): the routines run on another stream than the one given; link them in a "
-                "context on that stream (Context.with_stream)")
-
-    def replay(self) -> None:
-        for r in self.routines:
-            r.run()
-
-    def close(self) -> None:
-        """Nothing to free here; a recorded graph frees its handles."""
-
-
-class Routine:
-    """A linked computation: ``run()`` enqueues its kernels on the context's stream after the
-    device-side waits its buffers need. The runtime keeps the routine (and its launch record)
-    alive until that work completes, whatever the caller drops."""
-
-    def __init__(self, context: Context, batch: CodeBatch, index: int, module: LoadedModule,
-                 buffers: Mapping[Node, BufferLoc]) -> None:
-        comp = batch.lowered.comps[index]
-        self.context = context
-        self.name = batch.names[index]
-        self.inputs = frozenset(comp.inputs)
-        self.outputs = frozenset(comp.outputs)
-        self.merge_buffer_input = comp.merge_input
-        self.statics = comp.statics
-        self.bindings: dict[StaticSymbol, int] = dict(batch.bindings[index])
-        self.source = batch.source
-        self._specs = batch.source.kernels[index]
-        self._module = module
-        self._buffers = buffers
-        device = context.device
-        stored = {n for k in comp.kernels for n in k.buffers}
-        locs = {n: buffers[n] for n in stored}
-        written = {n for k in comp.kernels for n in k.outputs}
-        self.write_locs = tuple(dict.fromkeys(locs[n] for n in written))
-        self.read_locs = tuple(dict.fromkeys(locs[n] for n in stored if n not in written))
-        if comp.merge_input is not None:
-            self.read_locs += (BufferLoc(MERGE_POOL, 0),)
-        self._read_states = device.tracker.states(self.read_locs)
-        self._write_states = device.tracker.states(self.write_locs)
-        self._prepared: Any = None
-        self._merge_generation = -1
-        if comp.merge_input is None or device.merge.handle is not None:
-            self._prepare()
-
-    def _kernel_args(self, spec: KernelSpec) -> tuple[KernelSpec, list[tuple[Any, int]]]:
-        device = self.context.device
-        args = [(device.pool_handle(self._buffers[n].pool_id), self._buffers[n].offset) for n in spec.buffers]
-        if spec.merge is not None:
-            args.append((device.merge.handle, 0))
-        return spec, args
-
-    def _prepare(self, specs: Sequence[KernelSpec] | None = None) -> Any:
-        device = self.context.device
-        kernels = [self._kernel_args(spec) for spec in (self._specs if specs is None else specs)]
-        prepared = driver_call(device.label, f"prepare of {self.name}", device.driver.prepare,
-                               device.ordinal, self._module.handle, kernels)
-        if specs is None:
-            self._prepared = prepared
-            self._merge_generation = device.merge.generation
-        return prepared
-
-    @property
-    def kernels(self) -> tuple[KernelSpec, ...]:
-        """The kernels one run() launches, in order."""
-        return tuple(self._specs)
-
-    def time_kernels(self, repeats: int = 10) -> list[tuple[KernelSpec, float]]:
-        """Launch each kernel alone ``repeats`` times (after one warm-up launch), ordered like
-        ``run()``, and return its mean seconds per launch, host sync included (compare kernels,
-        not sums). Kernels that update persistent state run ``repeats + 1`` extra times."""
-        ctx = self.context
-        ctx.check_alive()
-        device, stream = ctx.device, ctx.stream
-        statics = self.static_values() if self.statics else ()
-        out = []
-        for spec in self._specs:
-            one = self._prepare([spec])
-            seconds = 0.0
-            for count in (1, repeats):
-                stream.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(count):
-                    enqueue(stream, self._read_states, self._write_states, self, device.driver.launch,
-                            (stream.handle, one, statics), (self, one))
-                stream.synchronize()
-                seconds = (time.perf_counter() - t0) / max(1, count)
-            out.append((spec, seconds))
-        return out
-
-    def __repr__(self) -> str:
-        return f"Routine({self.name} on {self.context.device.device_id})"
-
-    def prepared(self) -> Any:
-        """The driver's prepared launch, bound again if the merge buffer moved since."""
-        if self._prepared is None or (
-            self.merge_buffer_input is not None
-            and self._merge_generation != self.context.device.merge.generation
-        ):
-            self._prepare()
-        return self._prepared
-
-    def static_values(self, bindings: Mapping[StaticSymbol, int] | None = None) -> tuple[int, ...]:
-        """The statics' values, in kernel-argument order, from ``bindings`` (default: the routine's)."""
-        bindings = self.bindings if bindings is None else bindings
-        out = []
-        for s in self.statics:
-            v = bindings.get(s)
-            if v is None:
-                raise BindingError(f"routine {self.name}: static symbol {s!r} is not bound (set routine.bindings[sym])")
-            out.append(check_binding(f"routine {self.name}", s, v))
-        return tuple(out)
-
-    def run(self) -> None:
-        ctx = self.context
-        if ctx.finalized:
-            ctx.check_alive()
-        statics = self.static_values() if self.statics else ()
-        stream = ctx.stream
-        device = ctx.device
-        if self.merge_buffer_input is None:  # prepared once, at link: keeping self keeps it
-            enqueue(stream, self._read_states, self._write_states, self, device.driver.launch,
-                    (stream.handle, self._prepared, statics), self)
-            return
-        with device.lock:  # the merge buffer must not move between the check and the launch
-            merge = self.merge_buffer_input
-            if device.merge.node is not merge:
-                held = device.merge.node.label if device.merge.node else "nothing"
-                raise MergeBufferMismatchError(
-                    f"routine {self.name} reads {merge.label} from the merge buffer of "
-                    f"{device.device_id}, which now holds {held}"
-                )
-            prepared = self.prepared()
-            enqueue(stream, self._read_states, self._write_states, self, device.driver.launch,
-                    (stream.handle, prepared, statics), (self, prepared))
-
-
-class TransferRoutine:
-    """A device_to_device copy as a routine: run() enqueues the copy again."""
-
-    def __init__(self, node: Node, dst: Context, src: Context, into_merge: bool, context: Context) -> None:
-        self.node = node
-        self.name = f"copy_{node.name}_{src.device.device_id}_to_{dst.device.device_id}"
-        self.context = context
-        self.inputs = frozenset([node])
-        self.outputs = frozenset() if into_merge else frozenset([node])
-        self.merge_buffer_input: Node | None = None
-        self.bindings: dict[StaticSymbol, int] = {}
-        self._dst, self._src, self._into_merge = dst, src, into_merge
-
-    def __repr__(self) -> str:
-        return f"TransferRoutine({self.name})"
-
-    def run(self) -> None:
-        node, dst, src = self.node, self._dst, self._src
-        src.check_alive()
-        dst.check_alive()
-        sdev, ddev = src.device, dst.device
-        sloc = src.loc(node, "device_to_device source")
-        stream = dst.stream
-        if sdev.backend is not ddev.backend:  # different backends: stage through the host
-            staging = src.read(node)
-            with ddev.lock:
-                dloc, dhandle = self._destination()
-                enqueue(stream, (), (ddev.tracker.state(dloc),), self, ddev.driver.copy_from_host,
-                        (stream.handle, dhandle, dloc.offset, staging), (self, staging))
-                if self._into_merge:
-                    ddev.merge.node = node
-            return
-        first, second = sorted({sdev, ddev}, key=lambda d: d.device_id) + [ddev] * (sdev is ddev)
-        with first.lock, second.lock:  # both trackers, in one order for every thread
-            dloc, dhandle = self._destination()
-            src_handle = sdev.pool_handle(sloc.pool_id)
-            enqueue(stream, (sdev.tracker.state(sloc),), (ddev.tracker.state(dloc),), self, ddev.driver.copy_device,
-                    (stream.handle, (ddev.ordinal, dhandle, dloc.offset),
-                     (sdev.ordinal, src_handle, sloc.offset), node.nbytes), (self,))
-            if self._into_merge:
-                ddev.merge.node = node
-
-    def _destination(self) -> tuple[BufferLoc, Any]:
-        ddev, node = self._dst.device, self.node
-        if self._into_merge:
-            ddev.reserve_merge(node.nbytes)
-            return BufferLoc(MERGE_POOL, 0), ddev.merge.handle
-        dloc = self._dst.writable_loc(node, "device_to_device destination")
-        return dloc, ddev.pool_handle(dloc.pool_id)
-
-
-def device_to_device(
-    node: Node, *, dst: Context, src: Context, into_merge_buffer: MergeBuffer = MergeBuffer.NO
-) -> TransferRoutine | None:
-    """Copy ``node`` from ``src``'s buffer to ``dst``'s (or into dst's device merge buffer).
-
-    The copy is enqueued now, on dst's stream, after the device-side waits it
-    needs; the returned routine enqueues it again on ``run()``. With
-    ``MergeBuffer.COPY``, link readers of ``ir.merge(node)`` against
-    ``routine.context``. Returns None when src and dst share the buffer.
-    """
-    src.check_alive()
-    dst.check_alive()
-    src.loc(node, "device_to_device source")
-    into_merge = into_merge_buffer is MergeBuffer.COPY
-    if into_merge:
-        context = dst._child({}, merge_node=node)
-    else:
-        dloc = dst.writable_loc(node, "device_to_device destination")
-        if src.device is dst.device and src.buffers[node] == dloc:
-            return None
-        context = dst
-    routine = TransferRoutine(node, dst, src, into_merge, context)
-    routine.run()
-    return routine
-
-
-def init_from_device(node: Node, *, dst: Context, src: Context) -> Context:
-    """A child of ``dst`` with a new buffer for ``node``, filled from ``src`` (device side)."""
-    src.check_alive()
-    dst.check_alive()
-    src.loc(node, "init_from_device source")
-    child = dst._with_new_buffer(node)
-    TransferRoutine(node, child, src, False, child).run()
-    return child

@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import numpy as np
 
-from polyjit.alloc import slab
-from polyjit.alloc.slab import MERGE_POOL, BufferLoc
+from polyjit.core import slab
 from polyjit.core.errors import (
     DeviceFaultError,
     DriverError,
@@ -34,7 +33,9 @@ from polyjit.core.errors import (
     UnknownDeviceError,
 )
 from polyjit.core.ir import Node
+from polyjit.core.log import logger
 from polyjit.core.protocol import DeviceInfo, Driver
+from polyjit.core.slab import MERGE_POOL, BufferLoc
 from polyjit.core.streams import AllOf, Event, Stream, Tracker, enqueue
 
 if TYPE_CHECKING:
@@ -80,8 +81,18 @@ def driver_call(where: str, what: str, fn: Callable[..., Any], *args: Any) -> An
         raise DriverError(f"{where}: {what} failed: {type(e).__name__}: {e}") from e
 
 
+_scope = threading.local()  # the thread's stack of devices entered with ``with device:``
+
+
+def scoped_device() -> Device | None:
+    """The device of the innermost ``with device:`` block of this thread, if any."""
+    stack = getattr(_scope, "stack", None)
+    return stack[-1] if stack else None
+
+
 class Device:
-    """One device of a backend: its pools, streams, per-node events and merge buffer."""
+    """One device of a backend: its pools, streams, per-node events and merge buffer.
+    ``with device:`` makes it the default device of this thread inside the block."""
 
     def __init__(self, backend: Backend, ordinal: int) -> None:
         self.backend = backend
@@ -101,7 +112,11 @@ class Device:
         self.tracker = Tracker()
         self.merge = MergeState()
         self._pools: dict[int, tuple[Any, int]] = {}  # live pools: (driver handle, bytes)
-        self.freeing: list[tuple[list[Event], Any, int]] = []  # freed once those events are done
+        # (events, pool id, handle, bytes): freed once those events are done and it is unpinned
+        self.freeing: list[tuple[list[Event], int, Any, int]] = []
+        self._pins: dict[int, int] = {}  # pool id -> exported views alive
+        self._peak = 0  # the most bytes of pools held at once
+        self._external: dict[int, Callable[[], None]] = {}  # adopted pools: how to give them back
         self.released: collections.deque[Callable[[], None]] = collections.deque()
         self._reaping = False
         self._pool_ids = slab.PoolIds()
@@ -114,6 +129,19 @@ class Device:
 
     def __repr__(self) -> str:
         return f"Device({self.device_id} {self.name!r})"
+
+    def __str__(self) -> str:
+        return self.device_id
+
+    def __enter__(self) -> Device:
+        stack = getattr(_scope, "stack", None)
+        if stack is None:
+            stack = _scope.stack = []
+        stack.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _scope.stack.pop()
 
     @property
     def label(self) -> str:
@@ -214,9 +242,12 @@ class Device:
             self.lock.release()
 
     def _free_finished(self, poll: bool, wait: bool) -> None:
-        still: list[tuple[list[Event], Any, int]] = []
+        still: list[tuple[list[Event], int, Any, int]] = []
         errors: list[PolyjitError] = []
-        for events, handle, nbytes in self.freeing:
+        for events, pid, handle, nbytes in self.freeing:
+            if pid in self._pins:  # an exported view of it is still alive
+                still.append((events, pid, handle, nbytes))
+                continue
             pending = []
             for ev in events:
                 known = ev.seq <= ev.stream.done_seq
@@ -232,10 +263,15 @@ class Device:
                 if not known:
                     pending.append(ev)
             if pending:
-                still.append((pending, handle, nbytes))
+                still.append((pending, pid, handle, nbytes))
                 continue
             try:
-                driver_call(self.label, f"free of a pool of {nbytes} bytes", self.driver.free, self.ordinal, handle)
+                external = self._external.pop(pid, None)
+                if external is not None:  # memory another library lent: give it back to it
+                    external()
+                else:
+                    driver_call(self.label, f"free of a pool of {nbytes} bytes", self.driver.free,
+                                self.ordinal, handle)
             except PolyjitError as e:
                 errors.append(e)
         self.freeing = still
@@ -250,10 +286,20 @@ class Device:
         with self.lock:
             return sum(n for _, n in self._pools.values())
 
-    def pending_free_memory(self) -> int:
-        """Bytes of pools released by their contexts whose last work has not completed yet."""
+    def memory_stats(self) -> dict[str, int]:
+        """used / peak / pending-free bytes of polyjit's pools on this device, how many pools
+        live contexts hold (and how many of them are memory other libraries lent), and how
+        many constants the device shares."""
         with self.lock:
-            return sum(n for _, _, n in self.freeing)
+            return {"used_bytes": self.used_memory(), "peak_bytes": self._peak,
+                    "pending_free_bytes": self.pending_free_memory(), "pools": len(self._pools),
+                    "lent_pools": len(self._external), "constants": len(self._constants)}
+
+    def pending_free_memory(self) -> int:
+        """Bytes of pools released by their contexts whose last work has not completed yet (or
+        that an exported view still shows)."""
+        with self.lock:
+            return sum(entry[3] for entry in self.freeing)
 
     def alloc_pool(self, pool_id: int, nbytes: int, alignment: int) -> None:
         with self.lock:
@@ -272,6 +318,8 @@ class Device:
             handle = driver_call(self.label, f"alloc of pool {pool_id} ({nbytes} bytes, {used} in use)",
                            self.driver.alloc, self.ordinal, max(nbytes, 1), alignment)
             self._pools[pool_id] = (handle, nbytes)
+            self._peak = max(self._peak, used + nbytes)
+            logger.debug("%s: pool %d of %d bytes (%d in use)", self.device_id, pool_id, nbytes, used + nbytes)
 
     def free_pool(self, pool_id: int) -> None:
         """Release a pool: the driver frees it once the work that touches it is done."""
@@ -281,8 +329,31 @@ class Device:
             except KeyError:
                 raise InvalidProgramError(f"{self.device_id} has no pool {pool_id}") from None
             events = self.tracker.take_pool(pool_id, keep=pool_id == MERGE_POOL)
-            self.freeing.append((events, handle, nbytes))
+            self.freeing.append((events, pool_id, handle, nbytes))
             self._free_finished(poll=False, wait=False)
+
+    def pin(self, pool_id: int) -> None:
+        """Keep a pool's memory after its context lets go, while a view of it is exported."""
+        with self.lock:
+            self._pins[pool_id] = self._pins.get(pool_id, 0) + 1
+
+    def unpin(self, pool_id: int) -> None:
+        with self.lock:
+            left = self._pins.pop(pool_id) - 1
+            if left:
+                self._pins[pool_id] = left
+            elif self.freeing:
+                self._free_finished(poll=False, wait=False)
+
+    def adopt_pool(self, handle: Any, nbytes: int, release: Callable[[], None]) -> int:
+        """A pool over memory another library lent (DLPack): ``release`` gives it back, once
+        the work on it is done, instead of the driver's free. It is not counted in
+        used_memory (polyjit did not allocate it)."""
+        with self.lock:
+            pid = self._pool_ids.take()
+            self._pools[pid] = (handle, 0)
+            self._external[pid] = release
+            return pid
 
     def release(self, pools: Iterable[int], constants: Iterable[BufferLoc]) -> None:
         """Give back what a context created (its finalize(), or its garbage collection)."""

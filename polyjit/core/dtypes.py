@@ -5,14 +5,19 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
+import numpy
 import numpy as np
 
 from polyjit.core.errors import DTypeMismatchError
 
 
-@attrs.frozen
+@attrs.frozen(eq=False)
 class DType:
-    """One supported element type. ``c``, ``opencl`` and ``cuda`` are the storage type names."""
+    """One supported element type. ``c``, ``opencl`` and ``cuda`` are the storage type names.
+
+    It behaves as numpy expects of a dtype: ``np.empty(node.shape, node.dtype)`` works (numpy
+    reads ``.dtype``) and it compares equal to the numpy dtype, scalar type and name of the
+    same type (``dtypes.float32 == np.float32 == "float32"``)."""
 
     name: str
     np: np.dtype[Any] = attrs.field(eq=False)
@@ -29,6 +34,25 @@ class DType:
     @property
     def is_bool(self) -> bool:
         return self.name == "bool"
+
+    @property
+    def dtype(self) -> numpy.dtype[Any]:
+        """The numpy dtype (what ``np.dtype(d)`` and numpy's constructors read)."""
+        return self.np
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, DType):
+            return self.name == other.name
+        try:
+            return bool(self.np == np.dtype(other))  # type: ignore[call-overload]
+        except TypeError:
+            return False
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return hash(self.np)
 
     def __str__(self) -> str:
         return self.name

@@ -1,11 +1,12 @@
 """The generic runtime: raises a backend's ``Driver`` into the full Backend / Device / Stream /
 Event / Context / Routine objects.
 
-Everything a backend would otherwise write again lives here, once: contexts and
-linking (``core/context.py``), devices with their slab pools, constants, modules and
-merge buffer (``core/device.py``), streams, events, per-node events and the lifetimes
-of queued work (``core/streams.py``), device_to_device and host transfers. This
-module holds the Backend and is where users import the runtime's names from.
+Everything a backend would otherwise write again lives here, once: contexts, linking and
+host transfers (``core/context.py``), routines, replays and device_to_device
+(``core/routine.py``), devices with their slab pools, constants, modules and merge buffer
+(``core/device.py``), streams, events, per-node events and the lifetimes of queued work
+(``core/streams.py``). This module holds the Backend and is where users import the
+runtime's names from.
 """
 
 from __future__ import annotations
@@ -20,10 +21,16 @@ import numpy as np
 
 from polyjit.core import ir
 from polyjit.core.codegen import generate
-from polyjit.core.context import (
+from polyjit.core.context import Context
+from polyjit.core.device import Device, LoadedModule, driver_call
+from polyjit.core.errors import InvalidArgumentError, InvalidProgramError, UnknownDeviceError
+from polyjit.core.ir import StaticSymbol
+from polyjit.core.log import log_source
+from polyjit.core.lower import lower
+from polyjit.core.protocol import Driver
+from polyjit.core.routine import (
     Code,
     CodeBatch,
-    Context,
     Replay,
     Routine,
     TransferRoutine,
@@ -31,11 +38,6 @@ from polyjit.core.context import (
     device_to_device,
     init_from_device,
 )
-from polyjit.core.device import Device, LoadedModule, driver_call
-from polyjit.core.errors import InvalidArgumentError, InvalidProgramError, UnknownDeviceError
-from polyjit.core.ir import StaticSymbol
-from polyjit.core.lower import lower
-from polyjit.core.protocol import Driver
 from polyjit.core.streams import AllOf, Event, Stream
 
 __all__ = [
@@ -177,6 +179,8 @@ class Backend:
         c_names = tuple(_c_name(names[k], taken) for k in keep)
         lowered = lower([comp_list[k] for k in keep], c_names)
         source = generate(lowered, self.driver.dialect)
+        log_source(f"{self.name} batch {', '.join(c_names[:3])}{'...' if len(c_names) > 3 else ''}", source.text,
+                   {"c": ".c", "opencl": ".cl", "cuda": ".cu"}.get(source.dialect, ".txt"))
         binary = driver_call(f"backend {self.name}", "compile", self.driver.compile, source)
         return CodeBatch(self, lowered, source, binary, c_names, tuple(checked[k] for k in keep))
 

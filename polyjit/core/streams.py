@@ -23,7 +23,14 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from polyjit.core.errors import DeviceFaultError, DriverError, PolyjitError, StreamClosedError
+from polyjit.core.errors import (
+    DeviceFaultError,
+    DriverError,
+    InvalidArgumentError,
+    PolyjitError,
+    StreamClosedError,
+    UnsupportedError,
+)
 
 if TYPE_CHECKING:
     from polyjit.core.protocol import Driver
@@ -36,14 +43,29 @@ POLL_EVERY = 16
 
 
 class Event:
-    """A point in a stream's work. ``sync()`` blocks the host; ``is_done()`` polls."""
+    """A point in a stream's work. ``synchronize()`` blocks the host; ``is_done()`` polls;
+    ``start.elapsed_time(end)`` gives the milliseconds between two events recorded with
+    ``stream.record(timing=True)``."""
 
-    __slots__ = ("handle", "seq", "stream")
+    __slots__ = ("handle", "seq", "stream", "timed")
 
-    def __init__(self, stream: Stream, handle: Any, seq: int) -> None:
+    def __init__(self, stream: Stream, handle: Any, seq: int, timed: bool = False) -> None:
         self.stream = stream
         self.handle = handle
         self.seq = seq
+        self.timed = timed
+
+    def elapsed_time(self, end: Event) -> float:
+        """Milliseconds from this event to ``end`` on the device (both recorded with timing on,
+        on streams of one device); waits for ``end``."""
+        if not (self.timed and end.timed):
+            raise InvalidArgumentError("elapsed_time needs two events recorded with stream.record(timing=True)")
+        if end.stream.device is not self.stream.device:
+            raise InvalidArgumentError(f"elapsed_time between {self.stream.device.device_id} and "
+                                       f"{end.stream.device.device_id}: events of one device only")
+        self.synchronize()
+        end.synchronize()
+        return float(self.stream.driver.elapsed_ms(self.handle, end.handle))  # type: ignore[attr-defined]
 
     def synchronize(self) -> None:
         """Block until the work before this event is done; raise DeviceFaultError if it failed."""
@@ -113,10 +135,25 @@ class Stream:
 
     # -- recording ----------------------------------------------------------------
 
-    def record(self) -> Event:
+    def record(self, timing: bool = False) -> Event:
+        """An event behind the work enqueued so far (``timing``: one ``elapsed_time`` can use)."""
         with self.device.lock:
             self.check_usable()
-            return self._record()
+            if not timing:
+                return self._record()
+            timed = getattr(self.driver, "record_timed", None)
+            if timed is None:
+                raise UnsupportedError(f"the {self.device.backend.name} backend cannot time events")
+            try:
+                handle = timed(self.handle)
+            except PolyjitError:
+                raise
+            except Exception as e:
+                raise DriverError(f"{self.device.label}: recording a timed event failed: {e}") from e
+            self.seq += 1
+            ev = Event(self, handle, self.seq, timed=True)
+            self.retained.append((ev.seq, handle, handle))  # what the device writes the time into
+            return ev
 
     def _record(self) -> Event:
         """Record an event behind the work enqueued so far (device lock held)."""

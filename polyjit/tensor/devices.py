@@ -1,10 +1,12 @@
-"""Naming devices: a Device, a Backend (its device 0), "cpu" or "cpu:1", or None (cpu:0)."""
+"""Naming devices: a Device, a Backend (its device 0), "cpu" or "cuda:1", or None (the
+default device: ``polyjit.default_device()``)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Union
 
+from polyjit.backends import device as named_device
 from polyjit.backends import get_backend
 from polyjit.core.errors import UnknownDeviceError
 from polyjit.core.runtime import Backend, Device
@@ -13,16 +15,8 @@ DeviceLike = Union[Device, Backend, str, None]
 
 
 def resolve_device(device: DeviceLike) -> Device:
-    if isinstance(device, Device):
-        return device
-    if isinstance(device, Backend):
-        return device.get_device(0)
-    if device is None:
-        return get_backend("cpu").get_device(0)
-    if isinstance(device, str):
-        name, _, ordinal = device.partition(":")
-        return get_backend(name).get_device(int(ordinal) if ordinal else 0)
-    raise UnknownDeviceError(f"not a device: {device!r}")
+    """A device by name or object; None is the default device (``polyjit.default_device``)."""
+    return named_device(device)
 
 
 def resolve_devices(devices: Sequence[DeviceLike] | Backend | str | None) -> list[Device]:

@@ -24,6 +24,7 @@ from polyjit.core.errors import (
     NodeNotInContextError,
     ShapeMismatchError,
 )
+from polyjit.core.interop import Exported
 from polyjit.core.ir import MemoryMode
 from polyjit.core.runtime import Backend, Context, Device, Replay, Routine
 from polyjit.tensor.autograd import grad, topo_order
@@ -220,6 +221,14 @@ class Plan:
             enqueue_to_host(ctx, node, arr)
         ctx.stream.synchronize()
         return self._results
+
+    def run_on_device(self, **inputs: Any) -> dict[str, Exported]:
+        """One run whose outputs stay on the device: zero-copy views of the output buffers
+        (DLPack; ``np.from_dlpack``, ``torch.from_dlpack``), which show the values of this run
+        until the next run writes them."""
+        self._launch(inputs, None)
+        ctx = self.context
+        return {name: ctx.export(node) for name, node, _ in self._outputs}
 
     def step(self, **inputs: Any) -> float:
         """One training step (forward, backward, update); returns the loss."""

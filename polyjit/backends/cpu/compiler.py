@@ -18,6 +18,7 @@ from pathlib import Path
 from polyjit.core.cache import BinaryCache, content_key
 from polyjit.core.compiler import source_excerpt
 from polyjit.core.errors import BackendUnavailableError, CompileError
+from polyjit.core.log import logger
 
 __all__ = [
     "CPU_FLAGS",
@@ -101,6 +102,7 @@ def build_shared(
         src = out.with_suffix(".c")
         src.write_text(source)
         cmd = [*argv, *flags, "-o", str(out), str(src), *extra_libs]
+        logger.debug("compiling %s: %s", src, shlex.join(cmd))
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True)
         finally:

@@ -112,6 +112,17 @@ class CpuDriver:
             del self._allocated[pool]
         self.rt.free(pool)
 
+    # -- DLPack: pools are host memory ----------------------------------------------------
+
+    def dlpack_device(self, ordinal: int) -> tuple[int, int]:
+        return (1, 0)  # kDLCPU
+
+    def address(self, pool: int, offset: int) -> int:
+        return pool + offset
+
+    def wrap_address(self, ordinal: int, address: int, nbytes: int) -> int:
+        return address  # a pool is its base address; the runtime never frees an adopted one
+
     def allocated_bytes(self, ordinal: int) -> int:
         """Bytes of host memory this driver holds in pools (every device shares the host)."""
         with self._lock:
@@ -136,6 +147,14 @@ class CpuDriver:
 
     def event_done(self, event: tuple[int, int]) -> bool:
         return bool(self.rt.done(event[0]) >= event[1])
+
+    def record_timed(self, stream: int) -> tuple[int, int, Any]:
+        """An event that also notes when the worker got to it."""
+        slot = ctypes.c_int64(0)
+        return (stream, self.rt.stamp(stream, ctypes.byref(slot)), slot)
+
+    def elapsed_ms(self, start: tuple[int, int, Any], end: tuple[int, int, Any]) -> float:
+        return float(end[2].value - start[2].value) / 1e6
 
     def event_sync(self, event: tuple[int, int]) -> None:
         self.rt.sync(event[0], event[1])

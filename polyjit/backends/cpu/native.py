@@ -85,6 +85,7 @@ class NativeRuntime:
     done: Callable[[int], int]
     sync: Callable[[int, int], None]
     host_memcpy: Callable[[int, int, int], None]
+    stamp: Callable[[int, Any], int]
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -118,6 +119,7 @@ class NativeRuntime:
         self.last_ticket = _bind(lib, "pj_last_ticket", _c_u64, [_c_void_p])
         self.done = _bind(lib, "pj_done", _c_u64, [_c_void_p])
         self.sync = _bind(lib, "pj_sync", None, [_c_void_p, _c_u64])
+        self.stamp = _bind(lib, "pj_stamp", _c_u64, [_c_void_p, _c_void_p])
         self.host_memcpy = _bind(
             lib, "pj_host_memcpy", None, [_c_void_p, _c_void_p, ctypes.c_size_t]
         )

@@ -52,7 +52,7 @@ typedef struct {
 /* Copies and fills above this size are split across the stream's OpenMP team. */
 #define PJ_PARALLEL_COPY (4u << 20)
 
-enum { PJ_LAUNCH = 1, PJ_MEMCPY, PJ_MEMSET, PJ_WAIT, PJ_STOP };
+enum { PJ_LAUNCH = 1, PJ_MEMCPY, PJ_MEMSET, PJ_WAIT, PJ_STAMP, PJ_STOP };
 
 struct pj_stream;
 
@@ -73,6 +73,7 @@ typedef struct {
             struct pj_stream* other;
             uint64_t ticket;
         } wait;
+        int64_t* stamp; /* STAMP: where the worker writes the time it got there (ns) */
     } u;
     /* Copied at enqueue time: later changes by the host do not reach the kernel. */
     int64_t statics[PJ_MAX_STATICS];
@@ -253,6 +254,9 @@ static void* worker_main(void* arg) {
                     wait_done(t->u.wait.other, t->u.wait.ticket);
                     stream_unref(t->u.wait.other);
                     break;
+                case PJ_STAMP:
+                    *t->u.stamp = now_ns();
+                    break;
                 default:
                     break;
             }
@@ -411,6 +415,19 @@ PJ_EXPORT uint64_t pj_wait(void* sp, void* op, uint64_t ticket) {
     publish(s, mine);
     pthread_mutex_unlock(&s->prod_mu);
     return mine;
+}
+
+/* Enqueue a timestamp: the worker writes CLOCK_MONOTONIC ns to *out when it gets there. */
+PJ_EXPORT uint64_t pj_stamp(void* sp, int64_t* out) {
+    pj_stream* s = (pj_stream*)sp;
+    uint64_t ticket;
+    pthread_mutex_lock(&s->prod_mu);
+    pj_task* t = reserve(s, &ticket);
+    t->kind = PJ_STAMP;
+    t->u.stamp = out;
+    publish(s, ticket);
+    pthread_mutex_unlock(&s->prod_mu);
+    return ticket;
 }
 
 PJ_EXPORT uint64_t pj_last_ticket(void* sp) {

@@ -414,6 +414,15 @@ class OpenCLDriver:
             stream.enqueued(last)
         return _Event(stream, last, stream.seq)
 
+    def record_timed(self, stream: _Stream) -> _Event:
+        """A marker of its own (its profiling times are this point's)."""
+        marker = cl.enqueue_marker(stream.queue)
+        stream.enqueued(marker)
+        return _Event(stream, marker, stream.seq)
+
+    def elapsed_ms(self, start: _Event, end: _Event) -> float:
+        return float(end.event.profile.end - start.event.profile.end) / 1e6
+
     def wait(self, stream: _Stream, event: _Event) -> None:
         src = event.stream
         if src is stream or event.seq <= src.done_seq:

@@ -1,0 +1,203 @@
+"""DLPack, both ways, with ctypes: capsules of node buffers for other libraries, and the
+tensors other libraries hand over.
+
+A capsule made here points at device or host memory polyjit owns; its deleter releases an
+``owner`` object (which keeps the memory alive) when the consumer is done. A capsule taken
+in is renamed ``used_dltensor`` (the protocol's "consumed" mark) and its producer's deleter
+is called when the :class:`Imported` holding it is released.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from polyjit.core import dtypes
+from polyjit.core.dtypes import DType
+from polyjit.core.errors import DTypeMismatchError, InvalidArgumentError, ShapeMismatchError
+
+__all__ = ["CPU", "CUDA", "CUDA_HOST", "Imported", "make_capsule", "take_capsule"]
+
+CPU, CUDA, CUDA_HOST = 1, 2, 3  # DLDeviceType
+_INT, _UINT, _FLOAT, _BOOL, _BFLOAT = 0, 1, 2, 6, 4  # DLDataTypeCode
+
+
+class DLDevice(ctypes.Structure):
+    _fields_ = (("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32))
+
+
+class DLDataType(ctypes.Structure):
+    _fields_ = (("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16))
+
+
+class DLTensor(ctypes.Structure):
+    _fields_ = (("data", ctypes.c_void_p), ("device", DLDevice), ("ndim", ctypes.c_int32),
+                ("dtype", DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64))
+
+
+class DLManagedTensor(ctypes.Structure):
+    pass
+
+
+_DELETER = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+DLManagedTensor._fields_ = (("dl_tensor", DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", _DELETER))
+
+
+class DLPackVersion(ctypes.Structure):
+    _fields_ = (("major", ctypes.c_uint32), ("minor", ctypes.c_uint32))
+
+
+class DLManagedTensorVersioned(ctypes.Structure):
+    _fields_ = (("version", DLPackVersion), ("manager_ctx", ctypes.c_void_p), ("deleter", _DELETER),
+                ("flags", ctypes.c_uint64), ("dl_tensor", DLTensor))
+
+
+_api = ctypes.pythonapi
+_api.PyCapsule_New.restype = ctypes.py_object
+_api.PyCapsule_New.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
+_api.PyCapsule_GetPointer.restype = ctypes.c_void_p
+_api.PyCapsule_GetPointer.argtypes = (ctypes.py_object, ctypes.c_char_p)
+_api.PyCapsule_IsValid.restype = ctypes.c_int
+_api.PyCapsule_IsValid.argtypes = (ctypes.py_object, ctypes.c_char_p)
+_api.PyCapsule_SetName.restype = ctypes.c_int
+_api.PyCapsule_SetName.argtypes = (ctypes.py_object, ctypes.c_char_p)
+
+# What each capsule made here keeps alive (the struct, its shape array, the owner), by the
+# struct's address; the deleter takes the entry out.
+_live: dict[int, tuple[Any, ...]] = {}
+_live_lock = threading.Lock()
+
+
+@_DELETER
+def _deleter(address: int | None) -> None:
+    with _live_lock:
+        _live.pop(int(address or 0), None)
+
+
+_CAPSULE_DESTRUCTOR = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+# The capsule API on a raw PyObject*: a destructor runs while the capsule is being freed, so
+# it must not make a Python reference to it.
+_raw_is_valid = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p)(("PyCapsule_IsValid", _api))
+_raw_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p)(("PyCapsule_GetPointer", _api))
+
+
+@_CAPSULE_DESTRUCTOR
+def _capsule_destructor(capsule: int) -> None:
+    """A capsule freed unconsumed (still named ``dltensor``): its tensor is released here."""
+    for name in (b"dltensor", b"dltensor_versioned"):
+        if _raw_is_valid(capsule, name):
+            _deleter(_raw_pointer(capsule, name))
+
+
+def _code(dt: DType) -> tuple[int, int]:
+    if dt.is_bool:
+        return _BOOL, 8
+    if dt.name == "bfloat16":
+        return _BFLOAT, 16
+    kind = np.dtype(dt.np).kind
+    return {"f": _FLOAT, "i": _INT, "u": _UINT}[kind], dt.itemsize * 8
+
+
+def make_capsule(address: int, shape: Sequence[int], dt: DType, device: tuple[int, int], owner: Any,
+                 versioned: bool, read_only: bool = False) -> Any:
+    """A capsule of a C-contiguous tensor at ``address``; ``owner`` lives until the consumer
+    calls the deleter (or the capsule is dropped unconsumed)."""
+    code, bits = _code(dt)
+    dims = (ctypes.c_int64 * max(1, len(shape)))(*shape)
+    tensor = DLTensor(ctypes.c_void_p(address or None), DLDevice(*device), len(shape), DLDataType(code, bits, 1),
+                      dims, None, 0)
+    managed: DLManagedTensor | DLManagedTensorVersioned
+    if versioned:
+        managed = DLManagedTensorVersioned(DLPackVersion(1, 0), None, _deleter, 1 if read_only else 0, tensor)
+    else:
+        managed = DLManagedTensor(tensor, None, _deleter)
+    key = ctypes.addressof(managed)
+    with _live_lock:
+        _live[key] = (managed, dims, owner)
+    name = b"dltensor_versioned" if versioned else b"dltensor"
+    return _api.PyCapsule_New(key, name, ctypes.cast(_capsule_destructor, ctypes.c_void_p))
+
+
+class Imported:
+    """A tensor taken from another library: where it is and what it is. ``release()`` (or
+    garbage collection) tells the producer it may free it."""
+
+    def __init__(self, address: int, shape: tuple[int, ...], strides: tuple[int, ...] | None,
+                 dt: DType, device: tuple[int, int], managed: int, deleter: Any, producer: Any) -> None:
+        self.address, self.shape, self.strides, self.dtype = address, shape, strides, dt
+        self.device = device
+        self._managed, self._deleter, self._producer = managed, deleter, producer
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    @property
+    def contiguous(self) -> bool:
+        if self.strides is None:
+            return True
+        expect, ok = 1, True
+        for n, s in zip(reversed(self.shape), reversed(self.strides)):
+            ok &= n == 1 or s == expect
+            expect *= n
+        return ok
+
+    def release(self) -> None:
+        managed, self._managed = self._managed, 0
+        if managed and self._deleter:
+            self._deleter(managed)
+
+    def __del__(self) -> None:
+        self.release()
+
+
+def _dtype_of(code: int, bits: int, lanes: int) -> DType:
+    if lanes != 1:
+        raise DTypeMismatchError(f"a DLPack tensor of {lanes}-lane vectors cannot be taken")
+    table = {(_FLOAT, 32): dtypes.float32, (_FLOAT, 64): dtypes.float64, (_INT, 32): dtypes.int32,
+             (_INT, 64): dtypes.int64, (_UINT, 8): dtypes.uint8, (_BOOL, 8): dtypes.bool_}
+    for name, key in (("float16", (_FLOAT, 16)), ("bfloat16", (_BFLOAT, 16))):
+        if hasattr(dtypes, name):
+            table[key] = getattr(dtypes, name)
+    dt = table.get((code, bits))
+    if dt is None:
+        raise DTypeMismatchError(f"polyjit has no dtype for DLPack type code {code} with {bits} bits")
+    return dt
+
+
+def take_capsule(obj: Any, stream: int | None = None) -> Imported:
+    """Consume ``obj.__dlpack__(...)`` (``stream``: the consumer's stream, for CUDA
+    producers) and describe the tensor."""
+    if not hasattr(obj, "__dlpack__"):
+        raise InvalidArgumentError(f"{type(obj).__name__} has no __dlpack__: not a DLPack producer")
+    try:
+        capsule = obj.__dlpack__(stream=stream, max_version=(1, 0))
+    except TypeError:  # an older producer: no max_version
+        capsule = obj.__dlpack__(stream=stream) if stream is not None else obj.__dlpack__()
+    versioned = bool(_api.PyCapsule_IsValid(capsule, b"dltensor_versioned"))
+    name = b"dltensor_versioned" if versioned else b"dltensor"
+    if not _api.PyCapsule_IsValid(capsule, name):
+        raise InvalidArgumentError("the DLPack capsule was already consumed or is not a tensor")
+    address = _api.PyCapsule_GetPointer(capsule, name)
+    managed: DLManagedTensor | DLManagedTensorVersioned
+    if versioned:
+        managed = DLManagedTensorVersioned.from_address(address)
+        if managed.version.major > 1:
+            raise InvalidArgumentError(f"DLPack {managed.version.major}.x is newer than polyjit reads")
+    else:
+        managed = DLManagedTensor.from_address(address)
+    t = managed.dl_tensor
+    shape = tuple(int(t.shape[k]) for k in range(t.ndim))
+    strides = tuple(int(t.strides[k]) for k in range(t.ndim)) if t.strides else None
+    if any(n < 0 for n in shape):
+        raise ShapeMismatchError(f"a DLPack tensor of shape {shape}")
+    dt = _dtype_of(t.dtype.code, t.dtype.bits, t.dtype.lanes)
+    _api.PyCapsule_SetName(capsule, b"used_dltensor_versioned" if versioned else b"used_dltensor")
+    deleter = managed.deleter if managed.deleter else None
+    return Imported(int(t.data or 0) + int(t.byte_offset), shape, strides, dt,
+                    (int(t.device.device_type), int(t.device.device_id)), address, deleter, obj)

@@ -1,0 +1,186 @@
+"""Node buffers for other libraries and theirs for polyjit: DLPack both ways, and
+``__cuda_array_interface__`` on CUDA.
+
+``Context.export(node)`` gives an :class:`Exported` view of the node's buffer, zero-copy:
+its ``__dlpack__`` orders the consumer after the node's last writer (on the host, a sync;
+on CUDA, the consumer's stream waits for it), and it keeps the buffer's pool alive while
+it (or a capsule made from it) lives, even if the context is finalized. What the consumer
+writes through the view after that is the consumer's to order, as with CuPy's exports.
+
+``Context.init_from_dlpack(node, obj)`` takes another library's tensor into a child
+context: zero-copy when it lives on this device, is C-contiguous and aligned as polyjit's
+kernels need; a host tensor for another device is copied; anything else is a typed error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from polyjit.core import dlpack
+from polyjit.core.errors import DTypeMismatchError, ShapeMismatchError, UnsupportedError
+from polyjit.core.ir import Node
+from polyjit.core.slab import BufferLoc
+
+if TYPE_CHECKING:
+    from polyjit.core.context import Context
+    from polyjit.core.streams import Event
+
+__all__ = ["Exported", "export", "host_view", "init_from_dlpack"]
+
+
+def _dlpack_device(ctx: Context) -> tuple[int, int]:
+    fn = getattr(ctx.device.driver, "dlpack_device", None)
+    where = fn(ctx.device.ordinal) if fn is not None else None
+    if where is None:
+        raise UnsupportedError(
+            f"{ctx.device.device_id} ({ctx.device.name}): the {ctx.device.backend.name} backend's memory has no "
+            "address another library can use (no DLPack device); read it with to_host instead")
+    return (int(where[0]), int(where[1]))
+
+
+class Exported:
+    """A node's buffer as other libraries see it (DLPack; on CUDA, __cuda_array_interface__)."""
+
+    def __init__(self, ctx: Context, node: Node) -> None:
+        self._pool: int | None = None
+        ctx.check_alive()
+        self.node, self.context = node, ctx
+        self.shape, self.dtype = node.shape, node.dtype
+        self.device_type, self.device_id = _dlpack_device(ctx)
+        loc = ctx.loc(node, "export")
+        device = ctx.device
+        with device.lock:
+            self.address = int(device.driver.address(device.pool_handle(loc.pool_id), loc.offset))  # type: ignore[attr-defined]
+            st = device.tracker.locs.get(loc)
+            self._writer: Event | None = st.writer if st is not None else None
+            device.pin(loc.pool_id)
+            self._pool = loc.pool_id
+
+    def _ordered(self, stream: int | None) -> None:
+        """The consumer sees the node's last write: its stream waits (CUDA) or the host does."""
+        writer = self._writer
+        if writer is None or writer.is_done():
+            return
+        wait = getattr(self.context.device.driver, "wait_foreign", None)
+        if self.device_type == dlpack.CUDA and stream not in (None, -1) and wait is not None:
+            wait(self.context.device.ordinal, int(stream), writer.handle)
+        else:
+            writer.synchronize()
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (self.device_type, self.device_id)
+
+    def __dlpack__(self, *, stream: int | None = None, max_version: tuple[int, int] | None = None,
+                   dl_device: tuple[int, int] | None = None, copy: bool | None = None) -> Any:
+        if copy:
+            raise BufferError("polyjit exports its buffers without copies (copy=True asked for one)")
+        if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():
+            raise BufferError(f"the buffer is on DLPack device {self.__dlpack_device__()}, not {tuple(dl_device)}")
+        self._ordered(stream)
+        versioned = max_version is not None and max_version[0] >= 1
+        return dlpack.make_capsule(self.address, self.shape, self.dtype, self.__dlpack_device__(), self, versioned)
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        if self.device_type != dlpack.CUDA:
+            raise AttributeError("__cuda_array_interface__: the buffer is not in CUDA device memory")
+        self._ordered(None)
+        return {"shape": self.shape, "typestr": np.dtype(self.dtype.np).str, "data": (self.address, False),
+                "version": 3, "strides": None, "stream": None}
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        """Host memory only: a numpy view of the buffer (``copy=True``: a copy)."""
+        if self.device_type != dlpack.CPU:
+            raise UnsupportedError("only a buffer in host memory converts to numpy without a copy; "
+                                   "use Context.read (or to_host)")
+        self._ordered(None)
+        view = np.from_dlpack(self)
+        if dtype is not None:
+            view = view.astype(dtype, copy=bool(copy))
+        return view.copy() if copy else view
+
+    def release(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            self.context.device.unpin(pool)
+
+    def __del__(self) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return f"Exported({self.node.label} {self.shape} {self.dtype} on {self.context.device.device_id})"
+
+
+def export(ctx: Context, node: Node) -> Exported:
+    return Exported(ctx, node)
+
+
+def init_from_dlpack(ctx: Context, node: Node, obj: Any) -> Context:
+    """A child of ``ctx`` whose buffer for ``node`` is ``obj``'s memory (see the module
+    docstring for when it is a copy)."""
+    ctx.check_alive()
+    device = ctx.device
+    stream_of = getattr(device.driver, "foreign_stream", None)
+    consumer = stream_of(ctx.stream.handle) if stream_of is not None else None
+    taken: dlpack.Imported | None = dlpack.take_capsule(obj, stream=consumer)
+    assert taken is not None
+    try:
+        if taken.dtype != node.dtype:
+            raise DTypeMismatchError(f"init_from_dlpack of {node.label}: the tensor is {taken.dtype}, the node {node.dtype}")
+        if taken.shape != node.shape:
+            raise ShapeMismatchError(f"init_from_dlpack of {node.label}: the tensor has shape {taken.shape}, "
+                                     f"the node {node.shape}")
+        if not taken.contiguous:
+            raise ShapeMismatchError(f"init_from_dlpack of {node.label}: the tensor is not C-contiguous "
+                                     f"(strides {taken.strides}); make it contiguous first")
+        fn = getattr(device.driver, "dlpack_device", None)
+        here = fn(device.ordinal) if fn is not None else None
+        aligned = taken.address % device.info.base_alignment == 0
+        if here is not None and taken.device == tuple(here) and aligned and taken.nbytes:
+            handle = device.driver.wrap_address(device.ordinal, taken.address, taken.nbytes)  # type: ignore[attr-defined]
+            pid = device.adopt_pool(handle, taken.nbytes, taken.release)
+            taken = None  # the pool gives it back now
+            return ctx._child({node: BufferLoc(pid, 0)}, own_pools=[pid])
+        if taken.device[0] == dlpack.CPU:  # host memory: a copy into a new buffer
+            host = np.empty(node.shape, node.dtype.np)
+            if taken.nbytes:
+                ctypes.memmove(host.ctypes.data, taken.address, taken.nbytes)
+            return ctx.init_from_host(node, host)
+        raise UnsupportedError(f"init_from_dlpack of {node.label}: the tensor is on DLPack device {taken.device}; "
+                               f"{device.device_id} takes its own device's memory or host memory")
+    finally:
+        if taken is not None:
+            taken.release()
+
+
+@contextlib.contextmanager
+def host_view(ctx: Context, node: Node, *, write: bool = False) -> Iterator[np.ndarray]:
+    """The node's values as a numpy array for the length of a ``with`` block, ordered by the
+    per-node events: the block starts after the node's last writer (and, to write, after its
+    readers too), and what it writes is what the next routine reads. Zero-copy where the
+    device's memory is host memory (cpu); elsewhere a copy in and, to write, a copy back."""
+    ctx.check_alive()
+    loc = ctx.loc(node, "host_view")
+    device = ctx.device
+    with device.lock:
+        st = device.tracker.locs.get(loc)
+        waits = ([] if st is None else st.events() if write else [st.writer] if st.writer else [])
+    for ev in waits:
+        ev.synchronize()
+    fn = getattr(device.driver, "dlpack_device", None)
+    if fn is not None and tuple(fn(device.ordinal)) == (dlpack.CPU, 0):
+        exported = Exported(ctx, node)
+        try:
+            yield np.from_dlpack(exported)
+        finally:
+            exported.release()
+        return
+    values = ctx.read(node)
+    yield values
+    if write:
+        ctx.from_host(node, values)

@@ -1,0 +1,376 @@
+"""Compiled code, linked routines, replays and transfers between devices.
+
+A ``CodeBatch`` is what a backend compiles; linking it into a context gives one
+``Routine`` per computation, whose ``run()`` enqueues its kernels after the device-side
+waits its buffers need. A ``Replay`` runs routines as one unit (a CUDA graph on CUDA);
+``device_to_device`` copies a node between contexts, on one device or two.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import numpy as np
+
+from polyjit.core.codegen import KernelSpec, Source
+from polyjit.core.device import driver_call
+from polyjit.core.errors import (
+    BindingError,
+    FinalizedError,
+    InvalidArgumentError,
+    InvalidProgramError,
+    MergeBufferMismatchError,
+)
+from polyjit.core.ir import Node, StaticSymbol
+from polyjit.core.log import logger
+from polyjit.core.lower import LoweredBatch
+from polyjit.core.protocol import MergeBuffer
+from polyjit.core.slab import MERGE_POOL, BufferLoc
+from polyjit.core.streams import Event, Stream, enqueue
+
+if TYPE_CHECKING:
+    from polyjit.core.context import Context
+    from polyjit.core.device import LoadedModule
+    from polyjit.core.runtime import Backend
+
+
+@attrs.frozen(eq=False)
+class CodeBatch:
+    """A compiled batch: one source, one binary, one entry per computation."""
+
+    backend: Backend
+    lowered: LoweredBatch
+    source: Source
+    binary: Any
+    names: tuple[str, ...]
+    bindings: tuple[Mapping[StaticSymbol, int], ...]
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+@attrs.frozen(eq=False)
+class Code:
+    """One computation of a compiled batch (what ``Backend.compile`` returns)."""
+
+    batch: CodeBatch
+    index: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.batch.names[self.index]
+
+    @property
+    def source(self) -> str:
+        return self.batch.source.text
+
+
+def check_binding(where: str, sym: StaticSymbol, value: Any) -> int:
+    """A static symbol's value: an integer (not a bool, a float or a string) in [0, bound)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise BindingError(f"{where}: {sym!r} = {value!r} is a {type(value).__name__}, not an integer")
+    if not 0 <= value < sym.bound:
+        raise BindingError(f"{where}: {sym!r} = {value} is outside [0, {sym.bound})")
+    return int(value)
+
+
+class Replay:
+    """Linked routines replayed as one unit (see :meth:`Backend.capture`), ordered by the
+    per-node events like ``run()``. This generic one runs them one after the other; a backend
+    with something cheaper to launch (CUDA: one graph) overrides :meth:`_enqueue` and calls
+    :meth:`enqueue_launch` with it. ``bindings`` (static symbol -> value, from the routines'
+    own) is read by each ``replay()``."""
+
+    same_stream = True  # this one runs each routine on its own context's stream
+
+    def __init__(self, routines: Sequence[Routine], stream: Stream | None = None) -> None:
+        if not routines:
+            raise InvalidProgramError("capture() needs at least one routine")
+        if any(not isinstance(r, Routine) for r in routines):
+            raise InvalidArgumentError("capture() takes linked routines (Context.link)")
+        self.routines = tuple(routines)
+        self.stream = stream or self.routines[0].context.stream
+        self.device = self.stream.device
+        if any(r.context.device is not self.device for r in self.routines):
+            raise InvalidProgramError(f"capture(): every routine must run on {self.device.device_id}")
+        if self.same_stream and any(r.context.stream is not self.stream for r in self.routines):
+            raise InvalidProgramError(
+                "capture(): the routines run on another stream than the one given; link them in a "
+                "context on that stream (Context.with_stream)")
+        self.bindings: dict[StaticSymbol, int] = {}
+        for r in self.routines:
+            r.context.check_alive()
+            for sym, value in r.bindings.items():
+                self.bindings.setdefault(sym, value)
+        reads = dict.fromkeys(loc for r in self.routines for loc in r.read_locs)
+        writes = dict.fromkeys(loc for r in self.routines for loc in r.write_locs)
+        with self.device.lock:
+            self._reads = self.device.tracker.states(list(reads))
+            self._writes = self.device.tracker.states(list(writes))
+        self.closed = False
+
+    def bind(self, **values: int) -> Replay:
+        """Set bindings by static symbol name: ``replay.bind(b=3).replay()``."""
+        by_name = {s.name: s for r in self.routines for s in r.statics}
+        for name, value in values.items():
+            if name not in by_name:
+                raise BindingError(f"no static symbol named {name!r} in the captured routines")
+            self.bindings[by_name[name]] = check_binding("bind", by_name[name], value)
+        return self
+
+    def replay(self) -> None:
+        if self.closed:
+            raise FinalizedError(f"{self!r} was closed")
+        for r in self.routines:
+            r.context.check_alive()
+            r.check_merge()
+        self._enqueue()
+
+    def _enqueue(self) -> None:
+        for r in self.routines:
+            r.run_with(self.bindings)
+
+    def enqueue_launch(self, fn: Any, *args: Any) -> Event:
+        """Enqueue ``fn(*args)`` (one launch of everything captured) on the replay's stream,
+        after the waits the routines' buffers need, recorded as their reader and writer."""
+        return enqueue(self.stream, self._reads, self._writes, self, fn, args, self)
+
+    def close(self) -> None:
+        """Free what the replay holds (a recorded graph); the routines stay usable."""
+        self.closed = True
+
+    def __enter__(self) -> Replay:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({len(self.routines)} routines on {self.device.device_id})"
+
+
+class Routine:
+    """A linked computation: ``run()`` enqueues its kernels on the context's stream after the
+    device-side waits its buffers need. The runtime keeps the routine (and its launch record)
+    alive until that work completes, whatever the caller drops."""
+
+    def __init__(self, context: Context, batch: CodeBatch, index: int, module: LoadedModule,
+                 buffers: Mapping[Node, BufferLoc]) -> None:
+        comp = batch.lowered.comps[index]
+        self.context = context
+        self.name = batch.names[index]
+        self.inputs = frozenset(comp.inputs)
+        self.outputs = frozenset(comp.outputs)
+        self.merge_buffer_input = comp.merge_input
+        self.statics = comp.statics
+        self.bindings: dict[StaticSymbol, int] = dict(batch.bindings[index])
+        self.source = batch.source
+        self._specs = batch.source.kernels[index]
+        self._module = module
+        self._buffers = buffers
+        device = context.device
+        stored = {n for k in comp.kernels for n in k.buffers}
+        locs = {n: buffers[n] for n in stored}
+        written = {n for k in comp.kernels for n in k.outputs}
+        self.write_locs = tuple(dict.fromkeys(locs[n] for n in written))
+        self.read_locs = tuple(dict.fromkeys(locs[n] for n in stored if n not in written))
+        if comp.merge_input is not None:
+            self.read_locs += (BufferLoc(MERGE_POOL, 0),)
+        self._read_states = device.tracker.states(self.read_locs)
+        self._write_states = device.tracker.states(self.write_locs)
+        self._prepared: Any = None
+        self._merge_generation = -1
+        if comp.merge_input is None or device.merge.handle is not None:
+            self._prepare()
+
+    def _kernel_args(self, spec: KernelSpec) -> tuple[KernelSpec, list[tuple[Any, int]]]:
+        device = self.context.device
+        args = [(device.pool_handle(self._buffers[n].pool_id), self._buffers[n].offset) for n in spec.buffers]
+        if spec.merge is not None:
+            args.append((device.merge.handle, 0))
+        return spec, args
+
+    def _prepare(self, specs: Sequence[KernelSpec] | None = None) -> Any:
+        device = self.context.device
+        kernels = [self._kernel_args(spec) for spec in (self._specs if specs is None else specs)]
+        prepared = driver_call(device.label, f"prepare of {self.name}", device.driver.prepare,
+                               device.ordinal, self._module.handle, kernels)
+        if specs is None:
+            self._prepared = prepared
+            self._merge_generation = device.merge.generation
+        return prepared
+
+    @property
+    def kernels(self) -> tuple[KernelSpec, ...]:
+        """The kernels one run() launches, in order."""
+        return tuple(self._specs)
+
+    def time_kernels(self, repeats: int = 10) -> list[tuple[KernelSpec, float]]:
+        """Launch each kernel alone ``repeats`` times (after one warm-up launch), ordered like
+        ``run()``, and return its mean seconds per launch, host sync included (compare kernels,
+        not sums). Kernels that update persistent state run ``repeats + 1`` extra times."""
+        ctx = self.context
+        ctx.check_alive()
+        device, stream = ctx.device, ctx.stream
+        statics = self.static_values() if self.statics else ()
+        out = []
+        for spec in self._specs:
+            one = self._prepare([spec])
+            seconds = 0.0
+            for count in (1, repeats):
+                stream.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(count):
+                    enqueue(stream, self._read_states, self._write_states, self, device.driver.launch,
+                            (stream.handle, one, statics), (self, one))
+                stream.synchronize()
+                seconds = (time.perf_counter() - t0) / max(1, count)
+            out.append((spec, seconds))
+        return out
+
+    def __repr__(self) -> str:
+        return f"Routine({self.name} on {self.context.device.device_id})"
+
+    def prepared(self) -> Any:
+        """The driver's prepared launch, bound again if the merge buffer moved since."""
+        if self._prepared is None or (
+            self.merge_buffer_input is not None
+            and self._merge_generation != self.context.device.merge.generation
+        ):
+            self._prepare()
+        return self._prepared
+
+    def static_values(self, bindings: Mapping[StaticSymbol, int] | None = None) -> tuple[int, ...]:
+        """The statics' values, in kernel-argument order, from ``bindings`` (default: the routine's)."""
+        bindings = self.bindings if bindings is None else bindings
+        out = []
+        for s in self.statics:
+            v = bindings.get(s)
+            if v is None:
+                raise BindingError(f"routine {self.name}: static symbol {s!r} is not bound (set routine.bindings[sym])")
+            out.append(check_binding(f"routine {self.name}", s, v))
+        return tuple(out)
+
+    def check_merge(self) -> None:
+        """A routine that reads the merge buffer needs it to hold its node (the one check of it
+        at run time; linking checks the context's)."""
+        merge = self.merge_buffer_input
+        if merge is not None and self.context.device.merge.node is not merge:
+            device = self.context.device
+            held = device.merge.node.label if device.merge.node else "nothing"
+            raise MergeBufferMismatchError(
+                f"routine {self.name} reads {merge.label} from the merge buffer of "
+                f"{device.device_id}, which now holds {held}")
+
+    def run(self) -> None:
+        self.run_with(self.bindings)
+
+    def run_with(self, bindings: Mapping[StaticSymbol, int]) -> None:
+        """``run()`` with these static bindings instead of the routine's."""
+        ctx = self.context
+        if ctx.finalized:
+            ctx.check_alive()
+        statics = self.static_values(bindings) if self.statics else ()
+        stream = ctx.stream
+        device = ctx.device
+        if logger.isEnabledFor(10):  # DEBUG
+            logger.debug("launch %s on %r%s", self.name, stream, f" statics {statics}" if statics else "")
+        if self.merge_buffer_input is None:  # prepared once, at link: keeping self keeps it
+            enqueue(stream, self._read_states, self._write_states, self, device.driver.launch,
+                    (stream.handle, self._prepared, statics), self)
+            return
+        with device.lock:  # the merge buffer must not move between the check and the launch
+            self.check_merge()
+            prepared = self.prepared()
+            enqueue(stream, self._read_states, self._write_states, self, device.driver.launch,
+                    (stream.handle, prepared, statics), (self, prepared))
+
+
+class TransferRoutine:
+    """A device_to_device copy as a routine: run() enqueues the copy again."""
+
+    def __init__(self, node: Node, dst: Context, src: Context, into_merge: bool, context: Context) -> None:
+        self.node = node
+        self.name = f"copy_{node.name}_{src.device.device_id}_to_{dst.device.device_id}"
+        self.context = context
+        self.inputs = frozenset([node])
+        self.outputs = frozenset() if into_merge else frozenset([node])
+        self.merge_buffer_input: Node | None = None
+        self.bindings: dict[StaticSymbol, int] = {}
+        self._dst, self._src, self._into_merge = dst, src, into_merge
+
+    def __repr__(self) -> str:
+        return f"TransferRoutine({self.name})"
+
+    def run(self) -> None:
+        node, dst, src = self.node, self._dst, self._src
+        src.check_alive()
+        dst.check_alive()
+        sdev, ddev = src.device, dst.device
+        sloc = src.loc(node, "device_to_device source")
+        stream = dst.stream
+        if sdev.backend is not ddev.backend:  # different backends: stage through the host
+            staging = src.read(node)
+            with ddev.lock:
+                dloc, dhandle = self._destination()
+                enqueue(stream, (), (ddev.tracker.state(dloc),), self, ddev.driver.copy_from_host,
+                        (stream.handle, dhandle, dloc.offset, staging), (self, staging))
+                if self._into_merge:
+                    ddev.merge.node = node
+            return
+        first, second = sorted({sdev, ddev}, key=lambda d: d.device_id) + [ddev] * (sdev is ddev)
+        with first.lock, second.lock:  # both trackers, in one order for every thread
+            dloc, dhandle = self._destination()
+            src_handle = sdev.pool_handle(sloc.pool_id)
+            enqueue(stream, (sdev.tracker.state(sloc),), (ddev.tracker.state(dloc),), self, ddev.driver.copy_device,
+                    (stream.handle, (ddev.ordinal, dhandle, dloc.offset),
+                     (sdev.ordinal, src_handle, sloc.offset), node.nbytes), (self,))
+            if self._into_merge:
+                ddev.merge.node = node
+
+    def _destination(self) -> tuple[BufferLoc, Any]:
+        ddev, node = self._dst.device, self.node
+        if self._into_merge:
+            ddev.reserve_merge(node.nbytes)
+            return BufferLoc(MERGE_POOL, 0), ddev.merge.handle
+        dloc = self._dst.writable_loc(node, "device_to_device destination")
+        return dloc, ddev.pool_handle(dloc.pool_id)
+
+
+def device_to_device(
+    node: Node, *, dst: Context, src: Context, into_merge_buffer: MergeBuffer = MergeBuffer.NO
+) -> TransferRoutine | None:
+    """Copy ``node`` from ``src``'s buffer to ``dst``'s (or into dst's device merge buffer).
+
+    The copy is enqueued now, on dst's stream, after the device-side waits it
+    needs; the returned routine enqueues it again on ``run()``. With
+    ``MergeBuffer.COPY``, link readers of ``ir.merge(node)`` against
+    ``routine.context``. Returns None when src and dst share the buffer.
+    """
+    src.check_alive()
+    dst.check_alive()
+    src.loc(node, "device_to_device source")
+    into_merge = into_merge_buffer is MergeBuffer.COPY
+    if into_merge:
+        context = dst._child({}, merge_node=node)
+    else:
+        dloc = dst.writable_loc(node, "device_to_device destination")
+        if src.device is dst.device and src.buffers[node] == dloc:
+            return None
+        context = dst
+    routine = TransferRoutine(node, dst, src, into_merge, context)
+    routine.run()
+    return routine
+
+
+def init_from_device(node: Node, *, dst: Context, src: Context) -> Context:
+    """A child of ``dst`` with a new buffer for ``node``, filled from ``src`` (device side)."""
+    src.check_alive()
+    dst.check_alive()
+    src.loc(node, "init_from_device source")
+    child = dst._with_new_buffer(node)
+    TransferRoutine(node, child, src, False, child).run()
+    return child

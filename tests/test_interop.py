@@ -1,0 +1,294 @@
+"""Interop and conventions: DLPack both ways (numpy, PyTorch), numpy dtype conventions,
+devices by name, event timing, memory statistics, the log and the cache command."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import subprocess
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+
+import polyjit
+from polyjit import get_backend, ir
+from polyjit.core import dtypes
+from polyjit.core.errors import (
+    DTypeMismatchError,
+    InvalidArgumentError,
+    ShapeMismatchError,
+    UnknownDeviceError,
+    UnsupportedError,
+)
+from polyjit.core.ir import Node, Op
+
+torch: Any = None
+with contextlib.suppress(ImportError):  # the interop extra is not installed: the torch tests say so
+    import torch  # type: ignore[no-redef]
+needs_torch = pytest.mark.skipif(torch is None, reason="PyTorch is not installed (pip install -e '.[interop]')")
+
+
+def _squared(shape: tuple[int, ...] = (4, 5)) -> tuple[Any, Node, Node, np.ndarray]:
+    be = get_backend("cpu")
+    a, out = Node("a", shape), Node("out", shape)
+    values = np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape)
+    r = be.get_device(0).make_context().init_from_host(a, values).link(
+        be.compile(ir.Comp.of(ir.apply(Op.MUL, a, a, into=out)), name="sq"))
+    r.run()
+    return r, a, out, values
+
+
+# ---------------------------------------------------------------------------
+# DLPack out
+
+
+def test_numpy_sees_a_node_without_a_copy() -> None:
+    r, _, out, values = _squared()
+    exported = r.context.export(out)
+    view = np.from_dlpack(exported)
+    np.testing.assert_array_equal(view, values * values)
+    assert view.ctypes.data == exported.address  # the node's own memory
+    assert exported.__dlpack_device__() == (1, 0)
+    np.testing.assert_array_equal(np.asarray(exported), values * values)
+    r.context.finalize()
+
+
+def test_an_exported_buffer_outlives_finalize() -> None:
+    r, _, out, values = _squared((256, 64))
+    dev = r.context.device
+    view = np.from_dlpack(r.context.export(out))
+    r.context.finalize()  # the pool is kept while a view of it lives
+    assert dev.pending_free_memory() >= out.nbytes
+    gc.collect()
+    np.testing.assert_array_equal(view, values * values)
+    del view
+    gc.collect()
+    dev.synchronize()
+    assert dev.pending_free_memory() == 0
+
+
+def test_export_orders_after_the_writer() -> None:
+    be = get_backend("cpu")
+    n = 1 << 22
+    a, out = Node("a", (n,)), Node("out", (n,))
+    chain = ir.Comp.of(*[ir.apply(Op.TANH, a if k == 0 else out, into=out) for k in range(4)], embedded=[out])
+    r = be.get_device(0).make_context().init_from_host(a, np.ones(n, np.float32)).link(be.compile(chain, name="ch"))
+    for _ in range(3):
+        r.run()  # only enqueued
+    view = np.from_dlpack(r.context.export(out))  # after the last run's write
+    want = np.ones(n, np.float32)
+    for _ in range(4):
+        want = np.tanh(want)
+    np.testing.assert_allclose(view[:1000], want[:1000], rtol=1e-6)
+    r.context.finalize()
+
+
+@needs_torch
+def test_torch_takes_an_export_without_a_copy() -> None:
+    r, _, out, values = _squared()
+    exported = r.context.export(out)
+    t = torch.from_dlpack(exported)
+    assert t.data_ptr() == exported.address
+    np.testing.assert_array_equal(t.numpy(), values * values)
+    r.context.finalize()
+
+
+def test_opencl_buffers_do_not_export() -> None:
+    be = get_backend("opencl")
+    if be.num_devices() == 0:
+        pytest.skip(f"no OpenCL device: {be.unavailable_reason}")
+    a = Node("a", (4,))
+    ctx = be.get_device(0).make_context().init_from_host(a, np.ones(4, np.float32))
+    with pytest.raises(UnsupportedError, match="to_host"):
+        ctx.export(a)
+    ctx.finalize()
+
+
+# ---------------------------------------------------------------------------
+# DLPack in
+
+
+def test_an_aligned_numpy_array_is_taken_without_a_copy() -> None:
+    dev = get_backend("cpu").get_device(0)
+    raw = np.empty(4096 + 16, np.float32)
+    start = (-raw.ctypes.data % 64) // 4
+    host = raw[start : start + 4096]  # a 64-byte aligned view
+    host[:] = np.arange(4096)
+    x, y = Node("x", (4096,)), Node("y", (4096,))
+    ctx = dev.make_context().init_from_dlpack(x, host)
+    assert dev.pool_handle(ctx.buffers[x].pool_id) == host.ctypes.data  # the same memory
+    host[0] = 42.0
+    np.testing.assert_array_equal(ctx.read(x)[:2], [42.0, 1.0])
+    r = ctx.link(get_backend("cpu").compile(ir.Comp.of(ir.apply(Op.ADD, x, x, into=y)), name="dbl"))
+    r.run()
+    np.testing.assert_array_equal(r.context.read(y), 2 * host)
+    r.context.finalize()
+    ctx.finalize()
+
+
+def test_other_tensors_are_copied_or_refused() -> None:
+    dev = get_backend("cpu").get_device(0)
+    x = Node("x", (8, 8))
+    ctx = dev.make_context()
+    unaligned = np.empty(8 * 8 + 1, np.float32)[1:].reshape(8, 8)
+    unaligned[:] = 3
+    copied = ctx.init_from_dlpack(x, unaligned)  # not aligned as the kernels need: a copy
+    np.testing.assert_array_equal(copied.read(x), unaligned)
+    with pytest.raises(ShapeMismatchError, match="C-contiguous"):
+        ctx.init_from_dlpack(x, np.ones((8, 16), np.float32)[:, ::2])
+    with pytest.raises(DTypeMismatchError, match="float64"):
+        ctx.init_from_dlpack(x, np.ones((8, 8), np.float64))
+    with pytest.raises(ShapeMismatchError, match=r"\(4, 16\)"):
+        ctx.init_from_dlpack(x, np.ones((4, 16), np.float32))
+    with pytest.raises(InvalidArgumentError, match="__dlpack__"):
+        ctx.init_from_dlpack(x, [[1.0] * 8] * 8)
+    ctx.finalize()
+
+
+@needs_torch
+def test_torch_tensors_come_in_and_go_back() -> None:
+    dev = get_backend("cpu").get_device(0)
+    t = torch.arange(64, dtype=torch.float32).reshape(8, 8)
+    x, y = Node("x", (8, 8)), Node("y", (8, 8))
+    ctx = dev.make_context().init_from_dlpack(x, t)
+    if t.data_ptr() % 64 == 0:
+        assert dev.pool_handle(ctx.buffers[x].pool_id) == t.data_ptr()
+    r = ctx.link(get_backend("cpu").compile(ir.Comp.of(ir.apply(Op.EXP, x, into=y)), name="ex"))
+    r.run()
+    back = torch.from_dlpack(r.context.export(y))
+    torch.testing.assert_close(back, torch.exp(t))
+    r.context.finalize()
+    ctx.finalize()
+
+
+# ---------------------------------------------------------------------------
+# numpy conventions, devices by name
+
+
+def test_dtypes_are_what_numpy_expects() -> None:
+    node = Node("n", (3, 2), dtypes.int32)
+    assert np.empty(node.shape, node.dtype).dtype == np.int32
+    assert node.dtype == np.int32 and node.dtype == np.dtype("int32") and node.dtype == "int32"
+    assert node.dtype != np.float32 and hash(node.dtype) == hash(np.dtype(np.int32))
+    assert np.dtype(dtypes.float64) == np.float64
+
+
+def test_devices_by_name_and_a_default() -> None:
+    cpu0 = polyjit.device("cpu:0")
+    assert cpu0 is polyjit.device("cpu") is get_backend("cpu").get_device(0)
+    assert str(cpu0) == "cpu:0"
+    assert polyjit.default_device() is cpu0
+    with pytest.raises(UnknownDeviceError, match="ordinal"):
+        polyjit.device("cpu:one")
+    with pytest.raises(UnknownDeviceError):
+        polyjit.device("cpu:7")
+    two = __import__("polyjit.backends.cpu", fromlist=["create_backend"]).create_backend(num_devices=2)
+    other = two.get_device(1)
+    with other:
+        assert polyjit.default_device() is other
+        from polyjit import tensor as pt
+
+        x = pt.input("x", (4,))
+        plan = pt.compile({"y": x * 2.0})  # no device given: the scoped default
+        assert plan.device is other
+        plan.close()
+    assert polyjit.default_device() is cpu0
+    polyjit.set_default_device(other)
+    try:
+        assert polyjit.default_device() is other
+    finally:
+        polyjit.set_default_device(None)
+
+
+def test_the_default_device_comes_from_the_environment() -> None:
+    code = "import polyjit; print(polyjit.default_device())"
+    env = {**os.environ, "POLYJIT_DEVICE": "cpu:0"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert out.stdout.strip() == "cpu:0", out.stderr
+
+
+# ---------------------------------------------------------------------------
+# Observability
+
+
+@pytest.mark.parametrize("name", ["cpu", "opencl"])
+def test_events_time_work_on_the_device(name: str) -> None:
+    be = get_backend(name)
+    if be.num_devices() == 0:
+        pytest.skip(f"no {name} device")
+    dev = be.get_device(0)
+    n = 1 << 20
+    a, out = Node("a", (n,)), Node("out", (n,))
+    r = dev.make_context().init_from_host(a, np.ones(n, np.float32)).link(
+        be.compile(ir.Comp.of(ir.apply(Op.TANH, a, into=out)), name="timed"))
+    s = r.context.stream
+    start = s.record(timing=True)
+    for _ in range(5):
+        r.run()
+    end = s.record(timing=True)
+    ms = start.elapsed_time(end)
+    assert 0.0 < ms < 10_000.0
+    with pytest.raises(InvalidArgumentError, match="timing=True"):
+        start.elapsed_time(s.record())
+    r.context.finalize()
+
+
+def test_memory_statistics() -> None:
+    dev = get_backend("cpu").get_device(0)
+    gc.collect()
+    dev.synchronize()
+    before = dev.memory_stats()
+    r, _, out, _ = _squared((128, 128))
+    stats = dev.memory_stats()
+    assert stats["used_bytes"] > before["used_bytes"] and stats["peak_bytes"] >= stats["used_bytes"]
+    assert stats["pools"] > before["pools"]
+    root = r.context
+    while root.parent is not None:
+        root = root.parent
+    mine = root.memory_stats()
+    assert mine["with_descendants_bytes"] >= 2 * out.nbytes and mine["own_bytes"] == 0
+    root.finalize()
+    assert dev.memory_stats()["used_bytes"] == before["used_bytes"]
+
+
+def test_the_log_says_what_compiles_hits_and_launches(caplog: pytest.LogCaptureFixture) -> None:
+    be = get_backend("cpu")
+    a, out = Node("logged_a", (7,)), Node("logged_out", (7,))
+    with caplog.at_level(logging.DEBUG, logger="polyjit"):
+        code = be.compile(ir.Comp.of(ir.apply(Op.SQRT, a, into=out)), name="logged")
+        r = be.get_device(0).make_context().init_from_host(a, np.ones(7, np.float32)).link(code)
+        r.run()
+    text = caplog.text
+    assert "generated source in" in text
+    assert "cache hit" in text or "cache miss" in text
+    assert "launch logged" in text
+    r.context.finalize()
+
+
+def test_the_cache_command(tmp_path: Any) -> None:
+    env = {**os.environ, "POLYJIT_CACHE_DIR": str(tmp_path)}
+    run = [sys.executable, "-m", "polyjit.cli"]
+    subprocess.run([*run, "demo", "--kernels", "--size", "1000"], env=env, capture_output=True, timeout=300)
+    info = subprocess.run([*run, "cache", "info"], env=env, capture_output=True, text=True, timeout=60)
+    assert str(tmp_path) in info.stdout and "cpu" in info.stdout
+    cleared = subprocess.run([*run, "cache", "clear"], env=env, capture_output=True, text=True, timeout=60)
+    assert "removed" in cleared.stdout
+    again = subprocess.run([*run, "cache", "info"], env=env, capture_output=True, text=True, timeout=60)
+    assert " 0 entries" in again.stdout
+
+
+@needs_torch
+def test_plan_outputs_can_stay_on_the_device() -> None:
+    from polyjit import tensor as pt
+
+    x = pt.input("x", (8, 4))
+    w = pt.param("w", (4, 3), init="ones")
+    plan = pt.compile({"y": x @ w})
+    out = plan.run_on_device(x=np.ones((8, 4), np.float32))
+    y = torch.from_dlpack(out["y"])
+    torch.testing.assert_close(y, torch.full((8, 3), 4.0))
+    plan.close()
