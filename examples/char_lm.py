@@ -16,28 +16,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
 from polyjit import tensor as pt
+from polyjit.demo.char_lm import CONTEXT, TEXT, VOCAB, CharModel
 from polyjit.demo.datasets import context_windows, decode_text, encode_text
-
-CONTEXT, VOCAB, EMBED, HIDDEN = 8, 27, 16, 64
-TEXT = Path(__file__).with_name("data") / "lighthouse.txt"
-
-
-class CharModel:
-    def __init__(self) -> None:
-        self.table = pt.param("embed", (VOCAB, EMBED), init=lambda rng, s: rng.normal(0, 0.3, s))
-        self.hidden = pt.Linear("hidden", CONTEXT * EMBED, HIDDEN)
-        self.head = pt.Linear("head", HIDDEN, VOCAB)
-
-    def __call__(self, context: pt.Tensor) -> pt.Tensor:
-        batch = context.shape[0]
-        emb = pt.embedding(context, self.table)            # (batch, 8, 16)
-        feats = emb.reshape(batch, CONTEXT * EMBED)          # the 8 embeddings side by side
-        return self.head(pt.tanh(self.hidden(feats)))        # (batch, 27) logits
 
 
 def main(argv: list[str] | None = None) -> int:

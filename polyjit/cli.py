@@ -6,7 +6,6 @@ import argparse
 import importlib.util
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from polyjit.backends import backends, get_backend
 from polyjit.core.errors import PolyjitError
@@ -86,22 +85,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo_main(args)
 
 
-def _bench_dir() -> Path:
-    return Path(__file__).resolve().parent.parent / "benchmarks"
+def bench_suites() -> list[str]:
+    """The suites of ``polyjit.bench`` (its modules, less the shared helpers)."""
+    import pkgutil
+
+    import polyjit.bench
+
+    return sorted(m.name for m in pkgutil.iter_modules(polyjit.bench.__path__)
+                  if m.name not in ("common", "timing"))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    path = _bench_dir() / f"bench_{args.suite}.py"
-    if not path.exists():
-        print(f"no benchmark suite {args.suite!r} at {path} (benchmarks live in the source checkout)",
-              file=sys.stderr)
+    suites = bench_suites()
+    if args.suite not in suites:  # never import a module a user string names
+        print(f"no benchmark suite {args.suite!r}; there are: {', '.join(suites)}", file=sys.stderr)
         return 2
-    if str(path.parent) not in sys.path:  # the suites import their shared helpers (timing.py, ...)
-        sys.path.insert(0, str(path.parent))
-    spec = importlib.util.spec_from_file_location(f"polyjit_bench_{args.suite}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = importlib.import_module(f"polyjit.bench.{args.suite}")
     return int(module.main(args.rest) or 0)
 
 

@@ -423,7 +423,7 @@ def test_host_copy_splits_large_copies() -> None:
 
 
 def test_benchmark_without_a_gpu_says_why() -> None:
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "benchmarks" / "bench_cuda.py")],
+    proc = subprocess.run([sys.executable, "-m", "polyjit", "bench", "cuda"],
                           capture_output=True, text=True, timeout=120,
                           env={**os.environ, "POLYJIT_CUDA_DISABLE": "1"})
     assert proc.returncode == 0, proc.stderr

@@ -4,7 +4,6 @@ catalog) and the checks that run on a GPU as on the stub driver."""
 from __future__ import annotations
 
 import functools
-import importlib.util
 import sys
 from pathlib import Path
 from typing import Any
@@ -118,15 +117,10 @@ def check_tensor_plans_replay_a_graph(backend: Any) -> int:
 
 
 def bench_module() -> Any:
-    """benchmarks/bench_cuda.py, imported as ``polyjit bench`` does (timing.py beside it)."""
-    path = REPO / "benchmarks" / "bench_cuda.py"
-    if str(path.parent) not in sys.path:
-        sys.path.insert(0, str(path.parent))
-    spec = importlib.util.spec_from_file_location("bench_cuda", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """polyjit.bench.cuda, the suite ``polyjit bench cuda`` runs."""
+    import polyjit.bench.cuda
+
+    return polyjit.bench.cuda
 
 
 def char_lm() -> Any:

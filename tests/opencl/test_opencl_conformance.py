@@ -71,11 +71,8 @@ def test_two_device_tests_in_a_subprocess(backend: Backend) -> None:
 
 
 def test_benchmark_smoke(backend: Backend) -> None:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import bench_opencl
-    finally:
-        sys.path.pop(0)
+    from polyjit.bench import opencl as bench_opencl
+
     seen: list[str] = []
 
     def report(name: str, value: float, unit: str) -> None:

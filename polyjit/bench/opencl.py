@@ -24,8 +24,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-from common import Target, linked_matmul, print_targets
-from timing import best_of, best_of_each
+
+from polyjit.bench.common import Target, linked_matmul, print_targets
+from polyjit.bench.timing import best_of, best_of_each
 
 Report = Callable[[str, float, str], None]
 

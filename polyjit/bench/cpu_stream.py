@@ -4,7 +4,7 @@ Compares, for a tiny kernel (a few floats), the median time of
 (a) a bare ctypes call of the kernel and (b) ``launch_seq`` + ``sync`` through
 a stream: (b) - (a) is what a stream costs per kernel run.
 
-    python benchmarks/bench_cpu_stream.py
+    polyjit bench cpu_stream
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import statistics
 import time
 
 import numpy as np
-from timing import median_ns, median_per_call
 
 from polyjit.backends.cpu.compiler import build_shared
 from polyjit.backends.cpu.native import load_runtime
+from polyjit.bench.timing import median_ns, median_per_call
 
 KERNEL_SOURCE = r"""
 #include <stdint.h>

@@ -8,7 +8,7 @@
 5. a 1 GiB device-to-device copy (polyjit device_to_device) vs a bare cuMemcpyPeerAsync
    (between two GPUs when there are two, else within one).
 
-    python benchmarks/bench_cuda.py [--quick] [--json out.json] [--require-gpu]
+    polyjit bench cuda [--quick] [--json out.json] [--require-gpu]
 
 Without a GPU it prints why and exits 0 (1 with ``--require-gpu``).
 """
@@ -21,10 +21,10 @@ import sys
 from typing import Any
 
 import numpy as np
-from timing import median_per_call
 
 from polyjit import device_to_device
 from polyjit.backends import cuda
+from polyjit.bench.timing import median_per_call
 from polyjit.core import ir
 from polyjit.core.ir import Node, Op
 

@@ -13,14 +13,16 @@ import ctypes
 import json
 import platform
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
-from common import Target, linked_matmul, print_targets
-from timing import best_of, best_of_each, median_ns
 
 from polyjit.backends import get_backend
 from polyjit.backends.cpu import cpu_model
+from polyjit.bench.common import Target, linked_matmul, print_targets
+from polyjit.bench.timing import best_of, best_of_each, median_ns
 from polyjit.core import ir
+from polyjit.core.routine import Routine
 from polyjit.demo import chain_program
 
 
@@ -34,7 +36,6 @@ def bench_chain(n: int) -> dict[str, float]:
     for node, value in host.items():
         ctx = ctx.init_from_host(node, value)
     routine = ctx.link(backend.compile(comp, name="bench_chain"))
-    stream = routine.context.stream
 
     # this machine's copy bandwidth: a polyjit copy kernel (all cores) and numpy's (one core)
     src, dst = ir.Node("src", (n,)), ir.Node("dst", (n,))
@@ -50,8 +51,8 @@ def bench_chain(n: int) -> dict[str, float]:
         np.subtract(y, e, out=y)
 
     # in turns: the VM's memory bandwidth drifts, and the targets are ratios
-    t = best_of_each({"chain": lambda: (routine.run(), stream.synchronize()), "numpy_chain": numpy_chain,
-                      "copy": lambda: (copy.run(), copy.context.stream.synchronize()),
+    t = best_of_each({"chain": lambda: run_and_wait(routine), "numpy_chain": numpy_chain,
+                      "copy": lambda: run_and_wait(copy),
                       "numpy_copy": lambda: np.copyto(y, a)})
     t_pj, t_np = t["chain"], t["numpy_chain"]
     copy_bw = 2 * a.nbytes / min(t["copy"], t["numpy_copy"])
@@ -94,10 +95,14 @@ def bench_launch() -> dict[str, float]:
             "overhead_us": (full - bare) / 1e3, "run_enqueue_only_us": enqueue / 1e3}
 
 
+def run_and_wait(routine: Routine) -> None:
+    routine.run()
+    routine.context.stream.synchronize()
+
+
 def bench_matmul(m: int) -> dict[str, float]:
     routine, xa, xb, c = linked_matmul("cpu", m)
-    stream = routine.context.stream
-    t = best_of_each({"polyjit": lambda: (routine.run(), stream.synchronize()), "numpy": lambda: xa @ xb}, repeat=5)
+    t = best_of_each({"polyjit": lambda: run_and_wait(routine), "numpy": lambda: xa @ xb}, repeat=5)
     t_pj, t_np = t["polyjit"], t["numpy"]
     err = float(np.abs(routine.context.read(c) - xa @ xb).max() / np.abs(xa @ xb).max())
     routine.context.finalize()
@@ -133,7 +138,7 @@ def main(argv: Sequence[str] = ()) -> int:
     p.add_argument("--matmul", type=int, default=1024)
     p.add_argument("--json", help="write the results to this file")
     args = p.parse_args(list(argv))
-    results = {
+    results: dict[str, Any] = {
         "machine": {"cpu": cpu_model(), "python": platform.python_version(),
                     "numpy": np.__version__, "devices": get_backend("cpu").num_devices()},
         "chain": bench_chain(args.size),

@@ -56,9 +56,9 @@ def faults(name: str, seeds: int, operations: int) -> dict[str, Any]:
     injected = 0
     leaks = 0
     for seed in range(seeds):
-        inner = inner_type()
+        inner: Any = inner_type()
         driver = FaultyDriver(inner, rate=0.04, seed=seed)
-        be = Backend(driver)  # type: ignore[arg-type]
+        be = Backend(driver)
         before = inner.allocated_bytes(0)
         for k, v in fault_storm(be, operations, seed).items():
             totals[k] = totals.get(k, 0) + v

@@ -3,8 +3,7 @@
 ``best_of`` gives the minimum, the least disturbed run on a shared machine (``best_of_each``
 for several contenders taking turns); ``median_ns`` the
 median latency of single calls; ``median_per_call`` the median throughput of rounds of calls.
-The suites import this module as ``timing``: ``polyjit bench`` and ``python benchmarks/...``
-both put this folder on ``sys.path``.
+The suites import it as ``polyjit.bench.timing``.
 """
 
 from __future__ import annotations

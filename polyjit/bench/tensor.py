@@ -29,12 +29,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import Target, print_targets
-from timing import best_of
 
 from polyjit import tensor as pt
 from polyjit.backends import get_backend
 from polyjit.backends.cpu import cpu_model, create_backend
+from polyjit.bench.common import Target, print_targets
+from polyjit.bench.timing import best_of
 from polyjit.demo.datasets import context_windows, encode_text
 from polyjit.tensor.plan import Mode
 
@@ -163,11 +163,7 @@ def bench_mlp(batch: int, steps: int) -> dict[str, float]:
 
 
 def char_lm_plan(batch: int, mode: Mode, device: str = "cpu") -> tuple[pt.Plan, Callable[[], dict[str, Array]]]:
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        import char_lm
-    finally:
-        sys.path.pop(0)
+    from polyjit.demo import char_lm
     codes = encode_text(char_lm.TEXT.read_text())
     contexts, targets = context_windows(codes, char_lm.CONTEXT)
     model = char_lm.CharModel()
