@@ -4,6 +4,10 @@
 - ``routine.run()`` + wait for a tiny kernel vs a bare ctypes call of the same function
 - float32 matmul 1024^3 through ``ir.einsum`` vs numpy's GFLOP/s
 - a cached compile of a batch
+- a 64 MiB node handed to numpy and back through DLPack (``Context.export`` /
+  ``init_from_dlpack``) vs ``to_host``: the DLPack way copies nothing
+
+``--quick`` runs every group at small sizes (a smoke run: its ratios mean little).
 """
 
 from __future__ import annotations
@@ -123,12 +127,35 @@ def bench_cached_compile() -> dict[str, float]:
     return {"cached_compile_ms": t * 1e3}
 
 
+def bench_interop(nbytes: int) -> dict[str, float]:
+    """Export a node to numpy and import a numpy array as a node (zero-copy both ways), beside
+    ``to_host`` of the same node into a preallocated array (one copy)."""
+    backend = get_backend("cpu")
+    n = nbytes // 4
+    x = ir.Node("x", (n,))
+    host = np.arange(n, dtype=np.float32)
+    ctx = backend.get_device(0).make_context().init_from_host(x, host)
+    out = np.empty_like(host)
+    to_host = best_of(lambda: ctx.to_host(x, out), repeat=10)
+    exported = best_of(lambda: np.from_dlpack(ctx.export(x)), repeat=10)
+    view = np.from_dlpack(ctx.export(x))
+    view[0] = -1.0  # written through the export: the node's own memory, not a copy
+    shared = float(ctx.read(x)[0]) == -1.0
+    y = ir.Node("y", (n,))
+    imported = best_of(lambda: ctx.init_from_dlpack(y, host).finalize(), repeat=10)
+    del view
+    ctx.finalize()
+    return {"MiB": nbytes / 2**20, "to_host_ms": to_host * 1e3, "export_ms": exported * 1e3,
+            "import_ms": imported * 1e3, "export_vs_to_host": to_host / exported, "shared": float(shared)}
+
+
 TARGETS: list[Target] = [
     ("chain", "speedup_vs_numpy", ">=", 2.0),
     ("chain", "fraction_of_copy_bw", ">=", 0.75),
     ("launch", "overhead_us", "<=", 5.0),
     ("matmul", "fraction_of_numpy", ">=", 0.25),
     ("compile", "cached_compile_ms", "<=", 5.0),
+    ("interop", "export_vs_to_host", ">=", 10.0),
 ]
 
 
@@ -137,7 +164,10 @@ def main(argv: Sequence[str] = ()) -> int:
     p.add_argument("--size", type=int, default=1 << 24)
     p.add_argument("--matmul", type=int, default=1024)
     p.add_argument("--json", help="write the results to this file")
+    p.add_argument("--quick", action="store_true", help="small sizes: a smoke run, not a measurement")
     args = p.parse_args(list(argv))
+    if args.quick:
+        args.size, args.matmul = min(args.size, 1 << 16), min(args.matmul, 64)
     results: dict[str, Any] = {
         "machine": {"cpu": cpu_model(), "python": platform.python_version(),
                     "numpy": np.__version__, "devices": get_backend("cpu").num_devices()},
@@ -145,9 +175,10 @@ def main(argv: Sequence[str] = ()) -> int:
         "launch": bench_launch(),
         "matmul": bench_matmul(args.matmul),
         "compile": bench_cached_compile(),
+        "interop": bench_interop((1 << 20) if args.quick else (64 << 20)),
     }
     print(f"machine: {results['machine']}")
-    for group in ("chain", "launch", "matmul", "compile"):
+    for group in ("chain", "launch", "matmul", "compile", "interop"):
         print(f"[{group}]")
         for key, val in results[group].items():
             print(f"  {key:24s} {val:10.3f}")
