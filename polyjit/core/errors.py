@@ -117,3 +117,23 @@ class StateDictKeyError(PolyjitError, KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0]) if self.args else ""
+
+
+class CollectiveTimeoutError(PolyjitError, TimeoutError):
+    """A collective (or a send / recv) of ``polyjit.distributed`` did not complete before its
+    deadline. The message names the collective, the node and the ranks that did not join
+    (``missing``); an empty ``missing`` means every rank joined but the data did not arrive.
+    MPI cannot cancel a collective: the communicator cannot be used again."""
+
+    def __init__(self, message: str, *, collective: str = "", node: str = "",
+                 missing: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.collective = collective
+        self.node = node
+        self.missing = tuple(missing)
+
+
+class CollectiveMismatchError(PolyjitError, ValueError):
+    """The ranks called a collective (or a send and its recv) with different shapes, dtypes,
+    ops or roots, or called different collectives: raised on every rank taking part, before
+    any data moves."""

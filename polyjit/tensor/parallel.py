@@ -8,13 +8,20 @@ buffer into its merge buffer with ``device_to_device(..., MergeBuffer.COPY)``
 and adds ``ir.merge(g)`` into its own), then the sum travels back down the
 same tree. Every replica applies the identical update to identical state, so
 the replicas stay equal without ever exchanging parameters.
+
+Across processes (``comm=``, a ``polyjit.distributed.Comm`` or an mpi4py communicator) the
+all-reduce is hierarchical: the tree inside each rank as above, then one MPI all-reduce of
+rank-sum buffers among the ranks (``Comm.all_reduce`` on replica 0's context, ordered by the
+per-node events), then the global sum travels back down each rank's tree. The global batch
+splits into ``ranks * devices`` equal contiguous shards: rank r takes rows
+``[r * B / R, (r + 1) * B / R)`` and its device d the d-th shard of those (shard ``r * D + d``).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -46,6 +53,10 @@ from polyjit.tensor.plan import trainable_params
 from polyjit.tensor.program import Program
 from polyjit.tensor.state import StateContext, stage_state
 from polyjit.tensor.tensor import DTypeLike, Tensor, input
+
+if TYPE_CHECKING:
+    from polyjit.distributed.comm import Comm
+    from polyjit.distributed.data_parallel import RankReduce
 
 Array = np.ndarray[Any, Any]
 InputSpec = tuple[Sequence[int], DTypeLike]
@@ -89,16 +100,27 @@ class DataParallel:
         devices: Sequence[DeviceLike] | Backend | str | None = None,
         params: Sequence[Tensor] | None = None,
         name: str = "dp",
+        comm: Any = None,
     ) -> None:
         self.devices = resolve_devices(devices)
         n = len(self.devices)
+        self._rank_reduce: RankReduce | None = _rank_reduce(comm)
+        self.comm: Comm | None = self._rank_reduce.comm if self._rank_reduce is not None else None
+        self.ranks = self.comm.size if self.comm is not None else 1
+        self.rank = self.comm.rank if self.comm is not None else 0
         sizes = {int(next(iter(shape))) for shape, _ in inputs.values()}
         if len(sizes) != 1:
             raise ShapeMismatchError(f"every input needs the same batch size (axis 0), got {sorted(sizes)}")
         self.batch_size = sizes.pop()
-        if self.batch_size % n:
-            raise ShapeMismatchError(f"a batch of {self.batch_size} does not split evenly over {n} devices")
-        self.shard = self.batch_size // n
+        total = n * self.ranks
+        if self.comm is not None:
+            # every rank must build the same thing: a refusal on one rank is one on all
+            self.comm.check_same("data_parallel set-up (devices per rank, global batch)", [n, self.batch_size])
+        if self.batch_size % total:
+            over = f"{n} devices" + (f" x {self.ranks} ranks" if self.comm is not None else "")
+            raise ShapeMismatchError(f"a batch of {self.batch_size} does not split evenly over {over}")
+        self.shard = self.batch_size // total
+        self.rank_rows = self.batch_size // self.ranks  # the rows of one rank
         local = {k: input(k, (self.shard, *tuple(shape)[1:]), dt) for k, (shape, dt) in inputs.items()}
         loss = model_step(**local)
         if not isinstance(loss, Tensor) or loss.shape != ():
@@ -107,7 +129,11 @@ class DataParallel:
         if len({p.dtype for p in self.params}) > 1:
             raise DTypeMismatchError("data_parallel packs the gradients into one buffer: use one dtype")
         grads = grad(loss, self.params)
-        flat = ops.concat([ops.reshape(g, (-1,)) for g in grads]).named("grads")
+        pieces = [ops.reshape(g, (-1,)) for g in grads]
+        if self.comm is not None:  # the loss rides along: one all-reduce gives the global loss too
+            dtype = self.params[0].dtype if self.params else loss.dtype
+            pieces.append(ops.reshape(loss if loss.dtype == dtype else ops.cast(loss, dtype), (1,)))
+        flat = ops.concat(pieces).named("grads")
         self.grads_node = flat.node
         self.loss_node = loss.node
         # The update reads the packed (all-reduced) gradients as a leaf: its computation is elsewhere.
@@ -117,7 +143,7 @@ class DataParallel:
             views.append(ops.flat_view(leaf, offset, p.shape, name=f"grad_{p.name}"))
             offset += p.size
         self.compute_program = Program({"loss": loss, "grads": flat}, name=f"{name}_grad")
-        self.update_program = Program({}, optimizer.updates(self.params, views, grad_scale=1.0 / n),
+        self.update_program = Program({}, optimizer.updates(self.params, views, grad_scale=1.0 / total),
                                       name=f"{name}_update")
         self.persistent = _union(self.compute_program.persistent, self.update_program.persistent)
         self._input_names = frozenset(t.name for t in self.compute_program.inputs)
@@ -132,6 +158,9 @@ class DataParallel:
         self._link_allreduce()
         self.steps = 0
         self.timings: dict[str, list[float]] = {"compute": [], "allreduce": [], "update": []}
+        if self.comm is not None:
+            self.timings["mpi"] = []  # the MPI all-reduce alone (inside "allreduce")
+        self._global_loss: float | None = None
 
     # -- setup ------------------------------------------------------------------------
 
@@ -193,17 +222,28 @@ class DataParallel:
     def _compute(self, inputs: Mapping[str, Any]) -> None:
         check_names(inputs, self._input_names, "data_parallel inputs")
         s = self.shard
+        first = {}  # per input: the row of the given array where this rank's rows begin
         for f in self.replicas[0].feeds:
             try:
                 shape = np.shape(inputs[f.name])
             except ValueError as e:  # a ragged nested list
                 raise ShapeMismatchError(f"input {f.name!r}: {e}") from None
             want = (self.batch_size, *f.node.shape[1:])
-            if shape != want:
+            if shape == want:
+                first[f.name] = self.rank * self.rank_rows
+            elif self.comm is not None and shape == (self.rank_rows, *f.node.shape[1:]):
+                first[f.name] = 0  # this rank's slice only
+            elif self.comm is not None:
+                raise ShapeMismatchError(
+                    f"input {f.name!r} ({f.node.dtype}): got shape {shape}, expected {want} (the global "
+                    f"batch) or {(self.rank_rows, *f.node.shape[1:])} (rank {self.rank}'s slice of it)")
+            else:
                 raise ShapeMismatchError(f"input {f.name!r} ({f.node.dtype}): got shape {shape}, expected "
                                          f"{want} (the global batch)")
+        base = self.rank * self.rank_rows  # row numbers in messages are rows of the global batch
         # Every shard is checked (dtype, range, class labels) before anything is copied.
-        arrays = [[f.host_array(inputs[f.name][k * s : (k + 1) * s], row0=k * s) for f in rep.feeds]
+        arrays = [[f.host_array(inputs[f.name][first[f.name] + k * s : first[f.name] + (k + 1) * s],
+                                row0=base + k * s) for f in rep.feeds]
                   for k, rep in enumerate(self.replicas)]
         for rep, shards in zip(self.replicas, arrays):
             for f, arr in zip(rep.feeds, shards):
@@ -211,24 +251,42 @@ class DataParallel:
             assert rep.compute_replay is not None
             rep.compute_replay.replay()
 
-    def _allreduce(self) -> None:
+    def _allreduce(self, profile: bool = False) -> None:
         for xfer, add in self._reduce:
             xfer.run()
             add.run()
+        if self._rank_reduce is not None:
+            t0 = time.perf_counter()
+            self._global_loss = None
+            self._rank_reduce(self.replicas[0].linked, self.grads_node, self._peek_loss)
+            if profile:
+                self.timings["mpi"].append(time.perf_counter() - t0)
         for back in self._broadcast:
             back.run()
 
+    def _peek_loss(self, reduced: Array) -> None:
+        """The global sum of the replicas' losses: the last element of the reduced buffer."""
+        self._global_loss = float(reduced[-1])
+
     def _update(self) -> float:
+        peeked = self._global_loss
         for rep in self.replicas:
             assert rep.update_replay is not None
             rep.update_replay.replay()
-            enqueue_to_host(rep.linked, self.loss_node, rep.loss)
+            if peeked is None:
+                enqueue_to_host(rep.linked, self.loss_node, rep.loss)
         total = 0.0
         for rep in self.replicas:
             rep.linked.stream.synchronize()
-            total += float(rep.loss)
+            total += float(rep.loss) if peeked is None else 0.0
         self.steps += 1
-        return total / len(self.replicas)
+        if self.comm is None:
+            return total / len(self.replicas)
+        if peeked is None:  # the reduced buffer stayed in device memory (CUDA-aware MPI)
+            total = float(self.comm.all_reduce_array(np.array([total]), "sum")[0])
+        else:
+            total = peeked
+        return total / (len(self.replicas) * self.ranks)
 
     def step(self, **inputs: Any) -> float:
         """One data-parallel training step on a global batch; returns the mean loss."""
@@ -242,7 +300,7 @@ class DataParallel:
         self._compute(inputs)
         self._sync()
         t1 = time.perf_counter()
-        self._allreduce()
+        self._allreduce(profile=True)
         self._sync()
         t2 = time.perf_counter()
         loss = self._update()
@@ -277,8 +335,22 @@ class DataParallel:
             raise UnknownDeviceError(f"replica {k!r}: this data_parallel has {n} replicas (0..{n - 1})")
         return self.replicas[k]
 
+    def rank_spread(self) -> float:
+        """The largest difference of any parameter between the ranks (0.0: equal); a collective
+        call with ``comm`` (every rank calls it), 0.0 without."""
+        if self.comm is None:
+            return 0.0
+        worst = 0.0
+        for value in self.parameters(0).values():
+            flat = value.reshape(-1).astype(np.float64)
+            hi = self.comm.all_reduce_array(flat, "max")
+            lo = self.comm.all_reduce_array(flat, "min")
+            worst = max(worst, float(np.max(hi - lo)) if flat.size else 0.0)
+        return worst
+
     def replica_spread(self) -> float:
-        """The largest difference of any parameter between replica 0 and another (0.0: equal)."""
+        """The largest difference of any parameter between replica 0 and another of this
+        process (0.0: equal); :meth:`rank_spread` compares the ranks."""
         ref = self.parameters(0)
         worst = 0.0
         for k in range(1, len(self.replicas)):
@@ -307,11 +379,24 @@ class DataParallel:
 
     def __repr__(self) -> str:
         ids = ", ".join(d.device_id for d in self.devices)
-        return f"DataParallel([{ids}], batch {self.batch_size}, {len(self.params)} params, {self.steps} steps)"
+        ranks = f", rank {self.rank} of {self.ranks}" if self.comm is not None else ""
+        return (f"DataParallel([{ids}]{ranks}, batch {self.batch_size}, {len(self.params)} params, "
+                f"{self.steps} steps)")
 
 
 def _union(*groups: Sequence[Tensor]) -> list[Tensor]:
     return list(dict.fromkeys(t for group in groups for t in group))
+
+
+def _rank_reduce(comm: Any) -> RankReduce | None:
+    """The all-reduce between the ranks for ``comm``: a polyjit.distributed.Comm, an
+    NcclComm, or an mpi4py communicator (wrapped in a Comm: a collective call). Only here is
+    polyjit.distributed (and so mpi4py) imported."""
+    if comm is None:
+        return None
+    from polyjit.distributed.data_parallel import RankReduce
+
+    return RankReduce(comm)
 
 
 def data_parallel(
@@ -322,6 +407,7 @@ def data_parallel(
     devices: Sequence[DeviceLike] | Backend | str | None = None,
     params: Sequence[Tensor] | None = None,
     name: str = "dp",
+    comm: Any = None,
 ) -> DataParallel:
     """Replicate a training step on several devices.
 
@@ -332,6 +418,16 @@ def data_parallel(
     names, a backend, or a backend name for all of its devices; default: every
     CPU device). ``optimizer`` updates ``params`` (default: every parameter the
     loss depends on) on every replica with the mean gradient.
+
+    ``comm`` (a ``polyjit.distributed.Comm``, an mpi4py communicator, or an ``NcclComm`` for
+    CUDA replicas with one GPU per rank; every rank calls
+    ``data_parallel`` with the same model, batch and number of devices): data parallel across
+    processes too. Rank r takes rows ``[r * B / R, (r + 1) * B / R)`` of the global batch B
+    and splits them over its devices; ``step()`` takes the global batch (every rank the same
+    arrays) or just the rank's slice, and returns the mean loss over all ranks. Gradients are
+    summed by the tree inside each rank, one MPI all-reduce among the ranks, and the tree
+    back down.
     """
     spec = {k: (tuple(shape), as_dtype(dt)) for k, (shape, dt) in inputs.items()}
-    return DataParallel(model_step, spec, optimizer=optimizer, devices=devices, params=params, name=name)
+    return DataParallel(model_step, spec, optimizer=optimizer, devices=devices, params=params, name=name,
+                        comm=comm)

@@ -1,0 +1,82 @@
+"""An uncaught exception on one rank ends the whole job, with that rank's traceback.
+
+Without this, a rank that raises exits while the others wait in their next collective
+until its timeout (or for ever, in plain MPI). ``import polyjit.distributed`` installs a
+``sys.excepthook`` that, in a job of more than one rank, prints the traceback with every
+line tagged ``[rank R]`` to stderr, flushes it, and calls ``MPI_Abort`` on COMM_WORLD, so
+``mpiexec`` kills every rank and exits non-zero at once.
+
+Opt out with ``POLYJIT_MPI_ABORT=0`` in the environment (read at import), or
+``polyjit.distributed.uninstall_excepthook()``. In a single process (no ``mpiexec``, or
+``-n 1``) the hook hands over to the previous one.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from types import TracebackType
+from typing import Any
+
+ENV = "POLYJIT_MPI_ABORT"
+ABORT_CODE = 1
+
+_previous: Any = None
+
+
+def enabled_by_environment() -> bool:
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def tagged_traceback(rank: int, exc_type: type[BaseException], exc: BaseException,
+                     tb: TracebackType | None) -> str:
+    """The traceback as Python prints it, every line starting with ``[rank R] ``."""
+    text = "".join(traceback.format_exception(exc_type, exc, tb))
+    prefix = f"[rank {rank}] "
+    return "".join(prefix + line for line in text.splitlines(keepends=True))
+
+
+def _hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+    from mpi4py import MPI
+
+    previous = _previous or sys.__excepthook__
+    try:
+        world = MPI.COMM_WORLD
+        rank, size = world.Get_rank(), world.Get_size()
+        alive = MPI.Is_initialized() and not MPI.Is_finalized()
+    except Exception:
+        previous(exc_type, exc, tb)
+        return
+    if size <= 1 or not alive:
+        previous(exc_type, exc, tb)
+        return
+    try:
+        sys.stderr.write(tagged_traceback(rank, exc_type, exc, tb))
+        sys.stderr.write(f"[rank {rank}] polyjit.distributed: an uncaught exception on rank {rank} of {size}: "
+                         f"aborting the job (MPI_Abort; {ENV}=0 turns this off)\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+    finally:
+        world.Abort(ABORT_CODE)
+
+
+def install_excepthook() -> None:
+    """Tag and abort on an uncaught exception (see the module docstring); idempotent."""
+    global _previous
+    if sys.excepthook is _hook:
+        return
+    _previous = sys.excepthook
+    sys.excepthook = _hook
+
+
+def uninstall_excepthook() -> None:
+    """Put back the hook that was there before :func:`install_excepthook`."""
+    global _previous
+    if sys.excepthook is _hook:
+        sys.excepthook = _previous or sys.__excepthook__
+    _previous = None
+
+
+def excepthook_installed() -> bool:
+    return sys.excepthook is _hook

@@ -1,0 +1,521 @@
+"""Collectives on context nodes over an mpi4py communicator.
+
+Every call runs in three steps (docs/distributed.md, "Design"):
+
+0. **local order**: ``ctx.host_view(node, write=...)`` waits for the node's last writer (and,
+   when the collective writes the node, its readers) and gives the node's memory itself on
+   the cpu backend (zero-copy), a host copy elsewhere (copied back after the collective).
+   With a CUDA-aware MPI and a node on a CUDA device, MPI gets ``ctx.export(node)`` (device
+   memory) after the same waits. The host returns once the data is in place, so routines
+   enqueued before and after a collective need no waits from the user. (Waiting first also
+   keeps the host from spinning on MPI while the device -- on the cpu backend, a worker
+   thread that may share the rank's core -- still computes the node.)
+1. **join**: each rank sends a small header (the collective, its call number on this
+   communicator, op, root or tag, dtype, shape; see ``header.py``) to every other rank on a
+   private duplicate of the communicator, with ``Isend`` / ``Irecv``, and tests the receives
+   until the deadline. A rank whose header has arrived has joined; at the deadline the ranks
+   whose headers have not arrived are the ones that did not join, and the call raises
+   :class:`CollectiveTimeoutError` naming them. Once every header is in, every rank compares
+   them all and, if they differ, raises :class:`CollectiveMismatchError` -- every rank, since
+   every rank sees the same headers -- before any data moves.
+2. **data**: the non-blocking collective (``Iallreduce``, ``Ibcast``, ``Iallgather``,
+   ``Ireduce_scatter_block``, ``Isend`` / ``Irecv``) on a second duplicate, in place on the
+   node's memory, tested until done or the same deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from polyjit.core.context import Context
+from polyjit.core.errors import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    DTypeMismatchError,
+    InvalidArgumentError,
+    PolyjitError,
+    ShapeMismatchError,
+    UnsupportedError,
+)
+from polyjit.core.ir import Node
+from polyjit.distributed import header
+from polyjit.distributed.cuda import mpi_cuda_aware, on_cuda
+from polyjit.distributed.header import OPS
+from polyjit.distributed.hugepages import HUGE_PAGES_FROM, huge_pages
+from polyjit.distributed.ordering import divide_in_place, wait_on_host
+from polyjit.distributed.wait import poll
+
+Array = np.ndarray[Any, Any]
+
+DEFAULT_TIMEOUT = 300.0  # seconds; POLYJIT_MPI_TIMEOUT or set_default_timeout() change it
+TIMEOUT_ENV = "POLYJIT_MPI_TIMEOUT"
+# Tags on the control communicator: collective headers, then two per user tag of send / recv.
+TAG_JOIN = 1
+TAG_P2P = 2
+
+_default_timeout: float | None = None
+
+
+def default_timeout() -> float:
+    """The timeout of a new Comm, in seconds: ``set_default_timeout``, else
+    ``$POLYJIT_MPI_TIMEOUT``, else 300 s. ``inf`` waits for ever."""
+    if _default_timeout is not None:
+        return _default_timeout
+    text = os.environ.get(TIMEOUT_ENV, "").strip()
+    if text:
+        try:
+            value = float(text)
+        except ValueError:
+            raise InvalidArgumentError(f"{TIMEOUT_ENV}={text!r} is not a number of seconds") from None
+        return _check_timeout(value, TIMEOUT_ENV)
+    return DEFAULT_TIMEOUT
+
+
+def set_default_timeout(seconds: float | None) -> None:
+    """Set the timeout (seconds) of the Comms made from now on; None goes back to the
+    environment's / the default."""
+    global _default_timeout
+    _default_timeout = None if seconds is None else _check_timeout(seconds, "the default timeout")
+
+
+def _check_timeout(value: Any, what: str) -> float:
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"{what}: a timeout is a number of seconds, got {value!r}") from None
+    if not seconds > 0:  # also refuses NaN
+        raise InvalidArgumentError(f"{what}: a timeout must be positive, got {value!r}")
+    return seconds
+
+
+class Comm:
+    """Collectives on context nodes among the ranks of an mpi4py communicator.
+
+    ``Comm(comm=None, timeout=None, cuda_aware=None)``: over ``comm`` (default
+    ``MPI.COMM_WORLD``), which it duplicates twice (a collective call: every rank of
+    ``comm`` makes its Comm at the same point). ``timeout``: seconds any call may take
+    (default :func:`default_timeout`; ``comm.timeout = ...`` changes it, and every call takes
+    ``timeout=`` too). ``cuda_aware``: hand CUDA nodes to MPI as device memory (default:
+    :func:`mpi_cuda_aware`).
+
+    Every call is collective over the communicator (``send`` / ``recv``: over the pair) and
+    must be made by every rank in the same order with the same shapes, dtypes, ops and roots.
+    Argument errors of one rank (an unknown op, an ``out_node`` of the wrong shape) are raised
+    on that rank after the join, and every other rank raises CollectiveMismatchError naming
+    it, so no rank is left waiting. Making a Comm is itself collective (``MPI_Comm_idup``,
+    tested until the timeout). One thread at a time calls a Comm (its calls are numbered).
+    """
+
+    def __init__(self, comm: Any = None, *, timeout: float | None = None, cuda_aware: bool | None = None) -> None:
+        base = MPI.COMM_WORLD if comm is None else comm
+        if isinstance(base, Comm):
+            base = base.mpi
+        if not isinstance(base, MPI.Comm):
+            raise InvalidArgumentError(f"Comm needs an mpi4py communicator, got {type(base).__name__}")
+        self.mpi: Any = base
+        self.rank = int(base.Get_rank())
+        self.size = int(base.Get_size())
+        self.timeout = default_timeout() if timeout is None else _check_timeout(timeout, "Comm(timeout=)")
+        self.cuda_aware = mpi_cuda_aware() if cuda_aware is None else bool(cuda_aware)
+        self._seconds = self.timeout
+        self._data: Any = self._dup(base)
+        self._ctl: Any = self._dup(base)
+        tag_ub = base.Get_attr(MPI.TAG_UB)
+        self._max_tag = (int(tag_ub) if tag_ub else 32767) // 2 - TAG_P2P
+        self._seq = 0  # collective calls so far
+        self._p2p_seq: dict[tuple[str, int, int], int] = {}
+        self._broken: str | None = None
+        self._abandoned: list[Any] = []  # buffers MPI may still touch after a timeout: never freed
+        self.last_timings: dict[str, float] = {}
+
+    def _dup(self, base: Any) -> Any:
+        """``MPI_Comm_idup``, tested until the timeout (a rank that never makes its Comm)."""
+        new, req = base.Idup()
+        deadline = time.monotonic() + self.timeout if math.isfinite(self.timeout) else math.inf
+        if poll([req], deadline, patient=True):
+            raise CollectiveTimeoutError(
+                f"rank {self.rank}: Comm(): duplicating the communicator timed out after {self.timeout:g} s: "
+                "a rank did not make its Comm (every rank makes its Comms at the same point)",
+                collective="Comm()")
+        return new
+
+    def __repr__(self) -> str:
+        state = ", broken" if self._broken else ""
+        return f"Comm(rank {self.rank} of {self.size}, timeout {self.timeout:g} s{state})"
+
+    # -- collectives ----------------------------------------------------------------------
+
+    def all_reduce(self, ctx: Context, node: Node, op: str = "sum", *, timeout: float | None = None,
+                   peek: Callable[[Array], None] | None = None) -> None:
+        """Reduce the node over the ranks, in place: every rank ends with the result. ``op``:
+        "sum", "max", "min" or "mean" (floating dtypes). On bool nodes sum and max are a
+        logical or, min a logical and (numpy's ``+``, ``maximum``, ``minimum``).
+        ``peek(values)``: called with the result while it is on the host (cpu and staged
+        paths), before routines after the call can change it."""
+        deadline = self._start(timeout)
+        _check_node(ctx, node, "all_reduce")
+        problem = _op_problem(op, node)
+        hdr = self._header("all_reduce", op=op if problem is None else None, node=node, problem=problem)
+        with self._buffer(ctx, node, write=True) as (buf, host):
+            self._join(hdr, "all_reduce", node, deadline, problem)
+            t0 = time.perf_counter()
+            if self.size > 1:
+                req = self._data.Iallreduce(MPI.IN_PLACE, buf, _mpi_op(op, node))
+                self._complete([req], deadline, "all_reduce", node, (buf, host), ctx)
+            self._finish_mean(ctx, node, host, op)
+            if peek is not None and host is not None:
+                peek(host)
+            self.last_timings = {"data": time.perf_counter() - t0}
+
+    def broadcast(self, ctx: Context, node: Node, root: int = 0, *, timeout: float | None = None) -> None:
+        """Every rank's node gets ``root``'s values."""
+        deadline = self._start(timeout)
+        _check_node(ctx, node, "broadcast")
+        problem = self._rank_problem(root, "broadcast root")
+        hdr = self._header("broadcast", node=node, root=root if problem is None else -1, problem=problem)
+        with self._buffer(ctx, node, write=self.rank != root) as (buf, host):
+            self._join(hdr, "broadcast", node, deadline, problem)
+            if self.size == 1:
+                return
+            req = self._data.Ibcast(buf, root=root)
+            self._complete([req], deadline, "broadcast", node, (buf, host), ctx)
+
+    def all_gather(self, ctx: Context, node: Node, out_node: Node, *, timeout: float | None = None) -> None:
+        """Every rank's ``out_node`` gets the nodes of all ranks in rank order, along axis 0:
+        ``out_node`` has shape ``(size * n, ...)`` for a node of shape ``(n, ...)``, or
+        ``(size, *node.shape)``."""
+        deadline = self._start(timeout)
+        _check_node(ctx, node, "all_gather")
+        _check_node(ctx, out_node, "all_gather (out_node)")
+        problem = _out_problem(node, out_node, self.size, "all_gather", gather=True)
+        hdr = self._header("all_gather", node=node, problem=problem)
+        with self._buffer(ctx, node, write=False) as (sbuf, shost), \
+                self._buffer(ctx, out_node, write=True) as (rbuf, rhost):
+            self._join(hdr, "all_gather", node, deadline, problem)
+            req = self._data.Iallgather(sbuf, rbuf)
+            self._complete([req], deadline, "all_gather", node, (sbuf, shost, rbuf, rhost), ctx, out_node)
+
+    def reduce_scatter(self, ctx: Context, node: Node, out_node: Node, op: str = "sum", *,
+                       timeout: float | None = None) -> None:
+        """Reduce the node over the ranks and give rank r block r of the result along axis 0:
+        for a node of shape ``(size * n, ...)`` (or ``(size, *out_node.shape)``), ``out_node``
+        has shape ``(n, ...)``. Ops as :meth:`all_reduce`."""
+        deadline = self._start(timeout)
+        _check_node(ctx, node, "reduce_scatter")
+        _check_node(ctx, out_node, "reduce_scatter (out_node)")
+        problem = _op_problem(op, node) or _out_problem(out_node, node, self.size, "reduce_scatter",
+                                                        gather=False)
+        hdr = self._header("reduce_scatter", op=op if problem is None else None, node=node, problem=problem)
+        with self._buffer(ctx, node, write=False) as (sbuf, shost), \
+                self._buffer(ctx, out_node, write=True) as (rbuf, rhost):
+            self._join(hdr, "reduce_scatter", node, deadline, problem)
+            if self.size > 1:
+                req = self._data.Ireduce_scatter_block(sbuf, rbuf, _mpi_op(op, node))
+                self._complete([req], deadline, "reduce_scatter", node, (sbuf, shost, rbuf, rhost), ctx, out_node)
+            elif rhost is not None and shost is not None:
+                rhost[...] = shost.reshape(rhost.shape)
+            else:
+                _copy_device(ctx, node, out_node)
+            self._finish_mean(ctx, out_node, rhost, op)
+
+    def barrier(self, *, timeout: float | None = None) -> None:
+        """Wait for every rank (the join phase alone: it names the ranks that do not come)."""
+        deadline = self._start(timeout)
+        self._join(self._header("barrier"), "barrier", None, deadline, None)
+
+    def send(self, ctx: Context, node: Node, dest: int, tag: int = 0, *, timeout: float | None = None) -> None:
+        """Send the node to rank ``dest``, whose matching :meth:`recv` (same tag) receives it.
+        Synchronous, like ``MPI_Ssend``: it returns once the receiver has the data, so two
+        ranks that send to each other must order their calls (one sends first)."""
+        deadline = self._start(timeout)
+        _check_node(ctx, node, "send")
+        self._check_peer(dest, tag, "send")
+        with self._buffer(ctx, node, write=False) as (buf, host):
+            self._handshake("send", node, dest, tag, deadline)
+            req = self._data.Isend(buf, dest=dest, tag=tag)
+            self._complete([req], deadline, "send", node, (buf, host), ctx)
+
+    def recv(self, ctx: Context, node: Node, source: int, tag: int = 0, *, timeout: float | None = None) -> None:
+        """Receive into the node what rank ``source`` sends with :meth:`send` (same tag); the
+        dtype and shape must be the sender's (else both raise CollectiveMismatchError)."""
+        deadline = self._start(timeout)
+        _check_node(ctx, node, "recv")
+        self._check_peer(source, tag, "recv")
+        with self._buffer(ctx, node, write=True) as (buf, host):
+            self._handshake("recv", node, source, tag, deadline)
+            req = self._data.Irecv(buf, source=source, tag=tag)
+            self._complete([req], deadline, "recv", node, (buf, host), ctx)
+
+    # -- host arrays --------------------------------------------------------------------------
+
+    def all_reduce_array(self, array: Array, op: str = "sum", *, timeout: float | None = None) -> Array:
+        """:meth:`all_reduce` of a host array (a new array: metrics, spreads, checks)."""
+        deadline = self._start(timeout)
+        arr = np.ascontiguousarray(array).copy()
+        problem = _op_problem(op, Node("array", arr.shape, arr.dtype))
+        hdr = self._header("all_reduce", op=op if problem is None else None, shape=arr.shape, dtype=arr.dtype,
+                           problem=problem)
+        self._join(hdr, "all_reduce", None, deadline, problem)
+        if self.size > 1:
+            req = self._data.Iallreduce(MPI.IN_PLACE, arr.reshape(-1), _mpi_op_dtype(op, arr.dtype))
+            self._complete([req], deadline, "all_reduce", None, arr, None)
+        if op == "mean":
+            np.divide(arr, self.size, out=arr)
+        return arr
+
+    def broadcast_array(self, array: Array, root: int = 0, *, timeout: float | None = None) -> Array:
+        """:meth:`broadcast` of a host array: every rank gets a new array with root's values
+        (every rank passes an array of the same shape and dtype)."""
+        deadline = self._start(timeout)
+        arr = np.ascontiguousarray(array).copy()
+        problem = self._rank_problem(root, "broadcast root")
+        hdr = self._header("broadcast", root=root if problem is None else -1, shape=arr.shape, dtype=arr.dtype,
+                           problem=problem)
+        self._join(hdr, "broadcast", None, deadline, problem)
+        if self.size > 1:
+            req = self._data.Ibcast(arr.reshape(-1), root=root)
+            self._complete([req], deadline, "broadcast", None, arr, None)
+        return arr
+
+    def check_same(self, what: str, values: Sequence[int], *, timeout: float | None = None) -> None:
+        """Raise CollectiveMismatchError on every rank unless every rank passes the same
+        integers (set-up checks: device counts, batch sizes)."""
+        deadline = self._start(timeout)
+        hdr = self._header("check", shape=[int(v) for v in values], dtype=np.int64)
+        self._join(hdr, "check", None, deadline, None, what=what)
+
+    # -- the two phases ---------------------------------------------------------------------
+
+    def _start(self, timeout: float | None) -> float:
+        if self._broken is not None:
+            raise CollectiveTimeoutError(
+                f"rank {self.rank}: this Comm cannot be used any more: {self._broken} (MPI cannot "
+                "cancel a collective, so the ranks no longer agree on what comes next; end the job)")
+        seconds = self.timeout if timeout is None else _check_timeout(timeout, "timeout=")
+        self._seconds = seconds
+        return time.monotonic() + seconds if math.isfinite(seconds) else math.inf
+
+    def _header(self, kind: str, *, op: str | None = None, node: Node | None = None, root: int = -1,
+                shape: Sequence[int] | None = None, dtype: Any = None, problem: Exception | None = None) -> Array:
+        seq = self._seq
+        self._seq += 1
+        if node is not None:
+            shape, dtype = node.shape, node.dtype.np
+        h = header.make(seq, kind, op=op, root=root, dtype=dtype, shape=shape or ())
+        if problem is not None:
+            h[header.FLAG] = 1
+        return h
+
+    def _join(self, hdr: Array, kind: str, node: Node | None, deadline: float, problem: Exception | None,
+              what: str | None = None) -> None:
+        """Phase 1: exchange headers with every rank; raise on a timeout, a refusal, a mismatch."""
+        n, me = self.size, self.rank
+        if n > 1:
+            got = np.zeros((n, header.LENGTH), np.int64)
+            got[me] = hdr
+            peers = [r for r in range(n) if r != me]
+            rreqs = [self._ctl.Irecv(got[r], source=r, tag=TAG_JOIN) for r in peers]
+            sreqs = [self._ctl.Isend(hdr, dest=r, tag=TAG_JOIN) for r in peers]
+            pending = poll(rreqs, deadline, patient=True)
+            if pending:
+                missing = tuple(peers[i] for i in pending)
+                self._cancel([rreqs[i] for i in pending])
+                self._fail_timeout(kind, node, missing, (got, hdr, sreqs))
+            if poll(sreqs, deadline, patient=True):  # the peers are here: their receives are posted
+                self._fail_timeout(kind, node, (), (got, hdr, sreqs))
+            headers = [got[r] for r in range(n)]
+        else:
+            headers = [hdr]
+        refused = [r for r, h in enumerate(headers) if h[header.FLAG]]
+        if refused:
+            if problem is not None:
+                raise problem
+            raise CollectiveMismatchError(
+                f"rank {me}: {kind}{_of(node)}: {header.ranks_text(refused)} refused the call "
+                f"(its own error says why): {header.describe(headers[refused[0]])}")
+        differ = header.disagreement(headers)
+        if differ is not None:
+            label = what or kind
+            raise CollectiveMismatchError(
+                f"rank {me}: {label}{_of(node)}: the ranks disagree, no data was moved: {differ}")
+
+    def _handshake(self, kind: str, node: Node, peer: int, tag: int, deadline: float) -> None:
+        """Phase 1 of send / recv: the sender and the receiver swap headers."""
+        key = (kind, peer, tag)
+        seq = self._p2p_seq.get(key, 0)
+        self._p2p_seq[key] = seq + 1
+        mine = header.make(seq, kind, root=tag, dtype=node.dtype.np, shape=node.shape)
+        theirs = np.zeros(header.LENGTH, np.int64)
+        out_tag, in_tag = (TAG_P2P + 2 * tag, TAG_P2P + 2 * tag + 1)
+        if kind == "recv":
+            out_tag, in_tag = in_tag, out_tag
+        rreq = self._ctl.Irecv(theirs, source=peer, tag=in_tag)
+        sreq = self._ctl.Isend(mine, dest=peer, tag=out_tag)
+        if poll([rreq], deadline, patient=True):
+            self._cancel([rreq])
+            self._fail_timeout(kind, node, (peer,), (theirs, mine, sreq))
+        if poll([sreq], deadline, patient=True):
+            self._fail_timeout(kind, node, (), (theirs, mine, sreq))
+        send, recv = (mine, theirs) if kind == "send" else (theirs, mine)
+        differ = header.pair_disagreement(send, recv)
+        if differ is not None:
+            sender, receiver = (self.rank, peer) if kind == "send" else (peer, self.rank)
+            raise CollectiveMismatchError(
+                f"rank {self.rank}: {kind} of {node.label}: rank {sender} sends, rank {receiver} receives, "
+                f"and they disagree, no data was moved: {differ}")
+
+    def _complete(self, requests: list[Any], deadline: float, kind: str, node: Node | None, keep: Any,
+                  ctx: Context | None, *more: Node) -> None:
+        """Phase 2: wait for the data until the deadline."""
+        if not poll(requests, deadline):
+            return
+        pins: list[Any] = [keep, requests]
+        if ctx is not None:  # the node's memory itself may be MPI's buffer: keep it allocated
+            for n in (node, *more):
+                if n is not None:
+                    with contextlib.suppress(PolyjitError):
+                        pins.append(ctx.export(n))
+        self._fail_timeout(kind, node, (), pins, joined=True)
+
+    def _fail_timeout(self, kind: str, node: Node | None, missing: tuple[int, ...], keep: Any,
+                      joined: bool = False) -> None:
+        """Raise CollectiveTimeoutError; what MPI may still touch is kept for ever, and this
+        Comm refuses every later call."""
+        self._abandoned.append(keep)
+        what = f"{kind}{_of(node)}"
+        after = f"after {self._seconds:g} s"
+        if missing:
+            who = header.ranks_text(missing)
+            msg = (f"rank {self.rank}: {what} timed out {after}: {who} of {self.size} did not join "
+                   f"(no header from {'it' if len(missing) == 1 else 'them'} before the deadline)")
+        elif joined:
+            msg = (f"rank {self.rank}: {what} timed out {after}: every rank joined, but the data did "
+                   "not arrive before the deadline (a rank stalled or died during the transfer)")
+        else:
+            msg = f"rank {self.rank}: {what} timed out {after} while the ranks exchanged headers"
+        self._broken = f"{what} timed out"
+        raise CollectiveTimeoutError(msg, collective=kind, node=node.label if node is not None else "",
+                                     missing=missing)
+
+    @staticmethod
+    def _cancel(requests: Sequence[Any]) -> None:
+        for req in requests:
+            with contextlib.suppress(Exception):
+                req.Cancel()
+        poll(list(requests), time.monotonic() + 1.0)  # a cancelled receive completes locally
+
+    # -- buffers ------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _buffer(self, ctx: Context, node: Node, *, write: bool) -> Iterator[tuple[Any, Array | None]]:
+        """What MPI reads or writes for the node, ordered by its events: (buffer, host array or
+        None when the buffer is device memory)."""
+        if self.cuda_aware and on_cuda(ctx):
+            wait_on_host(ctx, node, write=write)
+            exported = ctx.export(node)
+            try:
+                yield exported, None
+            finally:
+                exported.release()
+            return
+        with ctx.host_view(node, write=write) as values:
+            flat = values.reshape(-1)
+            if flat.nbytes >= HUGE_PAGES_FROM:
+                huge_pages(flat)
+            yield flat, flat
+
+    def _finish_mean(self, ctx: Context, node: Node, host: Array | None, op: str) -> None:
+        if op != "mean" or self.size == 1:
+            return
+        if host is not None:
+            np.divide(host, self.size, out=host)
+        else:
+            divide_in_place(ctx, node, self.size)
+
+    # -- checks -------------------------------------------------------------------------------
+
+    def _rank_problem(self, rank: Any, what: str) -> Exception | None:
+        if not isinstance(rank, (int, np.integer)) or not 0 <= int(rank) < self.size:
+            return InvalidArgumentError(f"rank {self.rank}: {what} {rank!r} is not a rank of this "
+                                        f"communicator (0..{self.size - 1})")
+        return None
+
+    def _check_peer(self, peer: Any, tag: Any, what: str) -> None:
+        problem = self._rank_problem(peer, f"{what} peer")
+        if problem is None and int(peer) == self.rank:
+            problem = InvalidArgumentError(f"rank {self.rank}: {what} to itself")
+        if problem is None and (not isinstance(tag, (int, np.integer)) or not 0 <= int(tag) <= self._max_tag):
+            problem = InvalidArgumentError(f"rank {self.rank}: {what} tag {tag!r} is outside 0..{self._max_tag}")
+        if problem is not None:
+            raise problem
+
+    def free(self) -> None:
+        """Free the two duplicates of the communicator (collective). A Comm broken by a
+        timeout keeps them: MPI may still use them."""
+        if self._broken is None:
+            for c in (self._data, self._ctl):
+                with contextlib.suppress(Exception):
+                    c.Free()
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _of(node: Node | None) -> str:
+    return f" of {node.label} {node.shape} {node.dtype}" if node is not None else ""
+
+
+def _check_node(ctx: Context, node: Node, what: str) -> None:
+    if not isinstance(ctx, Context):
+        raise InvalidArgumentError(f"{what} needs a Context first, got {type(ctx).__name__}")
+    if not isinstance(node, Node):
+        raise InvalidArgumentError(f"{what} needs a Node, got {type(node).__name__}")
+    ctx.loc(node, what)  # NodeNotInContextError
+
+
+def _op_problem(op: Any, node: Node) -> Exception | None:
+    if op not in OPS:
+        return InvalidArgumentError(f"unknown reduction op {op!r}: one of {', '.join(OPS)}")
+    if op == "mean" and not node.dtype.is_float:
+        return DTypeMismatchError(f"op 'mean' needs a floating dtype; {node.label} is {node.dtype}")
+    return None
+
+
+def _out_problem(small: Node, big: Node, size: int, what: str, *, gather: bool) -> Exception | None:
+    """``big`` must hold ``size`` blocks of ``small`` along axis 0, of the same dtype."""
+    if small.dtype != big.dtype:
+        return DTypeMismatchError(f"{what}: {small.label} is {small.dtype}, {big.label} is {big.dtype}")
+    stacked = (size, *small.shape)
+    joined = (size * small.shape[0], *small.shape[1:]) if small.shape else None
+    if big.shape not in (stacked, joined):
+        want = " or ".join(str(s) for s in (joined, stacked) if s is not None)
+        name = "out_node" if gather else "node"
+        return ShapeMismatchError(f"{what} over {size} ranks: {name} {big.label} has shape {big.shape}, "
+                                  f"expected {want} for {small.label} {small.shape}")
+    return None
+
+
+def _mpi_op(op: str, node: Node) -> Any:
+    return _mpi_op_dtype(op, node.dtype.np)
+
+
+def _mpi_op_dtype(op: str, dtype: Any) -> Any:
+    if np.dtype(dtype) == np.bool_:
+        if op == "mean":
+            raise UnsupportedError("op 'mean' on a bool node")
+        return MPI.LAND if op == "min" else MPI.LOR
+    return {"sum": MPI.SUM, "mean": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op]
+
+
+def _copy_device(ctx: Context, src: Node, dst: Node) -> None:
+    """One rank's reduce_scatter with the result in device memory: the node is the result."""
+    values = ctx.read(src)
+    ctx.from_host(dst, values.reshape(dst.shape))

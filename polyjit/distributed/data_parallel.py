@@ -1,0 +1,41 @@
+"""The step between the ranks of a hierarchical data parallel (``polyjit.tensor.data_parallel``
+with ``comm=``): one all-reduce of a rank's packed gradients, on replica 0's context.
+
+- a :class:`~polyjit.distributed.Comm` (or an mpi4py communicator, wrapped in one): MPI,
+  ``Comm.all_reduce`` ordered by the node's events on the host; on the host paths the
+  reduced buffer is peeked at for the global loss it carries;
+- a :class:`~polyjit.distributed.nccl.NcclComm` (CUDA replicas, one GPU per rank): NCCL on
+  replica 0's stream, ordered on the device; its Comm carries the set-up checks and the loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from polyjit.core.context import Context
+from polyjit.core.ir import Node
+from polyjit.distributed.comm import Comm
+
+Array = np.ndarray[Any, Any]
+
+
+class RankReduce:
+    """``RankReduce(comm)(ctx, node, peek)``: sum ``node`` over the ranks, in place."""
+
+    def __init__(self, comm: Any) -> None:
+        from polyjit.distributed.nccl import NcclComm
+
+        self.nccl: NcclComm | None = comm if isinstance(comm, NcclComm) else None
+        if self.nccl is not None:
+            self.comm = self.nccl.comm
+        else:
+            self.comm = comm if isinstance(comm, Comm) else Comm(comm)
+
+    def __call__(self, ctx: Context, node: Node, peek: Callable[[Array], None] | None = None) -> None:
+        if self.nccl is not None:
+            self.nccl.all_reduce(ctx, node, "sum")
+        else:
+            self.comm.all_reduce(ctx, node, "sum", peek=peek)

@@ -1,0 +1,118 @@
+"""Starting jobs and placing ranks: find ``mpiexec``, build its command line, pin each rank to
+its own cores.
+
+``find_mpiexec()`` looks, in order, at ``$POLYJIT_MPIEXEC``, next to the Python executable
+(where pip puts the ``mpich`` wheel's ``mpiexec``, in a virtual environment too), in
+Python's scripts directory and under ``sys.prefix``, then on ``PATH`` (``mpiexec``,
+``mpirun``). ``mpiexec_command(n, ...)`` adds Open MPI's ``--oversubscribe`` (more ranks than
+cores) and, as root, ``--allow-run-as-root``; MPICH's Hydra needs neither.
+
+This module imports nothing from MPI at import time (tests load it to find ``mpiexec``
+without starting MPI in their own process).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ENV = "POLYJIT_MPIEXEC"
+NAMES = ("mpiexec", "mpirun")
+
+
+class MpiexecNotFoundError(FileNotFoundError):
+    """No ``mpiexec`` was found (``pip install 'polyjit[mpi]'`` installs one)."""
+
+
+def _candidates() -> list[Path]:
+    dirs = [Path(sys.executable).parent]
+    scripts = sysconfig.get_path("scripts")
+    if scripts:
+        dirs.append(Path(scripts))
+    dirs.append(Path(sys.prefix) / "bin")
+    out = [d / name for d in dict.fromkeys(dirs) for name in NAMES]
+    for name in NAMES:
+        found = shutil.which(name)
+        if found:
+            out.append(Path(found))
+    return out
+
+
+def find_mpiexec() -> str:
+    """The ``mpiexec`` to start jobs with (see the module docstring for where it looks)."""
+    forced = os.environ.get(ENV, "").strip()
+    if forced:
+        found = shutil.which(forced) or (forced if os.access(forced, os.X_OK) else None)
+        if found is None:
+            raise MpiexecNotFoundError(f"{ENV}={forced!r} is not an executable")
+        return str(found)
+    for path in _candidates():
+        if path.is_file() and os.access(path, os.X_OK):
+            return str(path)
+    raise MpiexecNotFoundError(
+        "no mpiexec next to the Python executable, in its scripts directory or on PATH; "
+        f"pip install 'polyjit[mpi]' (mpi4py and the mpich wheel), or set {ENV}")
+
+
+@functools.cache
+def mpiexec_flavor(mpiexec: str) -> str:
+    """"openmpi", "mpich" (Hydra) or "unknown", from ``mpiexec --version``."""
+    try:
+        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30)
+        text = (out.stdout + out.stderr).lower()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    if "open mpi" in text or "openrte" in text or "open-mpi" in text or "prte" in text:
+        return "openmpi"
+    if "hydra" in text or "mpich" in text or "intel" in text:
+        return "mpich"
+    return "unknown"
+
+
+def mpiexec_command(n: int, *args: str, mpiexec: str | None = None, python: bool = True) -> list[str]:
+    """``[mpiexec, flags..., -n, N, python, *args]`` (``python=False``: no interpreter)."""
+    exe = mpiexec or find_mpiexec()
+    flags: list[str] = []
+    if mpiexec_flavor(exe) == "openmpi":
+        flags.append("--oversubscribe")
+        if hasattr(os, "geteuid") and os.geteuid() == 0:
+            flags.append("--allow-run-as-root")
+    return [exe, *flags, "-n", str(int(n)), *([sys.executable] if python else []), *args]
+
+
+def local_rank(comm: Any = None) -> tuple[int, int]:
+    """(this rank's index among the ranks on its machine, how many ranks are on it)."""
+    from mpi4py import MPI
+
+    base = MPI.COMM_WORLD if comm is None else getattr(comm, "mpi", comm)
+    node = base.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return int(node.Get_rank()), int(node.Get_size())
+    finally:
+        node.Free()
+
+
+def bind_to_cores(cores_per_rank: int | None = None, comm: Any = None,
+                  cores: Sequence[int] | None = None) -> list[int]:
+    """Pin this process to its own share of the machine's cores and return them.
+
+    The ranks of one machine split ``cores`` (default: the cores this process may use) into
+    equal consecutive groups of ``cores_per_rank`` (default: as many as divide evenly, at
+    least one); with more ranks than cores, ranks share. Call it before the cpu backend is
+    first used: a cpu device is the set of cores the process may use when it starts
+    (``POLYJIT_CPU_DEVICES`` then splits that set).
+    """
+    here, count = local_rank(comm)
+    allowed = sorted(cores if cores is not None else os.sched_getaffinity(0))
+    per = cores_per_rank or max(len(allowed) // count, 1)
+    start = (here * per) % len(allowed)
+    mine = [allowed[(start + k) % len(allowed)] for k in range(min(per, len(allowed)))]
+    os.sched_setaffinity(0, mine)
+    return mine

@@ -1,0 +1,333 @@
+"""polyjit.distributed under ``mpiexec -n 2`` and ``-n 3``: the scenarios of scenarios.py run
+as MPI jobs in subprocesses (the pytest process itself never starts MPI).
+
+Without mpi4py these tests skip, saying why (``pip install 'polyjit[mpi]'``); CI installs
+the extra, and under CI (``$CI`` set) a missing mpi4py fails instead of skipping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCENARIOS = Path(__file__).resolve().parent / "scenarios.py"
+
+if importlib.util.find_spec("mpi4py") is None:
+    if os.environ.get("CI"):
+        pytest.fail("mpi4py is not installed, and CI must run the MPI tests: pip install -e '.[mpi]'",
+                    pytrace=False)
+    pytest.skip("mpi4py is not installed: pip install 'polyjit[mpi]' (mpi4py and the mpich wheel)",
+                allow_module_level=True)
+
+
+def _launch_module() -> ModuleType:
+    """polyjit/distributed/launch.py, loaded without the package (which would start MPI here)."""
+    spec = importlib.util.spec_from_file_location("_pj_launch", ROOT / "polyjit" / "distributed" / "launch.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+launch = _launch_module()
+
+
+class Job:
+    """One finished ``mpiexec -n N python scenarios.py ...``."""
+
+    def __init__(self, n: int, names: tuple[str, ...], rc: int, out: str, err: str, logs: dict[int, str],
+                 seconds: float) -> None:
+        self.n, self.names, self.rc, self.out, self.err, self.logs, self.seconds = n, names, rc, out, err, logs, seconds
+
+    def text(self) -> str:
+        return f"mpiexec -n {self.n} {' '.join(self.names)}: exit {self.rc} after {self.seconds:.1f} s\n" \
+               f"--- stdout\n{self.out[-6000:]}\n--- stderr\n{self.err[-6000:]}"
+
+    def lines(self, rank: int, prefix: str) -> list[str]:
+        return [ln for ln in self.logs.get(rank, "").splitlines() if ln.startswith(prefix)]
+
+    def passed(self, name: str) -> None:
+        """Every rank passed scenario ``name`` (or, for an optional one, every rank skipped it)."""
+        skips = [ln for r in range(self.n) for ln in self.lines(r, f"SKIP {name} ")]
+        if skips and len(skips) == self.n:
+            pytest.skip(skips[0].split(": ", 1)[-1])
+        missing = [r for r in range(self.n) if f"PASS {name} rank {r}" not in self.lines(r, "PASS ")]
+        assert not missing, f"scenario {name}: no PASS from ranks {missing}\n{self.text()}"
+
+
+def run_job(n: int, *names: str, env: dict[str, str] | None = None, timeout: float = 240) -> Job:
+    cmd = launch.mpiexec_command(n, str(SCENARIOS), *names)
+    with tempfile.TemporaryDirectory(prefix="pj-mpi-") as out_dir:
+        full_env = {**os.environ, "SCENARIO_OUT": out_dir, "PYTHONUNBUFFERED": "1", **(env or {})}
+        t0 = time.monotonic()
+        # its own process group: on a hang, the ranks go with mpiexec
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
+                                cwd=ROOT, start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            pytest.fail(f"{' '.join(cmd)} did not finish in {timeout} s (a hang):\n{out[-4000:]}\n{err[-4000:]}")
+        seconds = time.monotonic() - t0
+        logs = {r: (Path(out_dir) / f"rank{r}.log").read_text() for r in range(n)
+                if (Path(out_dir) / f"rank{r}.log").exists()}
+    return Job(n, names, proc.returncode, out, err, logs, seconds)
+
+
+@pytest.fixture(scope="module")
+def mpiexec() -> str:
+    try:
+        return str(launch.find_mpiexec())
+    except FileNotFoundError as e:  # mpi4py is here, its mpiexec is not: fail, do not skip
+        pytest.fail(str(e))
+
+
+JOB2 = ("collectives", "ordering", "mismatch", "export_path", "staged", "data_parallel:2", "nccl_id", "timeout")
+JOB3 = ("collectives", "mismatch", "data_parallel:2", "timeout")
+
+
+@pytest.fixture(scope="module")
+def job2(mpiexec: str) -> Job:
+    job = run_job(2, *JOB2)
+    assert job.rc == 0, job.text()
+    return job
+
+
+@pytest.fixture(scope="module")
+def job3(mpiexec: str) -> Job:
+    job = run_job(3, *JOB3)
+    assert job.rc == 0, job.text()
+    return job
+
+
+@pytest.fixture(params=[2, 3], ids=["2_ranks", "3_ranks"])
+def job(request: pytest.FixtureRequest) -> Job:
+    fixture: Job = request.getfixturevalue(f"job{request.param}")
+    return fixture
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_every_collective_and_op_matches_numpy(job: Job) -> None:
+    job.passed("collectives")
+
+
+def test_collectives_order_with_routines_before_and_after_without_waits(job2: Job) -> None:
+    job2.passed("ordering")
+
+
+def test_mismatched_calls_raise_on_every_rank_before_data_moves(job: Job) -> None:
+    job.passed("mismatch")
+    for r in range(job.n):
+        (line,) = job.lines(r, "MISMATCH ")
+        assert "(4, 3)" in line and "(5, 3)" in line and "no data was moved" in line, line
+
+
+@pytest.mark.parametrize(("n", "devices"), [(2, 2), (3, 2)], ids=["2x2", "3x2"])
+def test_hierarchical_data_parallel_matches_one_device(n: int, devices: int, request: pytest.FixtureRequest) -> None:
+    job: Job = request.getfixturevalue(f"job{n}")
+    job.passed(f"data_parallel:{devices}")
+
+
+def test_a_rank_that_never_joins_is_named_by_the_others(job: Job) -> None:
+    job.passed("timeout")
+    last = job.n - 1
+    for r in range(last):
+        (line,) = job.lines(r, "TIMEOUT ")
+        assert f"rank {last} of {job.n} did not join" in line and "all_reduce" in line and "to_grads" in line, line
+
+
+def test_device_memory_path_on_host_exports(job2: Job) -> None:
+    """The CUDA-aware code path (exports, event waits, the mean as a routine), on the cpu."""
+    job2.passed("export_path")
+
+
+def test_staged_path_through_a_backend_with_its_own_memory(job2: Job) -> None:
+    job2.passed("staged")
+
+
+def test_nccl_unique_id_reaches_every_rank(job2: Job) -> None:
+    job2.passed("nccl_id")
+
+
+def test_an_exception_on_one_rank_aborts_the_job_with_its_traceback(mpiexec: str) -> None:
+    job = run_job(2, "abort", timeout=120)
+    assert job.rc != 0, job.text()
+    assert job.seconds < 30, job.text()  # rank 0 waited in a collective with a 120 s timeout
+    assert "[rank 1] Traceback (most recent call last):" in job.err, job.text()
+    assert "[rank 1] RuntimeError: boom on purpose" in job.err, job.text()
+    assert "aborting the job" in job.err, job.text()
+    assert not any(job.lines(r, "NOT ABORTED") for r in range(2)), job.text()
+
+
+def test_the_example_trains_across_two_ranks(mpiexec: str) -> None:
+    cmd = launch.mpiexec_command(2, str(ROOT / "examples" / "mpi_data_parallel.py"), "--steps", "40")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "2 ranks x 1 device(s) = 2 replicas" in proc.stdout and "samples/s" in proc.stdout, proc.stdout
+    assert "ranks differ by 0.0e+00, replicas by 0.0e+00" in proc.stdout, proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# One process
+
+
+def _python(code: str, env: dict[str, str] | None = None) -> str:
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **(env or {})}, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def test_import_polyjit_does_not_import_mpi4py() -> None:
+    out = _python("import sys, polyjit, polyjit.tensor; print('mpi4py' in sys.modules)\n"
+                  "import polyjit.distributed; print('mpi4py' in sys.modules)")
+    assert out.split() == ["False", "True"]
+
+
+def test_the_excepthook_is_installed_unless_opted_out() -> None:
+    code = "import polyjit.distributed as d; print(d.excepthook_installed())"
+    assert _python(code).strip() == "True"
+    assert _python(code, {"POLYJIT_MPI_ABORT": "0"}).strip() == "False"
+    off = _python("import polyjit.distributed as d; d.uninstall_excepthook(); print(d.excepthook_installed())")
+    assert off.strip() == "False"
+
+
+def test_one_rank_without_mpiexec_passes_the_exception_on() -> None:
+    proc = subprocess.run([sys.executable, "-c", "import polyjit.distributed; raise ValueError('alone')"],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 1 and "ValueError: alone" in proc.stderr and "[rank" not in proc.stderr
+
+
+def test_timeouts_are_checked() -> None:
+    out = _python(
+        "import polyjit.distributed as d\n"
+        "from polyjit.core.errors import InvalidArgumentError\n"
+        "print(d.default_timeout())\n"
+        "d.set_default_timeout(12.5); print(d.Comm().timeout)\n"
+        "for bad in (0, -1, float('nan'), 'soon'):\n"
+        "    try: d.Comm(timeout=bad)\n"
+        "    except InvalidArgumentError: print('refused')\n",
+        {"POLYJIT_MPI_TIMEOUT": "42"})
+    assert out.split() == ["42.0", "12.5", "refused", "refused", "refused", "refused"]
+
+
+def test_mpiexec_command_adds_open_mpi_flags(tmp_path: Path) -> None:
+    fake = tmp_path / "mpiexec"
+    fake.write_text("#!/bin/sh\necho 'mpiexec (OpenRTE) 4.1.5'\n")
+    fake.chmod(0o755)
+    cmd = launch.mpiexec_command(3, "x.py", mpiexec=str(fake))
+    assert cmd[0] == str(fake) and "--oversubscribe" in cmd and cmd[-4:] == ["-n", "3", sys.executable, "x.py"]
+    assert ("--allow-run-as-root" in cmd) == (os.geteuid() == 0)
+    hydra = tmp_path / "hydra" / "mpiexec"
+    hydra.parent.mkdir()
+    hydra.write_text("#!/bin/sh\necho 'HYDRA build details:'\n")
+    hydra.chmod(0o755)
+    assert launch.mpiexec_command(2, "x.py", mpiexec=str(hydra)) == [str(hydra), "-n", "2", sys.executable, "x.py"]
+
+
+def test_find_mpiexec_honours_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("POLYJIT_MPIEXEC", str(tmp_path / "nope"))
+    with pytest.raises(FileNotFoundError, match="POLYJIT_MPIEXEC"):
+        launch.find_mpiexec()
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA nodes without a GPU: tests/cuda's stub driver (its "device memory" is host memory, so
+# an MPI that is not CUDA-aware can stand in for one that is)
+
+
+@pytest.fixture(scope="module")
+def stub_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    cuda_tests = ROOT / "tests" / "cuda"
+    sys.path.insert(0, str(cuda_tests))
+    try:
+        spec = importlib.util.spec_from_file_location("_pj_stub", cuda_tests / "stub.py")
+        assert spec is not None and spec.loader is not None
+        stub = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(stub)
+    finally:
+        sys.path.remove(str(cuda_tests))
+    if stub.c_compiler() is None:
+        pytest.skip("no C compiler to build tests/cuda's stub driver")
+    base = tmp_path_factory.mktemp("cuda-stub")
+    env: dict[str, str] = stub.stub_env(stub.build_stub(base), base / "kernels", base / "host-cache",
+                                        PJSTUB_DEVICES="2")
+    return env
+
+
+@pytest.mark.parametrize("aware", ["1", "0"], ids=["cuda_aware", "staged"])
+def test_cuda_nodes_on_the_stub_driver(stub_env: dict[str, str], aware: str) -> None:
+    names = ("cuda_staged", "cuda_aware", "cuda_data_parallel") if aware == "1" else ("cuda_data_parallel",)
+    job = run_job(2, *names, env={**stub_env, "POLYJIT_MPI_CUDA_AWARE": aware})
+    assert job.rc == 0, job.text()
+    for name in names:
+        job.passed(name)
+
+
+# ---------------------------------------------------------------------------------------------
+# With a GPU
+
+
+gpu = pytest.mark.gpu
+
+
+def _cuda_devices() -> tuple[int, str]:
+    out = subprocess.run([sys.executable, "-c", "from polyjit.backends import get_backend\n"
+                          "b = get_backend('cuda'); print(b.num_devices()); print(b.unavailable_reason)"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    lines = out.stdout.splitlines()
+    return (int(lines[0]), lines[1]) if len(lines) == 2 else (0, out.stderr.strip()[-300:])
+
+
+@pytest.fixture(scope="module")
+def cuda_count(mpiexec: str) -> int:
+    count, reason = _cuda_devices()
+    if count == 0:
+        pytest.skip(f"no CUDA device: {reason}")
+    return count
+
+
+@pytest.fixture(scope="module")
+def cuda_job(cuda_count: int) -> Job:
+    job = run_job(2, "cuda_staged", "cuda_aware", "cuda_data_parallel")  # two ranks may share a GPU
+    assert job.rc == 0, job.text()
+    return job
+
+
+@gpu
+def test_cuda_nodes_staged_through_host_copies(cuda_job: Job) -> None:
+    cuda_job.passed("cuda_staged")
+
+
+@gpu
+def test_cuda_nodes_with_cuda_aware_mpi(cuda_job: Job) -> None:
+    cuda_job.passed("cuda_aware")
+
+
+@gpu
+def test_data_parallel_with_a_gpu_per_rank(cuda_job: Job) -> None:
+    cuda_job.passed("cuda_data_parallel")
+
+
+@gpu
+def test_nccl_collectives_on_the_context_stream(cuda_count: int) -> None:
+    """One rank per GPU (NCCL refuses two ranks on one device): 2 ranks, or 1 on one GPU."""
+    job = run_job(min(cuda_count, 2), "nccl")
+    assert job.rc == 0, job.text()
+    job.passed("nccl")
