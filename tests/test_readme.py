@@ -30,5 +30,5 @@ def test_readme_gives_exactly_two_setup_commands() -> None:
     commands = re.findall(r"```bash\n(.*?)```", setup, re.S)
     assert [c.strip() for c in commands] == [
         "pip install -e . && polyjit demo",
-        "pip install -e '.[opencl,cuda,dev]' && python -m pytest",
+        "pip install -e '.[opencl,cuda,dev,mpi,interop]' && python -m pytest",
     ]
