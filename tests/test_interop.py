@@ -57,6 +57,23 @@ def test_numpy_sees_a_node_without_a_copy() -> None:
     r.context.finalize()
 
 
+def test_a_bfloat16_node_reaches_numpy_without_a_copy() -> None:
+    """numpy's from_dlpack has no bfloat16; np.asarray of an export wraps the memory instead,
+    and the view keeps the buffer alive after the context is finalized."""
+    import ml_dtypes
+
+    x = Node("x", (64,), dtypes.bfloat16)
+    values = np.linspace(-4, 4, 64).astype(ml_dtypes.bfloat16)
+    ctx = get_backend("cpu").get_device(0).make_context().init_from_host(x, values)
+    exported = ctx.export(x)
+    view = np.asarray(exported)
+    assert view.dtype == ml_dtypes.bfloat16 and view.ctypes.data == exported.address
+    del exported
+    ctx.finalize()
+    gc.collect()
+    np.testing.assert_array_equal(view, values)
+
+
 def test_an_exported_buffer_outlives_finalize() -> None:
     r, _, out, values = _squared((256, 64))
     dev = r.context.device

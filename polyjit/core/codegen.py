@@ -8,6 +8,12 @@ core/gpu.py writes the kernels the GPU dialects share. A ``Dialect`` supplies sp
 (type names, math functions, qualifiers, the kernel signature, pragmas, the GPU builtins)
 and declares what its target is (how parallel loops map onto it, its work-group sizes, the
 sizes worth tiling, the shapes only it writes). Its defaults spell C99 with OpenMP.
+
+The half types (float16, bfloat16) are stored in 2 bytes and computed in float32: the
+emitter writes every expression of a half dtype as a float32 one, loads through
+``Dialect.half_load``, rounds the result of each op that can be inexact through
+``Dialect.half_round`` and stores through ``Dialect.half_store`` (core/half.py holds the
+conversions); accumulators are float32 and round once, when they store.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 import attrs
 import numpy as np
 
-from polyjit.core import dtypes, gpu, ir, patterns
+from polyjit.core import dtypes, gpu, half, ir, patterns
 from polyjit.core.dtypes import DType
 from polyjit.core.errors import CompileError, UnsupportedError
 from polyjit.core.gpu import GpuSpelling
@@ -117,9 +123,40 @@ class Dialect:
     vector_bytes = 0  # the host's vector registers (the CPU's shapes)
     shape_emitters: Mapping[str, ShapeEmitter] = {}  # the shapes only this dialect writes
     gpu: GpuSpelling | None = None  # the GPU builtins (GPU mappings)
+    # how the half types' conversions are spelled (C: through memcpy; _Float16 where the
+    # compiler has it, which GCC 12+ and clang 15+ turn into F16C instructions on x86)
+    half_spelling = half.HalfSpelling(
+        qualifier="static inline", u32="uint32_t", u16="uint16_t", f2u="pj_f32_bits({})", u2f="pj_bits_f32({})",
+        prelude=(
+            ("pj_f32_bits", ["static inline uint32_t pj_f32_bits(float f) {",
+                             "  uint32_t u; __builtin_memcpy(&u, &f, 4); return u;", "}"]),
+            ("pj_bits_f32", ["static inline float pj_bits_f32(uint32_t u) {",
+                             "  float f; __builtin_memcpy(&f, &u, 4); return f;", "}"]),
+        ),
+        native=tuple((name, ("defined(__FLT16_MAX__) && !defined(PJ_NO_FLOAT16)", lines)) for name, lines in (
+            (half.load_name(dtypes.float16), ["  _Float16 v; __builtin_memcpy(&v, &h, 2); return (float)v;"]),
+            (half.store_name(dtypes.float16),
+             ["  const _Float16 v = (_Float16)f; uint16_t h; __builtin_memcpy(&h, &v, 2); return h;"]),
+            (half.round_name(dtypes.float16), ["  return (float)(_Float16)f;"]),
+        )),
+    )
 
     def type_name(self, dt: DType) -> str:
         return dt.c
+
+    # -- the half types: stored in 2 bytes, computed in float32 (core/half.py) ---------------
+
+    def half_load(self, dt: DType, ref: str) -> str:
+        """The float32 value of the stored element ``ref`` (an lvalue) of a half type."""
+        return f"{half.load_name(dt)}({ref})"
+
+    def half_store(self, dt: DType, ref: str, value: str) -> str:
+        """The statement (without its ``;``) that stores the float32 ``value`` into ``ref``."""
+        return f"{ref} = {half.store_name(dt)}({value})"
+
+    def half_round(self, dt: DType, value: str) -> str:
+        """The float32 ``value`` rounded to the half type (still a float32)."""
+        return f"{half.round_name(dt)}({value})"
 
     def prelude(self, batch_dtypes: set[DType]) -> list[str]:
         """Lines at the top of every source: includes, typedefs (definitions that no compiler
@@ -130,10 +167,12 @@ class Dialect:
         """The helpers kernels may call, as (name, lines of its definition), in an order where
         each comes after the helpers it uses. :func:`generate` emits only those the batch's
         kernels name (and the helpers those name), so that no compiler warns about an
-        unused one. Here: max/min of each dtype (as functions: arguments are evaluated once)."""
+        unused one. Here: the half types' conversions, and max/min of each dtype kernels
+        compute in (as functions: arguments are evaluated once)."""
         q = self.function_qualifier
-        out: list[tuple[str, list[str]]] = []
-        for dt in sorted(batch_dtypes, key=lambda d: d.name):
+        out = half.helpers(self.half_spelling, batch_dtypes)
+        computed = {d.compute for d in batch_dtypes}  # kernels compute half values in float32
+        for dt in sorted(computed, key=lambda d: d.name):
             t = self.type_name(dt)
             for fn, cmp in (("max", ">"), ("min", "<")):
                 name = f"pj_{fn}_{dt.name}"
@@ -220,6 +259,15 @@ class Names:
 _INFIX = {ir.Op.ADD: "+", ir.Op.SUB: "-", ir.Op.MUL: "*", ir.Op.DIV: "/",
           ir.Op.LT: "<", ir.Op.LE: "<=", ir.Op.GT: ">", ir.Op.GE: ">=", ir.Op.EQ: "==", ir.Op.NE: "!="}
 _MATH = {ir.Op.EXP: "exp", ir.Op.LOG: "log", ir.Op.SQRT: "sqrt", ir.Op.TANH: "tanh", ir.Op.POW: "pow"}
+# Ops whose result on half values is a half value again: no rounding after them.
+_EXACT_ON_HALF = frozenset({ir.Op.ID, ir.Op.NEG, ir.Op.ABS, ir.Op.RELU, ir.Op.MAX, ir.Op.MIN, ir.Op.WHERE})
+
+
+def _rounds(e: Call) -> bool:
+    """The call's float32 result must be rounded to its half type."""
+    if not e.dtype.is_half or e.op in _EXACT_ON_HALF:
+        return False
+    return not (e.op is ir.Op.CAST and e.args[0].dtype is e.dtype)
 
 
 class Emitter:
@@ -237,7 +285,21 @@ class Emitter:
             parts.append(str(a.const))
         return " + ".join(parts).replace("+ -", "- ")
 
+    def ctype(self, dt: DType) -> str:
+        """The type kernels compute values of ``dt`` in (float for the half types)."""
+        return self.d.type_name(dt.compute)
+
+    def load(self, node: ir.Node, ref: str) -> str:
+        """The value of ``ref``, a stored element of ``node``, as kernels compute with it."""
+        return self.d.half_load(node.dtype, ref) if node.dtype.is_half else ref
+
+    def store(self, node: ir.Node, ref: str, value: str) -> str:
+        """The statement (without its ``;``) that stores ``value`` into ``ref``, an element of ``node``."""
+        return self.d.half_store(node.dtype, ref, value) if node.dtype.is_half else f"{ref} = {value}"
+
     def literal(self, value: float | int | bool, dt: DType) -> str:
+        if dt.is_half:  # the value the half type holds, as a float32 literal
+            return self.d.float_literal(dtypes.round_scalar(float(value), dt), dtypes.float32)
         if dt.is_float:
             return self.d.float_literal(float(value), dt)
         if dt.is_bool:
@@ -253,7 +315,7 @@ class Emitter:
     def expr(self, e: Expr) -> str:
         if isinstance(e, Load):
             base = self.names.merge if e.merge else self.names.buffer(e.node)
-            return f"{base}[{self.index(e.index)}]"
+            return self.load(e.node, f"{base}[{self.index(e.index)}]")
         if isinstance(e, Const):
             return self.literal(e.value, e.dtype)
         if isinstance(e, IndexValue):
@@ -261,10 +323,20 @@ class Emitter:
         return self.call(e)
 
     def call(self, e: Call) -> str:
-        op, dt = e.op, e.dtype
+        value = self._call(e)
+        return self.d.half_round(e.dtype, value) if _rounds(e) else value
+
+    def stored_value(self, e: Expr) -> str:
+        """``e`` as the value of a store into its own dtype: a half type's store rounds, so
+        the rounding of ``e``'s own op is left to it (to nearest even either way)."""
+        return self._call(e) if isinstance(e, Call) and _rounds(e) else self.expr(e)
+
+    def _call(self, e: Call) -> str:
+        """The op in the dtypes kernels compute in (a half type's value in float32, not rounded)."""
+        op, dt = e.op, e.dtype.compute
         args = [self.expr(a) for a in e.args]
         t = self.d.type_name(dt)
-        arg_dt = e.args[0].dtype if e.args else dt
+        arg_dt = e.args[0].dtype.compute if e.args else dt
         if op in _INFIX:
             s = f"({args[0]} {_INFIX[op]} {args[1]})"
             # C computes narrow integers in int: wrap like numpy does.
@@ -290,6 +362,8 @@ class Emitter:
         if op is ir.Op.CAST:
             if dt.is_bool:
                 return f"(({t})(({args[0]}) != 0))"
+            if e.dtype.is_half and e.args[0].dtype is dtypes.float64:  # round once, not twice
+                return f"{half.F64_TO_F32_ODD}({args[0]})"
             return f"(({t})({args[0]}))"
         if op is ir.Op.WHERE:
             return f"(({args[0]}) ? ({args[1]}) : ({args[2]}))"
@@ -300,20 +374,23 @@ class Emitter:
     # -- statements ----------------------------------------------------------
 
     def combine(self, accum: ir.AccumOp, dt: DType, old: str, new: str) -> str:
+        """``accum(old, new)`` in the dtype kernels compute ``dt`` in (not rounded to a half type:
+        a store rounds)."""
         if accum is ir.AccumOp.ADD:
             return f"{old} + {new}"
         if accum is ir.AccumOp.MUL:
             return f"{old} * {new}"
-        return f"pj_{accum.value}_{dt.name}({old}, {new})"
+        return f"pj_{accum.value}_{dt.compute.name}({old}, {new})"
 
     def stmt(self, s: Stmt, indent: int) -> list[str]:
         pad = "  " * indent
         if isinstance(s, Store):
             target = f"{self.names.buffer(s.node)}[{self.index(s.index)}]"
-            value = self.expr(s.value)
-            if s.accum is not None:
-                value = self.combine(s.accum, s.node.dtype, target, value)
-            return [f"{pad}{target} = {value};"]
+            if s.accum is None:
+                value = self.stored_value(s.value) if s.value.dtype is s.node.dtype else self.expr(s.value)
+            else:
+                value = self.combine(s.accum, s.node.dtype, self.load(s.node, target), self.expr(s.value))
+            return [f"{pad}{self.store(s.node, target, value)};"]
         if isinstance(s, Loop):
             v = self.names.var(s.sym)
             return [f"{pad}for (int64_t {v} = 0; {v} < {s.extent}; ++{v}) {{",
@@ -321,16 +398,17 @@ class Emitter:
         return self.reduce(s, indent)
 
     def reduce_cell(self, r: Reduce) -> tuple[str, str]:
-        """A reduction's output cell and the value it starts from (the cell itself when the
-        reduction accumulates onto what the context holds)."""
+        """A reduction's output cell (an lvalue: store into it with :meth:`store`) and the
+        value it starts from (what the cell holds when the reduction accumulates onto the
+        context)."""
         target = f"{self.names.buffer(r.node)}[{self.index(r.index)}]"
-        return target, target if r.init is None else self.expr(r.init)
+        return target, self.load(r.node, target) if r.init is None else self.expr(r.init)
 
     def reduce(self, r: Reduce, indent: int, pragma: str | None = None) -> list[str]:
         if pragma is None and r.reassociable and r.node.dtype.is_float:
             pragma = self.d.pragma(self.d.simd_reduction_pragma, len(r.loops), r.accum)
         pad = "  " * indent
-        t = self.d.type_name(r.node.dtype)
+        t = self.ctype(r.node.dtype)  # half types accumulate in float32
         target, init = self.reduce_cell(r)
         lines = [f"{pad}{{", f"{pad}  {t} pj_acc = {init};"]
         depth = indent + 1
@@ -344,7 +422,7 @@ class Emitter:
         lines.append(f"{'  ' * depth}pj_acc = {value};")
         for d in range(depth - 1, indent, -1):
             lines.append(f"{'  ' * d}}}")
-        lines += [f"{pad}  {target} = pj_acc;", f"{pad}}}"]
+        lines += [f"{pad}  {self.store(r.node, target, 'pj_acc')};", f"{pad}}}"]
         return lines
 
 

@@ -86,12 +86,33 @@ _raw_is_valid = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p
 _raw_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p)(("PyCapsule_GetPointer", _api))
 
 
+# PyErr_Fetch with no argtypes: ctypes then takes byref() arguments as they are, where a
+# prototype's from_param would run Python code (an isinstance check) that fails while an
+# error is pending.
+_err_fetch = _api._FuncPtr(("PyErr_Fetch", _api))
+_err_fetch.restype = None
+_err_restore = ctypes.PYFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)(("PyErr_Restore", _api))
+# Made in advance: while an error is pending, even making a ctypes object fails.
+_SAVED = (ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p())
+_SAVED_REFS = tuple(ctypes.byref(x) for x in _SAVED)
+
+
 @_CAPSULE_DESTRUCTOR
 def _capsule_destructor(capsule: int) -> None:
-    """A capsule freed unconsumed (still named ``dltensor``): its tensor is released here."""
-    for name in (b"dltensor", b"dltensor_versioned"):
-        if _raw_is_valid(capsule, name):
-            _deleter(_raw_pointer(capsule, name))
+    """A capsule freed unconsumed (still named ``dltensor``): its tensor is released here.
+
+    A consumer that refused the capsule (numpy has no bfloat16) drops it with its error
+    set, and ctypes calls fail while one is: the error is set aside while the tensor is
+    released, then put back (a callback cannot hand it on: ctypes reports it as unraisable)."""
+    _err_fetch(_SAVED_REFS[0], _SAVED_REFS[1], _SAVED_REFS[2])  # nothing may be made before this
+    saved = tuple(x.value for x in _SAVED)
+    try:
+        for name in (b"dltensor", b"dltensor_versioned"):
+            if _raw_is_valid(capsule, name):
+                _deleter(_raw_pointer(capsule, name))
+    finally:
+        if saved[0]:
+            _err_restore(*saved)
 
 
 def _code(dt: DType) -> tuple[int, int]:

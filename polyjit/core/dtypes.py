@@ -1,10 +1,21 @@
-"""The dtype table: numpy dtypes and their names in each C-family dialect."""
+"""The dtype table: numpy dtypes and their names in each C-family dialect.
+
+float16 and bfloat16 (``ml_dtypes.bfloat16`` on the host) are *storage* types: a node of
+either holds 2-byte values, and kernels compute with them in float32 (``DType.compute``).
+Every load converts to float32 (exactly), every op on half values rounds its float32
+result to the half type (round to nearest even), and every store converts the (already
+rounded) value back; reductions accumulate in float32 and round once, when they store.
+For ``+ - * /`` and ``sqrt`` this gives the bits a native half unit would (float32 holds
+more than 2p + 2 bits of either type, so rounding twice is harmless); the reference
+interpreter (core/reference.py) computes the same way. :func:`to_half` and
+:func:`round_scalar` are the host side of those conversions."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import attrs
+import ml_dtypes
 import numpy
 import numpy as np
 
@@ -34,6 +45,16 @@ class DType:
     @property
     def is_bool(self) -> bool:
         return self.name == "bool"
+
+    @property
+    def is_half(self) -> bool:
+        """float16 or bfloat16: stored in 2 bytes, computed in float32."""
+        return self.name in ("float16", "bfloat16")
+
+    @property
+    def compute(self) -> DType:
+        """The dtype kernels compute this one in: float32 for the half types, else itself."""
+        return float32 if self.is_half else self
 
     @property
     def dtype(self) -> numpy.dtype[Any]:
@@ -68,8 +89,15 @@ int32 = DType("int32", np.dtype(np.int32), "int32_t", "int", "int", False, True)
 int64 = DType("int64", np.dtype(np.int64), "int64_t", "long", "long long", False, True)
 uint8 = DType("uint8", np.dtype(np.uint8), "uint8_t", "uchar", "unsigned char", False, False)
 bool_ = DType("bool", np.dtype(np.bool_), "uint8_t", "uchar", "unsigned char", False, False)
+# The half types: C and CUDA store the bits (uint16_t, unsigned short) and convert with
+# helpers; OpenCL stores float16 as ``half`` (what vload_half/vstore_half_rte read and
+# write, core OpenCL: no extension needed) and bfloat16 as its bits.
+float16 = DType("float16", np.dtype(np.float16), "uint16_t", "half", "unsigned short", True, True)
+bfloat16 = DType("bfloat16", np.dtype(ml_dtypes.bfloat16), "uint16_t", "ushort", "unsigned short", True, True)
 
-ALL: tuple[DType, ...] = (float32, float64, int32, int64, uint8, bool_)
+# New dtypes go at the end: the kit seeds some values by a dtype's position here.
+ALL: tuple[DType, ...] = (float32, float64, int32, int64, uint8, bool_, float16, bfloat16)
+HALF: tuple[DType, ...] = (float16, bfloat16)
 _BY_NAME = {d.name: d for d in ALL}
 _BY_NP = {d.np: d for d in ALL}
 
@@ -89,3 +117,47 @@ def as_dtype(value: Any) -> DType:
     except KeyError:
         names = ", ".join(_BY_NAME)
         raise DTypeMismatchError(f"unsupported dtype {npd}; polyjit supports {names}") from None
+
+
+# ---------------------------------------------------------------------------
+# Host-side conversions to the half types, as kernels do them
+
+Array = np.ndarray[Any, Any]
+
+
+def float32_round_to_odd(x: Any) -> Array:
+    """float64 values as float32, rounded to odd: truncated toward zero, with the last bit set
+    when anything was cut off. Rounding that to a type of at most 22 bits (float16: 11,
+    bfloat16: 8) gives the correctly rounded result, where float64 -> float32 -> half
+    (round to nearest twice) may not."""
+    d = np.asarray(x, dtype=np.float64)
+    with np.errstate(all="ignore"):
+        f = d.astype(np.float32)
+        inexact = (f.astype(np.float64) != d) & ~np.isnan(d)
+        bits = f.view(np.uint32).copy()
+        away = np.abs(f.astype(np.float64)) > np.abs(d)  # rounded away from zero: step back
+        bits = np.where(inexact & away, bits - np.uint32(1), bits)
+        bits = np.where(inexact, bits | np.uint32(1), bits)
+    return bits.astype(np.uint32).view(np.float32).reshape(d.shape)
+
+
+def to_half(x: Any, dt: DType) -> Array:
+    """``x`` (any real array) converted to the half type ``dt`` the way kernels convert:
+    float64 through float32 rounded to odd (so correctly rounded), everything else through
+    float32 (integers beyond 2**24 round twice), then to nearest even. Overflow gives inf,
+    NaN stays NaN."""
+    arr = np.asarray(x)
+    if arr.dtype == dt.np:
+        return arr.copy()
+    if arr.dtype == np.float64:
+        f32 = float32_round_to_odd(arr)
+    else:
+        with np.errstate(all="ignore"):
+            f32 = arr.astype(np.float32)
+    with np.errstate(all="ignore"):
+        return f32.astype(dt.np)
+
+
+def round_scalar(value: float, dt: DType) -> float:
+    """A Python number rounded to ``dt`` (a literal of a half type, as kernels see it)."""
+    return float(to_half(np.float64(value), dt).astype(np.float32)) if dt.is_half else float(value)

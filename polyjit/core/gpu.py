@@ -143,7 +143,7 @@ def emit_group_reduce(em: Emitter, kernel: Kernel, r: Reduce, names: Names, thre
     """A group-per-cell reduction for groups of at most ``threads`` work-items (a power of
     two: the tree halves the group size)."""
     dt = r.node.dtype
-    t = em.d.type_name(dt)
+    t = em.ctype(dt)  # half types accumulate in float32
     cells = kernel.work  # 1 without a parallel nest, 0 for an empty one
     if cells == 0:  # nothing to do (a loop to 0u would draw a warning)
         return []
@@ -168,7 +168,7 @@ def emit_group_reduce(em: Emitter, kernel: Kernel, r: Reduce, names: Names, thre
               "      }",
               f"      {s.barrier}",
               "    }",
-              f"    if ({s.local} == 0) {target} = {em.combine(r.accum, dt, start, 'pj_red[0]')};",
+              f"    if ({s.local} == 0) {em.store(r.node, target, em.combine(r.accum, dt, start, 'pj_red[0]'))};",
               f"    {s.barrier}",
               "  }"]
     return lines

@@ -99,7 +99,13 @@ class Exported:
             raise UnsupportedError("only a buffer in host memory converts to numpy without a copy; "
                                    "use Context.read (or to_host)")
         self._ordered(None)
-        view = np.from_dlpack(self)
+        if self.dtype.name == "bfloat16":  # numpy's from_dlpack has no bfloat16: wrap the memory
+            nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+            raw = (ctypes.c_ubyte * nbytes).from_address(self.address)
+            raw._owner = self  # type: ignore[attr-defined]  # the view keeps the export (and its pool) alive
+            view = np.frombuffer(memoryview(raw), dtype=self.dtype.np).reshape(self.shape)
+        else:
+            view = np.from_dlpack(self)
         if dtype is not None:
             view = view.astype(dtype, copy=bool(copy))
         return view.copy() if copy else view

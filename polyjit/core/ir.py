@@ -499,8 +499,10 @@ def arange(node: Node) -> Fetch:
 
 
 def constant(node: Node, values: Any) -> Fetch:
+    dt = node.dtype
+    arr = dtypes.to_half(values, dt) if dt.is_half else np.asarray(values, dtype=dt.np)  # half: rounded once
     # np.require, not np.ascontiguousarray: the latter turns a 0-d array into shape (1,).
-    return Fetch(node, Constant(np.require(np.asarray(values, dtype=node.dtype.np), requirements="C")))
+    return Fetch(node, Constant(np.require(arr, requirements="C")))
 
 
 def reshape(node: Node, source: Node) -> Fetch:

@@ -51,7 +51,7 @@ from polyjit.core.loops import (
 # The loop IR lives in core/loops.py; its names stay importable from here.
 __all__ = [
     "Call", "Const", "Expr", "IndexValue", "Inference", "Kernel", "Load", "Loop", "LoweredBatch",
-    "LoweredComp", "Reduce", "Stmt", "Store", "flat_index", "infer_modes", "lower", "simplify",
+    "LoweredComp", "Reduce", "Stmt", "Store", "cell_symbols", "flat_index", "infer_modes", "lower", "simplify",
     "split_long_reduction", "strides", "walk_exprs", "walk_stmts",
 ]
 
@@ -258,7 +258,7 @@ class _Lowerer:
         pr = a.projections
         lhs_index = flat_index(a.lhs, pr.lhs)
         value = self.value(a)
-        cells = _cell_symbols(a)  # None when two iterations may write one cell
+        cells = cell_symbols(a)  # None when two iterations may write one cell
         comment = f"{a.lhs.label} {'=' if a.accum is None else a.accum.value + '='} {a.op.value}"
         kernels: list[Kernel] = []
         surjective = cells is not None and _is_surjective(a)
@@ -286,7 +286,7 @@ class _Lowerer:
         return kernels
 
 
-def _cell_symbols(a: ir.Accum) -> tuple[Symbol, ...] | None:
+def cell_symbols(a: ir.Accum) -> tuple[Symbol, ...] | None:
     """The symbols that pick the lhs cell, in lhs axis order, if distinct iterations of them
     write distinct cells (each lhs index uses at most one symbol, each symbol at most once)."""
     out: list[Symbol] = []
@@ -399,10 +399,12 @@ def split_long_reduction(k: Kernel) -> tuple[list[Kernel], Node | None]:
     chunk = n // parts
     b, c, b2 = Symbol(f"{sym.name}_part"), Symbol(f"{sym.name}_in"), Symbol(f"{sym.name}_parts")
     whole = ir.as_affine(b).scale(chunk) + ir.as_affine(c)
-    partial = Node(f"{r.node.name}_parts", (parts,), r.node.dtype)  # LOCAL: lower() records it
+    # LOCAL: lower() records it. A half type's partial results stay float32 (its accumulator's
+    # type): the cell is rounded once, as an unsplit reduction rounds it.
+    partial = Node(f"{r.node.name}_parts", (parts,), r.node.dtype.compute)
     loops = (*r.loops[:pos], (c, chunk), *r.loops[pos + 1:])
     value = map_expr(r.value, lambda a: a.substitute({sym: whole}))
-    neutral = Const(r.accum.neutral(r.node.dtype), r.node.dtype)
+    neutral = Const(r.accum.neutral(partial.dtype), partial.dtype)
     first = Kernel(f"{k.name}_parts", ((b, parts),),
                    Reduce(partial, ir.as_affine(b), r.accum, neutral, loops, value, reassociable=True),
                    f"{k.comment} (partial results)")

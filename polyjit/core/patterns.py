@@ -236,6 +236,8 @@ def _contraction(kernel: Kernel, d: Dialect) -> Contraction | None:
     c = match_contraction(kernel)
     if c is None or c.reduce.node.dtype not in d.matmul_dtypes or (d.matmul_rows and not c.row_major):
         return None
+    if c.reduce.node.dtype.is_half:  # the tiles hold and load the stored type: no half conversions
+        return None
     if min(c.m, c.n) < d.matmul_min_side or c.m * c.n * c.kk < d.matmul_min_work:
         return None
     return c
@@ -320,7 +322,7 @@ def streams(kernel: Kernel, vector_bytes: int) -> bool:
     body = kernel.body
     if len(kernel.parallel) != 1 or not isinstance(body, Store) or body.accum is not None:
         return False
-    if vector_bytes < 32 or not body.node.dtype.is_float:
+    if vector_bytes < 32 or not body.node.dtype.is_float or body.node.dtype.is_half:  # ps and pd only
         return False
     (sym, n), = kernel.parallel
     if body.index != ir.as_affine(sym) or n * body.node.dtype.itemsize < STREAMING_MIN_BYTES:

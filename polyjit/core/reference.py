@@ -15,7 +15,13 @@ order, with the semantics the IR documents:
   node's dtype), copies a constant, or takes a slice of another node along its
   first axis at an index that may use static symbols, or reads another node's
   elements in row-major order with its own shape (``Reshape``);
-- ``ir.merge(node)`` operands read ``merge[node]``.
+- ``ir.merge(node)`` operands read ``merge[node]``;
+- the half types (float16, bfloat16) compute as kernels do: each op converts its half
+  operands to float32, computes in float32 and rounds its result to the half type (to
+  nearest even); a cast to a half type rounds once (from float64 through float32 rounded to
+  odd); a reduction (an accumulation whose distinct cells are distinct iterations of the
+  parallel symbols, as lowering makes a ``Reduce`` of it) accumulates in float32 and rounds
+  once at the end, while accumulations that lowering leaves serial round at every update.
 
 Nodes a computation writes that are not in ``env`` start as zeros.
 """
@@ -27,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from polyjit.core import ir
-from polyjit.core.dtypes import DType
+from polyjit.core import ir, lower
+from polyjit.core.dtypes import DType, to_half
 from polyjit.core.errors import BindingError, InvalidProgramError, NodeNotInContextError
 from polyjit.core.ir import AccumOp, Affine, Node, Op, StaticSymbol, Symbol
 
@@ -41,6 +47,8 @@ def scalar_value(value: int | float | bool, dt: DType) -> Array:
     """A Python scalar as a 0-d array of ``dt``, converted the way C converts a literal."""
     if dt.is_bool:
         return np.array(bool(value), dtype=np.bool_)
+    if dt.is_half:
+        return to_half(np.float64(value), dt)
     if dt.is_float:
         return np.array(float(value), dtype=dt.np)
     if isinstance(value, float):
@@ -58,7 +66,10 @@ def _int_div(a: Array, b: Array) -> Array:
 
 def apply_op(op: Op, args: Sequence[Array], operand_dtypes: Sequence[DType], out: DType) -> Array:
     """Apply a scalar op elementwise to arrays already in their operand dtypes; the result has
-    dtype ``out``. No promotion: every intermediate stays in the operand dtype."""
+    dtype ``out``. No promotion: every intermediate stays in the operand dtype (half types:
+    float32, rounded once to the half type at the end)."""
+    if out.is_half or any(d.is_half for d in operand_dtypes):
+        return _apply_half(op, args, operand_dtypes, out)
     dt = out.np
     with np.errstate(all="ignore"):
         if op is Op.ID:
@@ -120,6 +131,15 @@ def apply_op(op: Op, args: Sequence[Array], operand_dtypes: Sequence[DType], out
         else:  # pragma: no cover
             raise InvalidProgramError(f"reference: unhandled op {op}")
         return np.asarray(res).astype(dt, copy=False)
+
+
+def _apply_half(op: Op, args: Sequence[Array], operand_dtypes: Sequence[DType], out: DType) -> Array:
+    """An op with half operands or a half result, as kernels compute it."""
+    if op is Op.CAST and out.is_half:
+        return to_half(args[0], out)  # float64: rounded once; others through float32
+    wide = [np.asarray(a).astype(np.float32) if d.is_half else np.asarray(a) for a, d in zip(args, operand_dtypes)]
+    res = apply_op(op, wide, [d.compute for d in operand_dtypes], out.compute)
+    return to_half(res, out) if out.is_half else res
 
 
 def _static_value(sym: StaticSymbol, bindings: Mapping[StaticSymbol, int]) -> int:
@@ -301,7 +321,13 @@ def _run_accum(
         if written is not None and np.may_share_memory(written, target):  # a view of the written cells
             full = np.asarray(value).astype(lhs_dt.np, copy=False)
             with np.errstate(all="ignore"):
-                written[...] = full if a.accum is None else _UFUNC_AT[a.accum](written, full)
+                if a.accum is None:
+                    written[...] = full
+                elif lhs_dt.is_half:  # one update per cell, in float32, rounded
+                    written[...] = to_half(_UFUNC_AT[a.accum](written.astype(np.float32), full.astype(np.float32)),
+                                           lhs_dt)
+                else:
+                    written[...] = _UFUNC_AT[a.accum](written, full)
             env[a.lhs] = target
             return
     idx = tuple(_eval_affine(e, grids, bindings) for e in pr.lhs)
@@ -319,9 +345,14 @@ def _run_accum(
                 rev_first: Array = np.unique(reversed_cells, return_index=True)[1]
                 last = flat_cells.size - 1 - rev_first
                 view.reshape(-1)[flat_cells[last]] = flat_values[last]
+            elif lhs_dt.is_half and (_injective(pr) or lower.cell_symbols(a) is not None):
+                # each cell once, or a reduction: accumulated in float32, rounded once
+                wide = view.astype(np.float32)
+                _UFUNC_AT[a.accum].at(wide, cells, full.astype(np.float32))
+                view[...] = to_half(wide, lhs_dt)
             elif _injective(pr):  # each cell written once: no need for the slow unbuffered ufunc.at
                 view[cells] = _UFUNC_AT[a.accum](view[cells], full)
-            else:
+            else:  # serial updates (a half type rounds at each: ufunc.at updates one at a time)
                 _UFUNC_AT[a.accum].at(view, cells, full)
     env[a.lhs] = target
 
@@ -333,7 +364,7 @@ def _run_fetch(f: ir.Fetch, env: dict[Node, Array], bindings: Mapping[StaticSymb
         out = np.full(node.shape, scalar_value(v.value, dt), dtype=dt.np)
     elif isinstance(v, ir.Range):
         flat = np.arange(node.size, dtype=np.int64).reshape(node.shape)
-        out = (flat != 0) if dt.is_bool else flat.astype(dt.np)
+        out = (flat != 0) if dt.is_bool else to_half(flat, dt) if dt.is_half else flat.astype(dt.np)
     elif isinstance(v, ir.Constant):
         out = np.array(v.values, dtype=dt.np, copy=True)
     elif isinstance(v, ir.Reshape):
@@ -367,7 +398,8 @@ def run_reference(
         arr = np.array(value, copy=True)
         if arr.shape != node.shape:
             raise InvalidProgramError(f"reference: value of {node.label} has shape {arr.shape}, not {node.shape}")
-        state[node] = arr.astype(node.dtype.np, copy=False)
+        dt = node.dtype
+        state[node] = to_half(arr, dt) if dt.is_half and arr.dtype != dt.np else arr.astype(dt.np, copy=False)
     for comp in comps:
         for leaf in comp.leaves():
             if isinstance(leaf, ir.Accum):

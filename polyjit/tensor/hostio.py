@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from polyjit.core import dtypes
 from polyjit.core.errors import (
     BindingError,
     DTypeMismatchError,
@@ -103,6 +104,9 @@ def convert_into(target: Array, value: Any, what: str, row0: int = 0) -> None:
     if src == dst:
         np.copyto(target, arr)
         return
+    if src == dtypes.bfloat16.np:  # not of numpy's kind "f": its float32 values, exactly
+        arr = arr.astype(np.float32)
+        src = arr.dtype
     if src.kind not in "biuf":
         raise DTypeMismatchError(f"{desc}: got {src} values, which do not convert to {dst}")
     if dst.kind == "b":
@@ -118,6 +122,9 @@ def convert_into(target: Array, value: Any, what: str, row0: int = 0) -> None:
                 raise ValueRangeError(f"{desc}: value {arr.flat[at].item()!r} at index "
                                       f"{_position(at, arr.shape, row0)} is not an integer "
                                       "(an integer tensor takes integral values)")
+        return
+    if dst in (dtypes.float16.np, dtypes.bfloat16.np):  # rounded once, as kernels round
+        np.copyto(target, dtypes.to_half(arr, dtypes.as_dtype(dst)))
         return
     np.copyto(target, arr, casting="unsafe")  # float targets, and safe integer casts
 

@@ -9,7 +9,7 @@ from typing import Any, Union
 
 import numpy as np
 
-from polyjit.core.dtypes import DType
+from polyjit.core.dtypes import DType, to_half
 from polyjit.core.errors import InvalidProgramError, ShapeMismatchError
 
 Array = np.ndarray[Any, Any]
@@ -90,4 +90,5 @@ def initial_value(
         arr = np.full(shape, arr)
     if arr.shape != shape:
         raise ShapeMismatchError(f"initial value of {name} has shape {arr.shape}, the parameter {shape}")
-    return np.require(arr.astype(dtype.np, copy=False), requirements="C")  # keeps 0-d arrays 0-d
+    arr = to_half(arr, dtype) if dtype.is_half else arr.astype(dtype.np, copy=False)
+    return np.require(arr, requirements="C")  # keeps 0-d arrays 0-d

@@ -1,5 +1,13 @@
 """Neural-network functions built from the primitive ops: softmax, cross-entropy, one-hot,
-embedding lookup, and small layer helpers."""
+embedding lookup, and small layer helpers.
+
+Mixed precision: a layer built with ``compute_dtype="float16"`` (or ``"bfloat16"``) keeps
+its parameters (the master weights) in their own dtype, float32 by default, and casts them
+to ``compute_dtype`` in the forward pass, its input too: activations are half, and the
+gradients that reach the parameters come back through the casts in float32, so the
+optimizer updates float32 weights. Compute the loss in float32 (``logits.astype("float32")``)
+and, where small gradients would vanish in float16, scale it: ``compile(...,
+loss_scale=...)``."""
 
 from __future__ import annotations
 
@@ -8,6 +16,7 @@ import math
 from collections.abc import Sequence
 
 from polyjit.core import dtypes, ir
+from polyjit.core.dtypes import as_dtype
 from polyjit.core.errors import DTypeMismatchError, ShapeMismatchError
 from polyjit.core.ir import Op
 from polyjit.tensor import ops
@@ -87,16 +96,24 @@ def accuracy_count(logits: Tensor, labels: Tensor) -> Tensor:
 
 
 class Linear:
-    """``x @ W + b`` with Glorot-initialised W and zero b."""
+    """``x @ W + b`` with Glorot-initialised W and zero b. With ``compute_dtype``, W, b and x
+    are cast to it in the forward pass (mixed precision: W and b stay ``dtype``)."""
 
     def __init__(self, name: str, n_in: int, n_out: int, *, bias: bool = True, init: Init = "glorot",
-                 dtype: DTypeLike = dtypes.float32, seed: int | None = None) -> None:
+                 dtype: DTypeLike = dtypes.float32, seed: int | None = None,
+                 compute_dtype: DTypeLike | None = None) -> None:
         self.weight = param(f"{name}.weight", (n_in, n_out), init, dtype=dtype, rng=seed)
         self.bias = param(f"{name}.bias", (n_out,), "zeros", dtype=dtype) if bias else None
+        self.compute_dtype = as_dtype(compute_dtype) if compute_dtype is not None else None
 
     def __call__(self, x: Tensor) -> Tensor:
-        y = ops.matmul(x, self.weight)
-        return y + self.bias if self.bias is not None else y
+        cd = self.compute_dtype
+        w, b = self.weight, self.bias
+        if cd is not None:
+            x, w = ops.cast(x, cd), ops.cast(w, cd)
+            b = ops.cast(b, cd) if b is not None else None
+        y = ops.matmul(x, w)
+        return y + b if b is not None else y
 
     @property
     def params(self) -> list[Tensor]:
@@ -104,13 +121,15 @@ class Linear:
 
 
 class MLP:
-    """Linear layers with an activation between them (none after the last)."""
+    """Linear layers with an activation between them (none after the last); ``compute_dtype``
+    makes each layer run in it (mixed precision, see the module docstring)."""
 
     def __init__(self, name: str, sizes: Sequence[int], activation: str = "relu",
-                 dtype: DTypeLike = dtypes.float32, seed: int | None = None) -> None:
+                 dtype: DTypeLike = dtypes.float32, seed: int | None = None,
+                 compute_dtype: DTypeLike | None = None) -> None:
         self.layers = [
             Linear(f"{name}.{k}", a, b, dtype=dtype, init="he" if activation == "relu" else "glorot",
-                   seed=None if seed is None else seed + k)
+                   seed=None if seed is None else seed + k, compute_dtype=compute_dtype)
             for k, (a, b) in enumerate(itertools.pairwise(sizes))
         ]
         self.activation = {"relu": ops.relu, "tanh": ops.tanh, "sigmoid": ops.sigmoid}[activation]

@@ -105,7 +105,9 @@ class Optimizer:
         return t
 
     def counter(self, dtype: DType = dtypes.float32) -> Tensor:
-        """The step count t, in the parameters' dtype (float32 counts exactly up to 2**24 steps)."""
+        """The step count t, in the parameters' dtype (float32 counts exactly up to 2**24 steps;
+        the half types, which count exactly only to 2048 or 256, count in float32)."""
+        dtype = dtype.compute
         if self._counter is None:
             self._counter = state(f"{self.prefix}.step", np.zeros((), dtype.np))
         return self._counter
@@ -174,10 +176,14 @@ class Adam(Optimizer):
         b1, b2 = self.betas
         t = self.counter(params[0].dtype if params else dtypes.float32)
         writes = [Write(t, t + 1.0)]
-        # Scalars read by every parameter's update (computed once per step, after t advances).
-        step_size = self.lr / (1.0 - ops.pow(b1, t))
-        inv_sqrt_c2 = 1.0 / ops.sqrt(1.0 - ops.pow(b2, t))
+        # Scalars read by every parameter's update (computed once per step, after t advances),
+        # cast once to each other dtype of the parameters (a half type's t counts in float32).
+        scalars = {t.dtype: (self.lr / (1.0 - ops.pow(b1, t)), 1.0 / ops.sqrt(1.0 - ops.pow(b2, t)))}
         for p, g in zip(params, grads):
+            if p.dtype not in scalars:
+                first, second = scalars[t.dtype]
+                scalars[p.dtype] = (ops.cast(first, p.dtype), ops.cast(second, p.dtype))
+            step_size, inv_sqrt_c2 = scalars[p.dtype]
             if self.weight_decay and not self.decoupled:
                 g = g + self.weight_decay * p
             m, v = self.slot(p, "m"), self.slot(p, "v")

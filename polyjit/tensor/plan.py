@@ -33,7 +33,7 @@ from polyjit.tensor.hostio import Feed, check_names, enqueue_to_host
 from polyjit.tensor.optim import Optimizer
 from polyjit.tensor.program import Program
 from polyjit.tensor.state import StateContext
-from polyjit.tensor.tensor import Kind, Tensor
+from polyjit.tensor.tensor import Kind, Tensor, full
 
 Array = np.ndarray[Any, Any]
 Mode = Literal["compiled", "dynamic", "auto"]
@@ -317,6 +317,15 @@ class Plan:
                 f"{len(self.program.steps)} ops, {self.runs} runs)")
 
 
+def _loss_scale(value: Any) -> float:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise InvalidProgramError(f"loss_scale must be a number, got {value!r}")
+    v = float(value)
+    if not (np.isfinite(v) and v > 0):
+        raise InvalidProgramError(f"loss_scale must be finite and > 0, got {value!r}")
+    return v
+
+
 def compile(
     outputs: Tensor | Sequence[Tensor] | Mapping[str, Tensor] | None = None,
     *,
@@ -327,6 +336,7 @@ def compile(
     mode: Mode = "compiled",
     share: SharesState | None = None,
     name: str = "plan",
+    loss_scale: float = 1.0,
 ) -> Plan:
     """Turn a tensor graph into a :class:`Plan` on a device.
 
@@ -335,7 +345,10 @@ def compile(
     of the loss with respect to ``params`` (default: every parameter it depends
     on) and update them in place, so that one ``step()`` is forward, backward and
     update in one routine batch. ``share``: link into another plan's state
-    context, reusing its parameters (no copies).
+    context, reusing its parameters (no copies). ``loss_scale``: the gradients are those of
+    ``loss * loss_scale``, divided by it again in the parameters' dtype before the update
+    (static loss scaling for mixed precision: small half gradients then stay above
+    float16's subnormals; an overflow to inf makes the step's update inf, so keep it modest).
     """
     named = _named_outputs(outputs)
     writes = []
@@ -351,7 +364,11 @@ def compile(
         if loss is None:
             raise InvalidProgramError("an optimizer needs a loss")
         wrt = list(params) if params is not None else trainable_params(loss)
-        writes = optimizer.updates(wrt, grad(loss, wrt))
+        scale = _loss_scale(loss_scale)
+        seed = None if scale == 1.0 else full((), scale, loss.dtype, name="loss_scale")
+        writes = optimizer.updates(wrt, grad(loss, wrt, seed=seed), grad_scale=1.0 / scale)
+    elif loss_scale != 1.0:
+        raise InvalidProgramError("loss_scale scales the gradients of an optimizer step: it needs an optimizer")
     program = Program(named, writes, name=name)
     dev = share.device if device is None and share is not None else resolve_device(device)
     return Plan(program, dev, mode=mode, share=share)

@@ -11,12 +11,21 @@ from typing import Any
 
 import numpy as np
 
+from polyjit.core.dtypes import to_half
 from polyjit.core.errors import BindingError
 from polyjit.core.reference import run_reference
 from polyjit.tensor.program import Program, Write
 from polyjit.tensor.tensor import Tensor
 
 Array = np.ndarray[Any, Any]
+
+
+def _host_value(value: Any, t: Tensor) -> Array:
+    """A host value in the tensor's dtype, converted as a plan converts it (a half type:
+    rounded once, from float64 too)."""
+    dt = t.dtype
+    arr = to_half(value, dt) if dt.is_half else np.asarray(value, dtype=dt.np)
+    return arr.reshape(t.shape)
 
 
 def evaluate(
@@ -38,10 +47,9 @@ def evaluate(
     for t in program.inputs:
         if t.name not in inputs:
             raise BindingError(f"reference evaluation: no value for input {t.name!r}")
-        env[t.node] = np.asarray(inputs[t.name], dtype=t.dtype.np).reshape(t.shape)
+        env[t.node] = _host_value(inputs[t.name], t)
     for t in program.persistent:
-        value = overrides.get(t.name, t.init)
-        env[t.node] = np.asarray(value, dtype=t.dtype.np).reshape(t.shape)
+        env[t.node] = _host_value(overrides.get(t.name, t.init), t)
     result = run_reference([program.compiled_comp()], env)
     outs = {name: result[t.node] for name, t in program.outputs.items()}
     persistent = {t.name: result[t.node] for t in program.persistent}

@@ -330,7 +330,8 @@ def state(name: str, value: Any, dtype: DTypeLike | None = None) -> Tensor:
     """Persistent non-trainable state (an optimizer moment, a counter) with an initial value."""
     arr = np.asarray(value)
     dt = as_dtype(dtype if dtype is not None else arr.dtype)
-    arr = np.require(arr.astype(dt.np, copy=False), requirements="C")  # keeps 0-d arrays 0-d
+    arr = dtypes.to_half(arr, dt) if dt.is_half else arr.astype(dt.np, copy=False)
+    arr = np.require(arr, requirements="C")  # keeps 0-d arrays 0-d
     return Tensor(ir.Node(name, arr.shape, dt), kind=Kind.STATE, init=arr, requires_grad=False)
 
 

@@ -3,8 +3,9 @@
 - :func:`run_reference` (from :mod:`polyjit.core.reference`): the numpy interpreter of the IR,
   the oracle of every check;
 - :mod:`polyjit.testing.programs`: a catalog of named test programs covering every op,
-  dtype and IR construct; :mod:`polyjit.testing.strategies`: hypothesis strategies
-  for random programs (imported on demand: it needs hypothesis);
+  dtype (float16 and bfloat16 included) and IR construct, and :data:`TOLERANCES`, the
+  (rtol, atol) each float dtype is compared with; :mod:`polyjit.testing.strategies`:
+  hypothesis strategies for random programs (imported on demand: it needs hypothesis);
 - :data:`CHECKS` and :class:`ConformanceSuite`: the checks (:mod:`polyjit.testing.checks`, one
   module per topic), as plain functions and as a pytest base class
   (``class TestMine(ConformanceSuite): backend_name = "mine"``);
@@ -18,7 +19,7 @@
 
 from polyjit.core.reference import run_reference
 from polyjit.testing.harness import Failure, run_programs, unsupported_reason
-from polyjit.testing.programs import CatalogProgram, catalog
+from polyjit.testing.programs import TOLERANCES, CatalogProgram, catalog
 from polyjit.testing.suite import (
     CHECKS,
     CheckSkipped,
@@ -33,6 +34,7 @@ from polyjit.testing.suite import (
 
 __all__ = [
     "CHECKS",
+    "TOLERANCES",
     "CatalogProgram",
     "CheckSkipped",
     "ConformanceSuite",

@@ -42,6 +42,10 @@ def compare(label: str, got: Array, want: Array, rtol: float, atol: float, show:
         return f"{label}: shape {got.shape}, expected {want.shape}"
     if got.dtype != want.dtype:
         return f"{label}: dtype {got.dtype}, expected {want.dtype}"
+    if got.dtype in (dtypes.float16.np, dtypes.bfloat16.np):
+        # as float32 (exactly their values): bfloat16 is not of numpy's kind "f", and isclose
+        # would compute a float16 difference and tolerance in float16
+        got, want = got.astype(np.float32), want.astype(np.float32)
     if got.dtype.kind == "f":
         with np.errstate(all="ignore"):
             ok = np.isclose(got, want, rtol=rtol, atol=atol, equal_nan=True)

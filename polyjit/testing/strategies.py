@@ -45,8 +45,14 @@ __all__ = [
 ]
 
 Array = np.ndarray[Any, Any]
-_EPS = {dtypes.float32: 2.0**-23, dtypes.float64: 2.0**-52}
-_CAP = {dtypes.float32: 1e4, dtypes.float64: 1e6, dtypes.int32: 2.0**30, dtypes.int64: 2.0**52}
+_EPS = {dtypes.float32: 2.0**-23, dtypes.float64: 2.0**-52, dtypes.float16: 2.0**-10, dtypes.bfloat16: 2.0**-7}
+_CAP = {dtypes.float32: 1e4, dtypes.float64: 1e6, dtypes.int32: 2.0**30, dtypes.int64: 2.0**52,
+        dtypes.float16: 1e3, dtypes.bfloat16: 1e4}
+# significand bits: a float type holds the values of another of fewer (same range or
+# smaller), and integers below 2**bits, exactly
+_BITS = {dtypes.float16: 11, dtypes.bfloat16: 8, dtypes.float32: 24, dtypes.float64: 53}
+_WIDER = {dtypes.float16: (dtypes.float32, dtypes.float64), dtypes.bfloat16: (dtypes.float32, dtypes.float64),
+          dtypes.float32: (dtypes.float64,)}
 _INT_RANGE = {dtypes.int32: (-(2.0**31), 2.0**31 - 1), dtypes.int64: (-(2.0**63), 2.0**63 - 1)}
 _UNARY_MATH = (Op.EXP, Op.LOG, Op.SQRT, Op.TANH, Op.SIGMOID)
 
@@ -150,8 +156,9 @@ def _result(op: Op, args: Sequence[_Val], out: DType) -> tuple[float, float, flo
         if out.is_bool:
             return (0.0, 1.0, 0.0) if a.err == 0 else None
         if out.is_float:
-            exact = not dt.is_float and a.mag < 2.0 ** (24 if out is dtypes.float32 else 53)
-            rounding = 0.0 if exact or (dt is out) or (dt is dtypes.float32) else _EPS[out] * a.mag
+            exact = (dt is out or out in _WIDER.get(dt, ()) or
+                     (not dt.is_float and a.mag < 2.0 ** _BITS[out]))
+            rounding = 0.0 if exact else _EPS[out] * a.mag
             return a.lo, a.hi, a.err + rounding
         if a.err:
             return None  # truncating a value that is not exact could differ by one
@@ -234,8 +241,8 @@ def _result(op: Op, args: Sequence[_Val], out: DType) -> tuple[float, float, flo
         lo, hi = _wrap_uint8(lo, hi)
     if not fl:
         err = 0.0
-    elif rounds:
-        err += eps * max(abs(lo), abs(hi))
+    elif rounds:  # (float16's subnormals round to 2**-24 whatever the magnitude)
+        err += eps * max(abs(lo), abs(hi)) + (2.0**-24 if dt is dtypes.float16 else 0.0)
     if not _fits(dt, lo, hi) or not math.isfinite(err):
         return None
     return lo, hi, err
@@ -411,7 +418,8 @@ def einsum_programs(draw: st.DrawFn) -> CatalogProgram:
     out_rank = draw(st.integers(0, len(used)))
     out_letters = "".join(draw(st.permutations(used))[:out_rank])
     spec = ",".join(specs) + "->" + out_letters
-    dt = draw(st.sampled_from([dtypes.float32, dtypes.float64, dtypes.int32, dtypes.int64, dtypes.uint8]))
+    dt = draw(st.sampled_from([dtypes.float32, dtypes.float64, dtypes.int32, dtypes.int64, dtypes.uint8,
+                               *dtypes.HALF]))
     accum = draw(st.sampled_from(list(AccumOp)))
     init_neutral = draw(st.booleans())
     reduced = [ch for ch in used if ch not in out_letters]
@@ -435,16 +443,21 @@ def einsum_programs(draw: st.DrawFn) -> CatalogProgram:
     acc = ir.einsum(spec, *operands, into=out, accum=accum, init_neutral=init_neutral)
     rtol, atol = 0.0, 0.0
     if dt.is_float:
-        eps = _EPS[dt]
+        # the half types accumulate in float32 (both sides round the same products to half),
+        # then the result's rounding to half may flip: 4 units of its last place, and a
+        # float16 subnormal
+        eps, acc_eps = _EPS[dt], _EPS[dt.compute]
+        last = (4 * eps, 2.0**-24) if dt.is_half else (0.0, 0.0)
         term = max(abs(lo), abs(hi)) ** n_ops
         if accum is AccumOp.ADD:
-            atol = 4 * eps * (n_red + 2) * (n_red * term + (max(abs(lo), abs(hi)) if not init_neutral else 0))
+            atol = 4 * acc_eps * (n_red + 2) * (n_red * term + (max(abs(lo), abs(hi)) if not init_neutral else 0))
             rtol = 4 * eps
         elif accum is AccumOp.MUL:
-            rtol = 4 * eps * (n_ops * n_red + 2)
+            rtol = 4 * acc_eps * (n_ops * n_red + 2) + last[0]
             atol = 1e-300
         else:
             rtol, atol = 2 * eps, 1e-300
+        atol += last[1]
     p = CatalogProgram(f"hypothesis.einsum[{spec}]", (ir.Comp.of(acc),), tuple(inputs), (out,),
                 rtol=rtol, atol=atol)
     return attrs.evolve(p, description=f"  einsum {spec!r} accum={accum.value} init_neutral={init_neutral} "
@@ -460,7 +473,7 @@ def matmul_programs(draw: st.DrawFn) -> CatalogProgram:
     a_spec = batch + draw(st.sampled_from(["ik", "ki"]))
     b_spec = draw(st.sampled_from([batch, ""])) + draw(st.sampled_from(["kj", "jk"]))
     extents = {"b": draw(st.integers(1, 3)), "i": m, "k": k, "j": n}
-    dt = draw(st.sampled_from([dtypes.float32, dtypes.float64]))
+    dt = draw(st.sampled_from([dtypes.float32, dtypes.float64, *dtypes.HALF]))
     init_neutral = draw(st.booleans())
     a = Node("a", tuple(extents[c] for c in a_spec), dt)
     b = Node("b", tuple(extents[c] for c in b_spec), dt)
@@ -471,9 +484,9 @@ def matmul_programs(draw: st.DrawFn) -> CatalogProgram:
         inputs.append((out, _input_gen(dt, out.shape, -2.0, 2.0, False)))
     spec = f"{a_spec},{b_spec}->{batch}ij"
     acc = ir.einsum(spec, a, b, into=out, init_neutral=init_neutral)
-    eps = _EPS[dt]
+    eps, acc_eps = _EPS[dt], _EPS[dt.compute]  # half types: float32 accumulators, one rounding
     p = CatalogProgram(f"hypothesis.matmul[{spec}]", (ir.Comp.of(acc),), tuple(inputs), (out,),
-                rtol=4 * eps, atol=4 * eps * (k + 2) * (4 * k + 2))
+                rtol=4 * eps, atol=4 * acc_eps * (k + 2) * (4 * k + 2) + (2.0**-24 if dt.is_half else 0.0))
     return attrs.evolve(p, description=f"  matmul {spec!r} init_neutral={init_neutral} dtype={dt} "
                                        f"extents={extents}\n" + describe(p.comps))
 
@@ -497,8 +510,10 @@ def _affine_index(draw: st.DrawFn, space: Sequence[tuple[Symbol, int]]) -> tuple
 
 
 def _small_ints(dt: DType, shape: tuple[int, ...]) -> Gen:
-    """Integers in [-9, 9] (exact in every dtype: sums in any order agree)."""
-    return lambda rng: rng.integers(-9, 10, shape).astype(dt.np)
+    """Integers in [-9, 9] (exact in every dtype: sums in any order agree); bfloat16, whose
+    integers are exact up to 256 only: in [-1, 1] (an affine program sums at most 64 pairs)."""
+    top = 1 if dt is dtypes.bfloat16 else 9
+    return lambda rng: rng.integers(-top, top + 1, shape).astype(dt.np)
 
 
 @st.composite
@@ -507,7 +522,7 @@ def affine_programs(draw: st.DrawFn) -> CatalogProgram:
     indices, diagonals); writes that miss cells or hit one cell several times included."""
     n_syms = draw(st.integers(1, 3))
     space = [(Symbol(f"s{k}"), draw(st.integers(1, 4))) for k in range(n_syms)]
-    dt = draw(st.sampled_from([dtypes.float32, dtypes.float64, dtypes.int32, dtypes.int64]))
+    dt = draw(st.sampled_from([dtypes.float32, dtypes.float64, dtypes.int32, dtypes.int64, *dtypes.HALF]))
     accum = draw(st.sampled_from([None, None, AccumOp.ADD, AccumOp.MAX, AccumOp.MIN]))
     init_neutral = draw(st.booleans())
 

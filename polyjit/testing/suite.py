@@ -33,6 +33,7 @@ from polyjit.core.runtime import Backend
 from polyjit.testing.checks.common import MULTI_DEVICE, CheckFn, CheckSkipped, KitNote
 from polyjit.testing.checks.compute import (
     check_catalog_programs,
+    check_half_special_values,
     check_random_affine_programs,
     check_random_einsum_programs,
     check_random_elementwise_programs,
@@ -88,6 +89,7 @@ CHECKS: list[CheckFn] = [
     check_host_round_trips,
     check_host_transfer_errors,
     check_catalog_programs,
+    check_half_special_values,
     check_random_elementwise_programs,
     check_random_einsum_programs,
     check_random_matmul_programs,

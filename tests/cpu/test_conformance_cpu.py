@@ -66,7 +66,7 @@ def test_kit_detects_wrong_arithmetic() -> None:
     driver.dialect = _SubIsAddDialect()
     broken = Backend(driver)
     subs = [p for p in catalog() if p.name.startswith("elementwise.sub.")]
-    assert len(subs) == 5  # float32 float64 int32 int64 uint8
+    assert len(subs) == 7  # float32 float64 int32 int64 uint8 float16 bfloat16
     failures = run_programs(broken, subs)
     assert {f.program for f in failures} == {p.name for p in subs}
 

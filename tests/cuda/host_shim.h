@@ -43,6 +43,10 @@ struct alignas(16) float4 { float x, y, z, w; };
 static inline float __int_as_float(long long i) { int v = (int)i; float f; std::memcpy(&f, &v, 4); return f; }
 static inline int __float_as_int(float f) { int v; std::memcpy(&v, &f, 4); return v; }
 static inline double __longlong_as_double(long long i) { double d; std::memcpy(&d, &i, 8); return d; }
+static inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
+static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
+// The half types' conversions take their portable form here (__CUDA_ARCH__ is undefined):
+// the kernels never reach the PTX of the device path.
 
 // -- the scheduler of one launch ------------------------------------------------------
 

@@ -37,7 +37,7 @@ class CpuDialect(Dialect):
         out: list[tuple[str, list[str]]] = []
         for dt in sorted(batch_dtypes & set(tiles.VEC_SUFFIX), key=lambda d: d.name):
             out += tiles.tail_helpers(dt, self.type_name(dt), self.vector_bytes)
-        if dtypes.float32 in batch_dtypes:
+        if dtypes.float32 in {d.compute for d in batch_dtypes}:  # half types compute in float32
             out += tiles.FLOAT32_MATH
         return out + super().helper_definitions(batch_dtypes)
 

@@ -233,7 +233,7 @@ def column(em: Emitter, kernel: Kernel, plan: KernelPlan, names: Names) -> list[
     blocks = -(-nj // COLUMN_BLOCK)
     width = min(nj, COLUMN_BLOCK)
     last = nj - (blocks - 1) * width
-    t, j = em.d.type_name(r.node.dtype), names.var(j_sym)
+    t, j = em.ctype(r.node.dtype), names.var(j_sym)  # half types accumulate in float32
     loops = [(names.var(sym), n) for sym, n in outer] + [("pj_jb", blocks)]
     lines, depth = _open_nest(loops, plan.team > 0)
     p = "  " * depth
@@ -252,7 +252,7 @@ def column(em: Emitter, kernel: Kernel, plan: KernelPlan, names: Names) -> list[
     lines.append(f"{q}{each} pj_acc[pj_jj] = {value}; }}")
     for d in range(len(r.loops) - 1, -1, -1):
         lines.append(f"{p}{'  ' * d}}}")
-    lines.append(f"{p}{each} {target} = pj_acc[pj_jj]; }}")
+    lines.append(f"{p}{each} {em.store(r.node, target, 'pj_acc[pj_jj]')}; }}")
     return lines + _close_nest(depth)
 
 
@@ -264,7 +264,7 @@ class _StagingEmitter(Emitter):
         if pragma is not None:
             return super().reduce(r, indent, pragma)
         (sym, n), = r.loops
-        pad, t, k = "  " * indent, self.d.type_name(r.node.dtype), self.names.var(sym)
+        pad, t, k = "  " * indent, self.ctype(r.node.dtype), self.names.var(sym)
         target, init = self.reduce_cell(r)
         return [f"{pad}{{",
                 f"{pad}  {t} pj_vals[{n}];",
@@ -272,7 +272,7 @@ class _StagingEmitter(Emitter):
                 f"{pad}  {t} pj_acc = {init};",
                 f"{pad}  for (int64_t {k} = 0; {k} < {n}; ++{k}) "
                 f"pj_acc = {self.combine(r.accum, r.node.dtype, 'pj_acc', f'pj_vals[{k}]')};",
-                f"{pad}  {target} = pj_acc;",
+                f"{pad}  {self.store(r.node, target, 'pj_acc')};",
                 f"{pad}}}"]
 
 

@@ -7,13 +7,19 @@ first, then the inputs, then the merge buffer; statics are ``long long`` argumen
 them. Parallel nests run on a 1-D grid-stride loop, so the driver may launch fewer blocks
 than the plan's launch shape says (it caps them at 32 per SM); CUDA's grid is the launch
 shape's global // local size. Tiled contractions are float32 only.
+
+The half types are their bits (``unsigned short``), with no header: NVRTC has no
+cuda_fp16.h without a toolkit's include directory. On the device the conversions are the
+PTX instructions cuda_fp16.h and cuda_bf16.h use (``cvt.f32.f16``, ``cvt.rn.f16.f32``,
+``cvt.rn.bf16.f32`` from sm_80); compiled for the host (``__CUDA_ARCH__`` undefined: the
+tests' host builds) they are core/half.py's portable ones, which give the same bits.
 """
 
 from __future__ import annotations
 
 import math
 
-from polyjit.core import dtypes, patterns
+from polyjit.core import dtypes, half, patterns
 from polyjit.core.codegen import Dialect, KernelSpec, Names
 from polyjit.core.dtypes import DType
 from polyjit.core.gpu import GpuSpelling
@@ -63,6 +69,20 @@ class CudaDialect(Dialect):
     # with no spills (one block per SM); 2 caps them at 128 registers (a few bytes spill).
     # Tune on a GPU.
     matmul_min_blocks_per_sm = 1
+
+    half_spelling = half.HalfSpelling(
+        qualifier="static __device__ __forceinline__", u32="unsigned int", u16="unsigned short",
+        f2u="__float_as_uint({})", u2f="__uint_as_float({})",
+        native=(
+            ("pj_f16_to_f32", ("defined(__CUDA_ARCH__)",
+                               ['  float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;'])),
+            ("pj_f32_to_f16", ("defined(__CUDA_ARCH__)",
+                               ['  unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h;'])),
+            (half.store_name(dtypes.bfloat16), ("defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800",
+                                                ['  unsigned short h; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));',
+                                                 "  return h;"])),
+        ),
+    )
 
     def type_name(self, dt: DType) -> str:
         return dt.cuda

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from polyjit.backends.opencl import tiles
 from polyjit.backends.opencl.tiles import CPU_BUILD_OPTION
-from polyjit.core import dtypes, patterns
+from polyjit.core import dtypes, half, patterns
 from polyjit.core.codegen import Dialect, KernelSpec, Names
 from polyjit.core.dtypes import DType
 from polyjit.core.gpu import GpuSpelling
@@ -54,6 +54,18 @@ class OpenCLDialect(Dialect):
     matmul_min_side = 16
     matmul_min_work = 1 << 15  # m * n * k
 
+    # The half types: float16 buffers are ``half`` and go through vload_half/vstore_half_rte
+    # (core OpenCL: no cl_khr_fp16 needed; the arithmetic is float32 either way, so a device
+    # with the extension computes the same bits); bfloat16 is its bits, as in C.
+    half_spelling = half.HalfSpelling(
+        qualifier="static inline", u32="uint", u16="ushort", f2u="as_uint({})", u2f="as_float({})",
+        native=((half.round_name(dtypes.float16), ("", [
+            "  ushort h;  /* a private half: vstore rounds, vload reads back */",
+            "  vstore_half_rte(f, 0, (half*)&h);",
+            "  return vload_half(0, (const half*)&h);",
+        ])),),
+    )
+
     def __init__(self, matmul: bool = True, group_reductions: bool = True) -> None:
         self.matmul = matmul
         # A work-group per cell for few, long reductions. Right for GPUs; PoCL's CPU devices
@@ -64,6 +76,14 @@ class OpenCLDialect(Dialect):
 
     def type_name(self, dt: DType) -> str:
         return dt.opencl
+
+    def half_load(self, dt: DType, ref: str) -> str:
+        return f"vload_half(0, &{ref})" if dt is dtypes.float16 else super().half_load(dt, ref)
+
+    def half_store(self, dt: DType, ref: str, value: str) -> str:
+        if dt is dtypes.float16:
+            return f"vstore_half_rte({value}, 0, &{ref})"
+        return super().half_store(dt, ref, value)
 
     def prelude(self, batch_dtypes: set[DType]) -> list[str]:
         lines = ["/* polyjit OpenCL kernels */"]

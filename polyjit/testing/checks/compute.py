@@ -28,6 +28,7 @@ from polyjit.testing.checks.common import (
 )
 from polyjit.testing.harness import run_programs, unsupported_reason
 from polyjit.testing.programs import catalog
+from polyjit.testing.programs import half as half_programs
 
 # ---------------------------------------------------------------------------
 # Programs against the reference
@@ -58,6 +59,18 @@ def check_catalog_programs(backend: Backend) -> None:
                              f"{', '.join(names)}\n\n{shown}{more}")
     if skipped:
         note(skipped)
+
+
+def check_half_special_values(backend: Backend) -> None:
+    """float16 and bfloat16 stores and ops on hostile values (NaN, +-inf, +-0, overflow to inf,
+    subnormals, values that vanish, exact ties between two halves) give exactly the reference's
+    values, which are numpy's and ml_dtypes' conversions (round to nearest even)."""
+    require_devices(backend, 1)
+    progs = half_programs.hostile()
+    failures = run_programs(backend, progs)
+    if failures:
+        raise AssertionError(f"{len({f.program for f in failures})} of {len(progs)} half-type programs differ "
+                             "from the reference:\n\n" + "\n\n".join(str(f) for f in failures[:6]))
 
 
 def _skip_summary(reasons: dict[str, str | None], total: int, what: str) -> str:

@@ -15,17 +15,26 @@ VIRTUAL and absent from the context), fetches (fill, range, constant, slice at
 a static index bound at run time), Seq/Block, and explicit memory modes.
 
 The programs are built in one module per topic (:mod:`.elementwise`, :mod:`.shapes`,
-:mod:`.reductions`, :mod:`.writes`, :mod:`.structure`) from the blocks of :mod:`.base`.
+:mod:`.reductions`, :mod:`.writes`, :mod:`.structure`, :mod:`.half`) from the blocks of
+:mod:`.base`; :data:`TOLERANCES` is the table of tolerances per dtype.
 """
 
 from __future__ import annotations
 
 import functools
 
-from polyjit.testing.programs import elementwise, reductions, shapes, structure, writes
-from polyjit.testing.programs.base import CatalogProgram, Gen, default_tolerance, program, values
+from polyjit.testing.programs import elementwise, half, reductions, shapes, structure, writes
+from polyjit.testing.programs.base import (
+    TOLERANCES,
+    CatalogProgram,
+    Gen,
+    default_tolerance,
+    program,
+    values,
+)
 
 __all__ = [
+    "TOLERANCES",
     "CatalogProgram",
     "Gen",
     "by_name",
@@ -43,6 +52,7 @@ def catalog() -> tuple[CatalogProgram, ...]:
         *elementwise.elementwise(), *elementwise.casts(), *shapes.broadcasting(), *shapes.transposes(),
         *reductions.reductions(), *reductions.matmuls(), *writes.accumulate_onto_context(), *writes.writes(),
         *writes.fusion(), *structure.fetches(), *shapes.reshapes(), *structure.structure(), *structure.large(),
+        *half.half_programs(),
     ]
     names = [p.name for p in progs]
     dupes = {n for n in names if names.count(n) > 1}

@@ -14,6 +14,7 @@ from polyjit.core.dtypes import DType
 from polyjit.core.ir import MemoryMode, Node, StaticSymbol
 
 __all__ = [
+    "TOLERANCES",
     "Array",
     "CatalogProgram",
     "Gen",
@@ -68,13 +69,25 @@ class CatalogProgram:
         return f"CatalogProgram({self.name})"
 
 
+# The kit's tolerances, (rtol, atol) per float dtype, for comparing a backend's node with the
+# reference interpreter's (``np.isclose``: |got - want| <= atol + rtol * |want|); integers and
+# bools compare exactly. The half types compute as the reference does (float32, rounded per
+# op), so they differ only where float32 results differ (exp, tanh, pow; summation order) and
+# that moves a rounding: 2 units in the last place of each (float16: 2**-10 relative,
+# bfloat16: 2**-7), and an atol for results that cancel to near zero. A program may set its
+# own (a matmul of random values, a generated program with its error bound).
+TOLERANCES: dict[DType, tuple[float, float]] = {
+    dtypes.float32: (2e-5, 1e-6),
+    dtypes.float64: (1e-11, 1e-12),
+    dtypes.float16: (2e-3, 1e-5),
+    dtypes.bfloat16: (1.6e-2, 1e-5),
+}
+
+
 def default_tolerance(dt: DType) -> tuple[float, float]:
-    """(rtol, atol) for comparing a node of ``dt``; integers and bools compare exactly."""
-    if dt is dtypes.float32:
-        return 2e-5, 1e-6
-    if dt is dtypes.float64:
-        return 1e-11, 1e-12
-    return 0.0, 0.0
+    """(rtol, atol) for comparing a node of ``dt`` (:data:`TOLERANCES`); integers and bools
+    compare exactly."""
+    return TOLERANCES.get(dt, (0.0, 0.0))
 
 
 # ---------------------------------------------------------------------------

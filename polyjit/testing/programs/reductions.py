@@ -9,7 +9,7 @@ from polyjit.testing.programs.base import CatalogProgram, f32, program, values
 
 def reductions() -> list[CatalogProgram]:
     out = []
-    red_dtypes = (dtypes.float32, dtypes.float64, dtypes.int32, dtypes.int64, dtypes.uint8)
+    red_dtypes = (dtypes.float32, dtypes.float64, dtypes.int32, dtypes.int64, dtypes.uint8, *dtypes.HALF)
     for dt in red_dtypes:
         for acc in AccumOp:
             kind = "unit" if acc is AccumOp.MUL else ("quarter" if dt.is_float and acc is AccumOp.ADD else "any")
@@ -38,8 +38,9 @@ def reductions() -> list[CatalogProgram]:
                        comps=[ir.Comp.of(ir.einsum("ij->i", e, into=r_sum)),
                               ir.Comp.of(ir.einsum("ij->i", e, into=r_max, accum=AccumOp.MAX))],
                        inputs=[(e, values(dtypes.float32, e.shape))], outputs=[r_sum, r_max]))
-    # reversed reads inside float reductions (GCC 12 -O3 once summed these wrongly)
-    for dt in (dtypes.float32, dtypes.float64):
+    # reversed reads inside float reductions (GCC 12 -O3 once summed these wrongly); the half
+    # types' long ones split into float32 partial results
+    for dt in (dtypes.float32, dtypes.float64, *dtypes.HALF):
         for rows, k in ((3, 2), (5, 16), (40_000, 3)):
             x = Node("x", (rows, k), dt)
             w, o = Node("w", (k,), dt), Node("o", (rows,), dt)
@@ -93,6 +94,8 @@ def matmuls() -> list[CatalogProgram]:
         (dtypes.int32, (7, 5, 9)),
         (dtypes.int64, (12, 20, 33)),
         (dtypes.uint8, (6, 7, 8)),
+        (dtypes.float16, (13, 17, 11)),  # the half types: float32 accumulators, never tiles
+        (dtypes.bfloat16, (24, 9, 64)),
     ]:
         a, b, c = Node("a", (m, k), dt), Node("b", (k, n), dt), Node("c", (m, n), dt)
         kind = "quarter" if dt.is_float else "any"
