@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from polyjit.core import interop, slab
+from polyjit.core.codegen import KernelSpec
 from polyjit.core.errors import (
     DTypeMismatchError,
     FinalizedError,
@@ -142,7 +143,7 @@ class Context:
             )
         comps = batch.lowered.comps
         self._check_link(comps)
-        new_nodes, requests = _plan_requests(comps, self.buffers, dev.info.base_alignment)
+        new_nodes, requests = _plan_requests(comps, batch.source.kernels, self.buffers, dev.info.base_alignment)
         plan = slab.plan(requests, dev.info.base_alignment)
         with dev.lock:
             pools: list[int] = []
@@ -367,22 +368,25 @@ def _missing(node: Node, ctx: Context, what: str) -> str:
 
 
 def _plan_requests(
-    comps: Sequence[LoweredComp], existing: Mapping[Node, BufferLoc], base_alignment: int
+    comps: Sequence[LoweredComp], specs: Sequence[Sequence[KernelSpec]], existing: Mapping[Node, BufferLoc],
+    base_alignment: int
 ) -> tuple[list[Node], list[slab.Request]]:
     """Lifetimes (in kernel positions over the batch) of the nodes a link must allocate:
-    persistent results live for the whole batch, scratch from its first to its last kernel."""
+    persistent results live for the whole batch, scratch from its first to its last kernel.
+    The kernels' specs (one tuple per computation) say what each kernel reads and writes,
+    for generated kernels and users' own alike."""
     first: dict[Node, int] = {}
     last: dict[Node, int] = {}
     pos = 0
-    for comp in comps:
-        for k in comp.kernels:
-            for n in k.buffers:
+    for comp_specs in specs:
+        for spec in comp_specs:
+            for n in spec.buffers:
                 first.setdefault(n, pos)
                 last[n] = pos
             pos += 1
     end = max(pos - 1, 0)
     # Constants (written by no kernel) live in the device's constant table, not in the pool.
-    computed = {n for comp in comps for k in comp.kernels for n in k.outputs}
+    computed = {n for comp_specs in specs for spec in comp_specs for n in spec.outputs}
     constants = {n for comp in comps for n, _ in comp.constants if n not in computed}
     new: list[Node] = []
     requests: list[slab.Request] = []

@@ -50,8 +50,8 @@ class Driver(Protocol):
     own.
 
     Optional primitives (the runtime uses them when present; see :class:`DriverDefaults`):
-    ``unload(ordinal, module)``, ``close_stream(stream)``, ``allocated_bytes(ordinal)`` and
-    the attribute ``unavailable_reason``.
+    ``unload(ordinal, module)``, ``close_stream(stream)``, ``allocated_bytes(ordinal)``,
+    ``raw_source(text, spec)`` (users' own kernels) and the attribute ``unavailable_reason``.
     """
 
     name: str
@@ -97,7 +97,8 @@ class Driver(Protocol):
 
     # code
     def compile(self, source: Source) -> Any:
-        """Source -> a binary; cache by content through ``core/cache.py``."""
+        """Source -> a binary, cached by content: give a ``core/compile_cache.CachingCompiler``
+        subclass your uncached compile and let it key, verify, log and count."""
         ...
 
     def load(self, ordinal: int, binary: Any) -> Any: ...
@@ -105,7 +106,10 @@ class Driver(Protocol):
         self, ordinal: int, module: Any, kernels: Sequence[tuple[KernelSpec, Sequence[tuple[Any, int]]]]
     ) -> Any:
         """Bind each kernel to its buffers, (pool, offset) per parameter, merge buffer last.
-        The result is launched many times with different statics."""
+        The result is launched many times with different statics. A kernel whose
+        ``spec.plan.kind`` is ``core.raw.RAW`` is a user's own: bind its buffers as its source
+        declares them (a typed pointer, pool base + offset; on OpenCL a sub-buffer), check its
+        parameters where the platform can tell, and launch ``spec.launch`` exactly."""
         ...
 
     def launch(self, stream: Any, prepared: Any, statics: Sequence[int]) -> Any: ...
@@ -121,6 +125,12 @@ class DriverDefaults:
 
     def close_stream(self, stream: Any) -> None:
         """End a stream whose work is done (its worker thread, its driver queue)."""
+
+    def raw_source(self, text: str, spec: KernelSpec) -> tuple[str, str]:
+        """A user's kernel ``spec.name`` in ``text`` (``Backend.raw_kernel``): the source to
+        compile and the name of its entry point. Add only the parameter binding your calling
+        convention needs (the C one's: ``core.raw.c_trampoline``); by default, none."""
+        return text, spec.name
 
     def allocated_bytes(self, ordinal: int) -> int | None:
         """Bytes the driver really holds in pools on this device (None: cannot tell). The

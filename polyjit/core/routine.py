@@ -23,6 +23,7 @@ from polyjit.core.errors import (
     InvalidArgumentError,
     InvalidProgramError,
     MergeBufferMismatchError,
+    UnsupportedError,
 )
 from polyjit.core.ir import Node, StaticSymbol
 from polyjit.core.log import logger
@@ -160,21 +161,24 @@ class Routine:
     def __init__(self, context: Context, batch: CodeBatch, index: int, module: LoadedModule,
                  buffers: Mapping[Node, BufferLoc]) -> None:
         comp = batch.lowered.comps[index]
+        specs = batch.source.kernels[index]
         self.context = context
         self.name = batch.names[index]
         self.inputs = frozenset(comp.inputs)
         self.outputs = frozenset(comp.outputs)
         self.merge_buffer_input = comp.merge_input
-        self.statics = comp.statics
+        # Every kernel of a computation takes all of its statics, in one order (a user's own
+        # kernel has no loop IR to find them in: its spec says them).
+        self.statics = specs[0].statics if specs else comp.statics
         self.bindings: dict[StaticSymbol, int] = dict(batch.bindings[index])
         self.source = batch.source
-        self._specs = batch.source.kernels[index]
+        self._specs = specs
         self._module = module
         self._buffers = buffers
         device = context.device
-        stored = {n for k in comp.kernels for n in k.buffers}
+        stored = {n for spec in specs for n in spec.buffers}
         locs = {n: buffers[n] for n in stored}
-        written = {n for k in comp.kernels for n in k.outputs}
+        written = {n for spec in specs for n in spec.outputs}
         self.write_locs = tuple(dict.fromkeys(locs[n] for n in written))
         self.read_locs = tuple(dict.fromkeys(locs[n] for n in stored if n not in written))
         if comp.merge_input is not None:
@@ -209,25 +213,35 @@ class Routine:
         return tuple(self._specs)
 
     def time_kernels(self, repeats: int = 10) -> list[tuple[KernelSpec, float]]:
-        """Launch each kernel alone ``repeats`` times (after one warm-up launch), ordered like
-        ``run()``, and return its mean seconds per launch, host sync included (compare kernels,
-        not sums). Kernels that update persistent state run ``repeats + 1`` extra times."""
+        """Each kernel of ``run()`` launched alone: one warm-up launch, then ``repeats``, ordered
+        like ``run()`` by the per-node events; returns its mean seconds per launch, measured on
+        the device between two events recorded with ``Stream.record(timing=True)`` (host
+        time around a sync where the backend cannot time events). Kernels that update
+        persistent state run ``repeats + 1`` extra times."""
+        if isinstance(repeats, bool) or not isinstance(repeats, (int, np.integer)) or repeats < 1:
+            raise InvalidArgumentError(f"time_kernels: repeats must be a positive integer, not {repeats!r}")
         ctx = self.context
         ctx.check_alive()
-        device, stream = ctx.device, ctx.stream
+        stream, launch = ctx.stream, ctx.device.driver.launch
         statics = self.static_values() if self.statics else ()
         out = []
         for spec in self._specs:
             one = self._prepare([spec])
-            seconds = 0.0
-            for count in (1, repeats):
+            args, keep = (stream.handle, one, statics), (self, one)
+            enqueue(stream, self._read_states, self._write_states, self, launch, args, keep)  # warm-up
+            try:
+                start: Event | None = stream.record(timing=True)
+            except UnsupportedError:
+                start = None
                 stream.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(count):
-                    enqueue(stream, self._read_states, self._write_states, self, device.driver.launch,
-                            (stream.handle, one, statics), (self, one))
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                enqueue(stream, self._read_states, self._write_states, self, launch, args, keep)
+            if start is not None:
+                seconds = start.elapsed_time(stream.record(timing=True)) / 1e3 / repeats
+            else:
                 stream.synchronize()
-                seconds = (time.perf_counter() - t0) / max(1, count)
+                seconds = (time.perf_counter() - t0) / repeats
             out.append((spec, seconds))
         return out
 
@@ -235,7 +249,10 @@ class Routine:
         return f"Routine({self.name} on {self.context.device.device_id})"
 
     def prepared(self) -> Any:
-        """The driver's prepared launch, bound again if the merge buffer moved since."""
+        """The routine's launch record: what the driver's ``prepare`` made of its kernels (the
+        kernels with their buffers bound; ``launch`` adds the statics), bound again if the
+        merge buffer moved since. Backends that replay routines their own way (CUDA graphs)
+        read it; its type is the driver's."""
         if self._prepared is None or (
             self.merge_buffer_input is not None
             and self._merge_generation != self.context.device.merge.generation

@@ -5,13 +5,15 @@ Everything a backend would otherwise write again lives here, once: contexts, lin
 host transfers (``core/context.py``), routines, replays and device_to_device
 (``core/routine.py``), devices with their slab pools, constants, modules and merge buffer
 (``core/device.py``), streams, events, per-node events and the lifetimes of queued work
-(``core/streams.py``). This module holds the Backend and is where users import the
+(``core/streams.py``), users' own kernels (``core/raw.py``), compile caching
+(``core/compile_cache.py``). This module holds the Backend and is where users import the
 runtime's names from.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -28,6 +30,7 @@ from polyjit.core.ir import StaticSymbol
 from polyjit.core.log import log_source
 from polyjit.core.lower import lower
 from polyjit.core.protocol import Driver
+from polyjit.core.raw import Param, raw_code
 from polyjit.core.routine import (
     Code,
     CodeBatch,
@@ -183,6 +186,32 @@ class Backend:
                    {"c": ".c", "opencl": ".cl", "cuda": ".cu"}.get(source.dialect, ".txt"))
         binary = driver_call(f"backend {self.name}", "compile", self.driver.compile, source)
         return CodeBatch(self, lowered, source, binary, c_names, tuple(checked[k] for k in keep))
+
+    def raw_kernel(
+        self,
+        source: str | os.PathLike[str],
+        name: str,
+        params: Sequence[Param | tuple[ir.Node, str]],
+        *,
+        global_size: int | Sequence[int] | None = None,
+        local_size: int | Sequence[int] | None = None,
+        statics: Sequence[StaticSymbol] = (),
+        bindings: Mapping[StaticSymbol, int] | None = None,
+    ) -> Code:
+        """A Code from your own kernel source (C for cpu, OpenCL C, CUDA C ``extern "C"
+        __global__``), like CuPy's ``RawKernel`` and pyopencl's ``Program``: ``Context.link``
+        takes it like generated code, and its routine is ordered by the per-node events.
+
+        ``source``: the text, or a path to read it from. ``name``: the kernel (a C
+        identifier). ``params``: its buffer parameters in order, each a node with its access
+        (``raw.read(x)``, ``raw.write(y)``, ``raw.read_write(z)`` or ``(x, "r")``); nodes it
+        reads must be in the context it is linked into, new nodes it writes get buffers
+        there. ``statics``: int64 parameters after the buffers (``routine.bindings`` sets
+        them). ``global_size`` / ``local_size``: work-items in all and per work-group (CUDA:
+        threads per block; grid = global / local); on cpu the function runs once per launch
+        and the shape is not used. See docs/raw-kernels.md."""
+        return raw_code(self, source, name, params, global_size=global_size, local_size=local_size,
+                        statics=statics, bindings=bindings)
 
     def __repr__(self) -> str:
         return f"Backend({self.name})"

@@ -1,5 +1,6 @@
-"""Per-kernel device times of a plan: each kernel of the linked batch is launched alone and
-timed with a sync around it (the sync costs a few microseconds: compare kernels, not sums)."""
+"""Per-kernel device times of a plan, through the public API: the plan's batch is linked
+into its state context and each kernel is timed alone by :meth:`Routine.time_kernels` (timed
+events around its launches; compare kernels, not sums)."""
 
 from __future__ import annotations
 
@@ -20,19 +21,23 @@ class KernelTime:
 
 
 def profile_kernels(plan: Plan, inputs: Mapping[str, Any], repeats: int = 10) -> list[KernelTime]:
-    """Run the plan once (to link it and load its inputs), then time every kernel of its batch
-    alone ``repeats`` times; slowest first. Kernels that write persistent state (optimizer
-    updates) run ``repeats`` extra times: profile a copy of a model you still train with care."""
+    """Run the plan once (to load its inputs and state), then time every kernel of its batch
+    (fused, unless the plan runs op by op) alone ``repeats`` times; slowest first. Kernels
+    that write persistent state (optimizer updates) run ``repeats + 1`` extra times: profile
+    a copy of a model you still train with care."""
     plan.run(**inputs)
-    linked = plan._linked
-    assert linked is not None
-    batch = plan.program.batch(plan.backend, linked.kind)
+    batch = plan.program.batch(plan.backend, "dynamic" if plan.mode == "dynamic" else "compiled")
     comments = {k.name: k.comment for k in batch.lowered.kernels}
     works = {k.name: k.work for k in batch.lowered.kernels}
+    routines = plan.state_context.link_batch(batch)  # the plan's own buffers stay as they are
     out = []
-    for routine in linked.routines:
-        for spec, seconds in routine.time_kernels(repeats):
-            out.append(KernelTime(spec.name, comments.get(spec.name, ""), seconds, works.get(spec.name, 0)))
+    try:
+        for routine in routines:
+            for spec, seconds in routine.time_kernels(repeats):
+                out.append(KernelTime(spec.name, comments.get(spec.name, ""), seconds, works.get(spec.name, 0)))
+    finally:
+        if routines:
+            routines[0].context.finalize()
     return sorted(out, key=lambda k: -k.seconds)
 
 

@@ -169,6 +169,40 @@ def test_cpu_devices_keep_binaries_in_memory_only(backend: Backend, tmp_path: Pa
         create_backend(binary_cache="sometimes")
 
 
+def test_a_cached_binary_the_platform_refuses_is_rebuilt_and_replaced(backend: Backend, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """An entry whose hash checks out but which the platform cannot load (another driver
+    version wrote it, say) is built again from source and its entry replaced."""
+    monkeypatch.setenv("POLYJIT_CACHE_DIR", str(tmp_path))
+    x, y = f32("x", (6,)), f32("y", (6,))
+    comp = ir.Comp.of(ir.apply(Op.SQRT, x, into=y))
+    first = create_backend(binary_cache="always")
+    code = first.compile(comp, name="refused")
+    compiler = first.driver.cache  # type: ignore[attr-defined]
+    driver = first.driver
+    assert isinstance(driver, OpenCLDriver)
+    devs = [d for d in driver.devices if d.group == 0]
+    target = compiler.target(devs, "")
+    compiler.publish(code.source, target, b"\0\0\0\0\0\0\0\0")  # verified, but no binary
+    second = create_backend(binary_cache="always")
+    again = second.compile(comp, name="refused")  # the same source: the planted entry
+    assert again.source == code.source
+    ctx = second.get_device(0).make_context().init_from_host(x, np.arange(6, dtype=np.float32))
+    r = ctx.link(again)
+    r.run()
+    np.testing.assert_allclose(r.context.read(y), np.sqrt(np.arange(6)), rtol=1e-6)
+    ctx.finalize()
+    fresh = OpenCLDriver(binary_cache="always").cache
+    assert fresh.data(code.source, target) != b"\0" * 8  # the rebuilt binaries replaced it
+
+
+def test_pyopencl_public_api_only() -> None:
+    package = ROOT / "polyjit" / "backends" / "opencl"
+    for path in package.glob("*.py"):
+        text = path.read_text()
+        assert "_cl." not in text and "cl._" not in text, path
+
+
 def test_float64_on_a_device_without_fp64_is_unsupported(backend: Backend) -> None:
     be = create_backend()
     driver = be.driver

@@ -1,8 +1,9 @@
 """The system C compiler: content-addressed shared libraries built with ``$CC`` (else ``cc``).
 
-Binaries are keyed by the source, the compiler's identity (path and version
-line) and the flags, and kept on disk by :class:`BinaryCache`, so a second
-process that builds the same source loads the ``.so`` without compiling.
+:class:`CCompiler` is the C compiler as a :class:`~polyjit.core.compile_cache.CachingCompiler`:
+binaries are keyed by the source, the compiler's identity (path and version line), the
+flags and the target (the host, for ``-march=native``), and kept in verified files, so a
+second process that builds the same source loads the ``.so`` without compiling.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-from polyjit.core.cache import BinaryCache, content_key
+from polyjit.core.cache import BinaryCache
+from polyjit.core.compile_cache import CachingCompiler, Target
 from polyjit.core.compiler import source_excerpt
 from polyjit.core.errors import BackendUnavailableError, CompileError
 from polyjit.core.log import logger
@@ -23,6 +25,7 @@ from polyjit.core.log import logger
 __all__ = [
     "CPU_FLAGS",
     "SHARED_CACHE",
+    "CCompiler",
     "build_shared",
     "c_compiler",
     "compiler_identity",
@@ -76,32 +79,31 @@ def compiler_identity() -> str:
     return _identity(c_compiler())
 
 
-def build_shared(
-    source: str,
-    *,
-    flags: Sequence[str] = CPU_FLAGS,
-    extra_libs: Sequence[str] = ("-lm",),
-    cache: BinaryCache | None = None,
-) -> Path:
-    """Compile ``source`` to a shared library and return its path (cached by content).
+class CCompiler(CachingCompiler):
+    """The system C compiler with fixed flags: shared libraries, cached by :class:`CachingCompiler`
+    (source, compiler identity, flags, libraries and target: the host, for ``-march=native``)."""
 
-    Raises :class:`CompileError` (with the compiler log and the numbered source
-    lines it points at) when the compiler rejects the source.
-    """
-    cache = SHARED_CACHE if cache is None else cache
-    cc = c_compiler()
-    key = content_key(source, compiler_identity(), " ".join(flags), " ".join(extra_libs))
+    namespace = "cpu"
+    suffix = ".so"
 
-    def build(out: Path) -> None:
+    def __init__(self, flags: Sequence[str] = CPU_FLAGS, extra_libs: Sequence[str] = ("-lm",),
+                 cache: BinaryCache | None = None) -> None:
+        super().__init__(SHARED_CACHE if cache is None else cache)
+        self.flags = tuple(flags)
+        self.extra_libs = tuple(extra_libs)
+
+    def identity(self) -> tuple[str, ...]:
+        return (compiler_identity(), " ".join(self.flags), " ".join(self.extra_libs))
+
+    def build(self, text: str, target: Target, out: Path) -> None:
+        cc = c_compiler()
         argv = _argv(cc)
         if not argv or shutil.which(argv[0]) is None:
-            raise BackendUnavailableError(
-                f"no C compiler: {cc!r} not found (set $CC to a C compiler)"
-            )
+            raise BackendUnavailableError(f"no C compiler: {cc!r} not found (set $CC to a C compiler)")
         # The .c file sits next to the output so the log names a path inside the cache dir.
         src = out.with_suffix(".c")
-        src.write_text(source)
-        cmd = [*argv, *flags, "-o", str(out), str(src), *extra_libs]
+        src.write_text(text)
+        cmd = [*argv, *self.flags, "-o", str(out), str(src), *self.extra_libs]
         logger.debug("compiling %s: %s", src, shlex.join(cmd))
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -114,8 +116,22 @@ def build_shared(
                 f"C compiler failed (exit {proc.returncode}): {shlex.join(cmd)}\n"
                 f"{shown}\n"
                 "generated source around the fault:\n"
-                f"{source_excerpt(source, log)}"
+                f"{source_excerpt(text, log)}"
             )
-            raise CompileError(message, source=source, log=log)
+            raise CompileError(message, source=text, log=log)
 
-    return cache.get_or_build(key, build)
+
+def build_shared(
+    source: str,
+    *,
+    flags: Sequence[str] = CPU_FLAGS,
+    extra_libs: Sequence[str] = ("-lm",),
+    cache: BinaryCache | None = None,
+    target: Target = (),
+) -> Path:
+    """Compile ``source`` to a shared library and return its path (cached by content).
+
+    Raises :class:`CompileError` (with the compiler log and the numbered source
+    lines it points at) when the compiler rejects the source.
+    """
+    return CCompiler(flags, extra_libs, cache).path(source, target)

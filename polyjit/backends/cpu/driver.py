@@ -20,12 +20,13 @@ from typing import Any
 import attrs
 import numpy as np
 
-from polyjit.backends.cpu.compiler import build_shared
+from polyjit.backends.cpu.compiler import CCompiler
 from polyjit.backends.cpu.dialect import CpuDialect
 from polyjit.backends.cpu.host import cpu_model, host_cpu
 from polyjit.backends.cpu.native import NativeRuntime, load_runtime
 from polyjit.core.codegen import KernelSpec, Source
 from polyjit.core.protocol import DeviceInfo
+from polyjit.core.raw import c_trampoline
 from polyjit.core.runtime import Backend
 
 BASE_ALIGNMENT = 64  # a cache line; also enough for AVX-512 loads
@@ -70,6 +71,7 @@ class CpuDriver:
         if num_devices < 1:
             raise ValueError(f"POLYJIT_CPU_DEVICES must be at least 1, got {num_devices}")
         self.dialect = CpuDialect()
+        self.compiler = CCompiler()
         self._cores = split_cores(sorted(os.sched_getaffinity(0)), num_devices)
         self._memory = _total_memory() // num_devices
         self._rt: NativeRuntime | None = None
@@ -176,8 +178,12 @@ class CpuDriver:
     # -- code -------------------------------------------------------------------------
 
     def compile(self, source: Source) -> Path:
-        header = f"/* polyjit cpu kernels; host {host_cpu().digest} */\n"
-        return build_shared(header + source.text)
+        # -march=native: the binary is this host's (its CPU's digest is the cache target).
+        return self.compiler.path(source.text, (host_cpu().digest,))
+
+    def raw_source(self, text: str, spec: KernelSpec) -> tuple[str, str]:
+        """A user's C function, called through a trampoline that unpacks the argument arrays."""
+        return c_trampoline(text, spec)
 
     def load(self, ordinal: int, binary: Path) -> ctypes.CDLL:
         return ctypes.CDLL(str(binary))  # dlopen counts references: one per load

@@ -13,9 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
-from polyjit.backends.cuda.driver import CudaDriver, _Prepared
+from polyjit.backends.cuda.driver import CudaDriver
+from polyjit.backends.cuda.handles import PreparedLaunch
 from polyjit.core.errors import InvalidProgramError, MergeBufferMismatchError
 from polyjit.core.ir import StaticSymbol
 from polyjit.core.routine import Replay, Routine
@@ -40,20 +39,20 @@ class CudaGraph(Replay):
         self._merge_generation = self.device.merge.generation
         from cuda.core.graph import GraphDefinition
 
-        driver._current(self.device.ordinal)
+        driver.make_current(self.device.ordinal)
         self._definition = GraphDefinition()
         self._nodes: list[tuple[int, Any, Any]] = []  # (routine index, kernel node, its launch)
         self._last: list[tuple[int, ...] | None] = []
         previous: Any = None
         for k, r in enumerate(self.routines):
             r.check_merge()
-            prepared = r.prepared()
-            assert isinstance(prepared, _Prepared)
+            prepared = r.prepared()  # the routine's public launch record
+            assert isinstance(prepared, PreparedLaunch)
             statics = r.static_values(self.bindings) if r.statics else ()
             self._last.append(statics)
             for ln in prepared.launches:
                 owner = self._definition if previous is None else previous
-                previous = owner.launch(ln.config, ln.kernel, *_arguments(ln.pointers, statics))
+                previous = owner.launch(ln.config, ln.kernel, *ln.arguments(statics))
                 self._nodes.append((k, previous, ln))
         self._graph = self._definition.instantiate()
 
@@ -74,11 +73,11 @@ class CudaGraph(Replay):
                 if values != self._last[k]:
                     self._last[k] = values
                     changed.add(k)
-        self._driver._current(self.device.ordinal)
+        self._driver.make_current(self.device.ordinal)
         for k, node, ln in self._nodes:
             if k in changed:
                 self._graph[node].update(config=ln.config, kernel=ln.kernel,
-                                         args=_arguments(ln.pointers, self._last[k] or ()))
+                                         args=ln.arguments(self._last[k] or ()))
         self.enqueue_launch(self._graph.launch, self.stream.handle.core)
 
     def close(self) -> None:
@@ -87,11 +86,6 @@ class CudaGraph(Replay):
             self.closed = True
             self.stream.synchronize()
             self._graph.close()
-
-
-def _arguments(pointers: Sequence[Any], statics: Sequence[int]) -> list[Any]:
-    """Kernel arguments as cuda.core takes them: device pointers and ``long long`` statics."""
-    return [*pointers, *(np.int64(v) for v in statics)]
 
 
 def capture(routines: Routine | Iterable[Routine], *, stream: Stream | None = None,

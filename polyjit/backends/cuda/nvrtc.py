@@ -1,4 +1,4 @@
-"""NVRTC: CUDA C -> CUBIN (or PTX), cached by content through ``core/cache.py``.
+"""NVRTC: CUDA C -> CUBIN (or PTX), cached by content through ``core/compile_cache.py``.
 
 Raw ``cuda.bindings.nvrtc``, not ``cuda.core.Program``: cuda.core's Program loads the driver
 library, and polyjit compiles (and its tests check) CUDA code on machines without one.
@@ -11,8 +11,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from polyjit.core.cache import BinaryCache, content_key
+from polyjit.core.cache import BinaryCache
 from polyjit.core.codegen import Source
+from polyjit.core.compile_cache import CachingCompiler, Target
 from polyjit.core.compiler import source_excerpt
 from polyjit.core.errors import (
     BackendUnavailableError,
@@ -23,9 +24,11 @@ from polyjit.core.errors import (
 
 __all__ = [
     "CACHE",
+    "COMPILER",
     "DEFAULT_ARCH",
     "NVRTC_OPTIONS",
     "CudaBinary",
+    "NvrtcCompiler",
     "arch_number",
     "nvrtc_compile",
     "nvrtc_log",
@@ -42,7 +45,6 @@ CACHE = BinaryCache("cuda", ".img")  # CUBINs and PTX, keyed by everything that 
 _lock = threading.Lock()
 _nvrtc_mod: Any = None
 _info: dict[str, Any] = {}
-_memory: dict[str, bytes] = {}
 
 
 def _nvrtc() -> Any:
@@ -98,6 +100,25 @@ def arch_number(arch: str) -> int:
     return int(digits)
 
 
+class NvrtcCompiler(CachingCompiler):
+    """NVRTC as a :class:`~polyjit.core.compile_cache.CachingCompiler`: an image per (source,
+    target), the target being the kind, the arch, the file name and the options."""
+
+    namespace = "cuda"
+    suffix = ".img"
+
+    def identity(self) -> tuple[str, ...]:
+        major, minor = nvrtc_version()
+        return (f"nvrtc {major}.{minor}",)
+
+    def build(self, text: str, target: Target, out: Path) -> None:
+        kind, arch, name, *options = target
+        out.write_bytes(_run(text, (f"--gpu-architecture={arch}", *options), kind, name)[0])
+
+
+COMPILER = NvrtcCompiler(CACHE)
+
+
 def nvrtc_compile(text: str, arch: str = DEFAULT_ARCH, *, kind: str = "cubin",
                   options: Sequence[str] = NVRTC_OPTIONS, name: str = "polyjit.cu") -> bytes:
     """CUDA C -> CUBIN (``kind="cubin"``, ``arch="sm_XY"``) or PTX (``kind="ptx"``; an
@@ -107,19 +128,7 @@ def nvrtc_compile(text: str, arch: str = DEFAULT_ARCH, *, kind: str = "cubin",
         raise ValueError(f"kind must be 'cubin' or 'ptx', not {kind!r}")
     number = arch_number(arch)
     target = f"sm_{number}" if kind == "cubin" else f"compute_{number}"
-    major, minor = nvrtc_version()
-    opts = (f"--gpu-architecture={target}", *options)
-    key = content_key(text, " ".join(opts), target, f"nvrtc {major}.{minor}", kind)
-    with _lock:
-        hit = _memory.get(key)
-    if hit is None:
-        def build(out: Path) -> None:
-            out.write_bytes(_run(text, opts, kind, name)[0])
-
-        hit = CACHE.get_or_build_bytes(key, build)
-        with _lock:
-            _memory[key] = hit
-    return hit
+    return COMPILER.data(text, (kind, target, name, *options))
 
 
 def nvrtc_log(text: str, arch: str = DEFAULT_ARCH, *, options: Sequence[str] = NVRTC_OPTIONS,

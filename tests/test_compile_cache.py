@@ -1,0 +1,146 @@
+"""The one compile-cache mechanism (core/compile_cache.py) every driver's compiler extends:
+content keys, memory, verified files, hit/miss logging, compile counts, and its use by the
+three backends' compilers."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+
+from polyjit.core.cache import HASH_SUFFIX, BinaryCache
+from polyjit.core.compile_cache import CachingCompiler, Target
+from polyjit.core.errors import CompileError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Upper(CachingCompiler):
+    """A compiler whose binary is its source upper-cased, with the target appended."""
+
+    namespace = "upper"
+    suffix = ".up"
+
+    def __init__(self, version: str = "1") -> None:
+        super().__init__()
+        self.version = version
+        self.builds: list[tuple[str, Target]] = []
+        self.lock = threading.Lock()
+
+    def identity(self) -> tuple[str, ...]:
+        return (f"upper {self.version}",)
+
+    def build(self, text: str, target: Target, out: Path) -> None:
+        if "error" in text:
+            raise CompileError(f"upper cannot compile {text!r}", source=text, log="error here")
+        with self.lock:
+            self.builds.append((text, target))
+        out.write_bytes((text.upper() + "|" + ",".join(target)).encode())
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("POLYJIT_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_memory_then_disk_then_the_compiler(cache_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    c = Upper()
+    with caplog.at_level(logging.DEBUG, logger="polyjit"):
+        assert c.data("abc", ("t1",)) == b"ABC|t1"
+        assert c.data("abc", ("t1",)) == b"ABC|t1"  # in memory
+    assert c.compiles == 1 and len(c.builds) == 1
+    assert "cache miss" in caplog.text and "(in memory)" in caplog.text
+    files = sorted(p.name for p in (cache_dir / "upper").iterdir())
+    assert len(files) == 2 and files[1] == files[0] + HASH_SUFFIX  # the entry and its hash
+
+    fresh = Upper()  # another process's view: the verified file, no compile
+    assert fresh.data("abc", ("t1",)) == b"ABC|t1" and fresh.compiles == 0
+    path = fresh.path("abc", ("t1",))
+    assert path.read_bytes() == b"ABC|t1" and path.suffix == ".up"
+
+
+def test_keys_cover_source_target_and_identity() -> None:
+    c = Upper()
+    keys = {c.key("abc", ("t1",)), c.key("abd", ("t1",)), c.key("abc", ("t2",)), c.key("abc", ("t1", "x")),
+            Upper("2").key("abc", ("t1",)), c.key("abc")}
+    assert len(keys) == 6
+    c.data("abc", ("t1",))
+    Upper("2").data("abc", ("t1",))
+    assert len(list(Path(c.disk.directory()).glob("*.up"))) == 2
+
+
+def test_a_damaged_entry_is_rebuilt_never_used(cache_dir: Path) -> None:
+    c = Upper()
+    c.data("abc")
+    path = c.path("abc")
+    path.write_bytes(b"EVIL")
+    fresh = Upper()
+    assert fresh.data("abc") == b"ABC|" and fresh.compiles == 1
+
+
+def test_publish_replaces_an_entry_and_built_in_memory_counts() -> None:
+    c = Upper()
+    c.data("abc")
+    c.publish("abc", (), b"REPLACED")
+    assert c.data("abc") == b"REPLACED" and Upper().data("abc") == b"REPLACED"
+    made = c.built_in_memory("a program", lambda: object())
+    assert made is not None and c.compiles == 2
+
+
+def test_compile_errors_pass_through_and_nothing_is_kept() -> None:
+    c = Upper()
+    with pytest.raises(CompileError, match="cannot compile"):
+        c.data("an error")
+    assert not list(Path(c.disk.directory()).glob("*.up"))
+
+
+def test_threads_build_a_key_once() -> None:
+    c = Upper()
+    results: list[bytes] = []
+    gate = threading.Barrier(8)
+
+    def work() -> None:
+        gate.wait()
+        results.append(c.data("shared", ("t",)))
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [b"SHARED|t"] * 8 and len(c.builds) == 1
+
+
+def test_the_backends_compile_through_it() -> None:
+    from polyjit.backends.cpu.compiler import CCompiler
+    from polyjit.backends.cuda.nvrtc import COMPILER, NvrtcCompiler
+    from polyjit.backends.opencl.programs import OpenCLCompiler
+
+    assert issubclass(CCompiler, CachingCompiler) and issubclass(OpenCLCompiler, CachingCompiler)
+    assert isinstance(COMPILER, NvrtcCompiler)
+    cc = CCompiler(cache=BinaryCache("cpu", ".so"))  # a count of its own (SHARED_CACHE counts the process's)
+    path = cc.path("int forty_two(void) { return 42; }\n", ("host",))
+    assert path.suffix == ".so" and cc.compiles == 1
+    again = CCompiler(cache=BinaryCache("cpu", ".so"))
+    assert again.path("int forty_two(void) { return 42; }\n", ("host",)) == path and again.compiles == 0
+    assert CCompiler(flags=("-O0", "-fPIC", "-shared")).key("x") != cc.key("x")
+
+
+def test_cache_info_and_clear_see_every_namespace(cache_dir: Path) -> None:
+    Upper().data("abc")
+    env = {"POLYJIT_CACHE_DIR": str(cache_dir), "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    info = subprocess.run([sys.executable, "-m", "polyjit.cli", "cache", "info"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert info.returncode == 0 and "upper" in info.stdout and "1 entries" in info.stdout, info.stderr
+    clear = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        from polyjit.cli import main
+        raise SystemExit(main(["cache", "clear"]))
+    """)], env=env, capture_output=True, text=True, timeout=120)
+    assert clear.returncode == 0 and "removed 1 entries" in clear.stdout
+    assert not list((cache_dir / "upper").glob("*.up"))
