@@ -1,10 +1,13 @@
 """Tensor front-end benchmarks (``polyjit bench tensor``).
 
-- MLP 784-256-10 training step (SGD with momentum), batch 256, float32: polyjit on the
-  CPU backend vs the same model in numpy with hand-written gradients, and PyTorch's CPU
-  build beside them when it is importable (samples/s; target: polyjit >= numpy);
-- the char_lm model of examples/char_lm.py in compiled mode (samples/s), on the CPU or on
-  the device ``--lm-device`` names (``--lm-device cuda:0 --only char_lm`` on a GPU);
+- MLP 784-256-10 training step (SGD with momentum), batch 256, float32, and the char_lm model
+  of examples/char_lm.py (AdamW), batch 128: polyjit on the CPU backend raced against its peers
+  (numpy with hand-written gradients, PyTorch eager, ``torch.compile``, ``jax.jit``: those
+  installed; ``--peers`` picks them), each in its own process, in turns (``peers.py``);
+  samples/s, target: polyjit >= numpy. ``--contention N`` (or ``1,2``) times every contender
+  again beside N busy processes and reports each one's retained fraction (targets: polyjit
+  keeps >= 55% with one and >= 30% with two, and beats the best peer with one);
+- ``--lm-device cuda:0`` times char_lm on that device instead (samples/s, no peers);
 - host time per step, compiled vs dynamic dispatch (target: compiled <= 20% of dynamic);
 - data parallel on 2 CPU devices of one core each vs 1 device of one core
   (target: >= 1.6x), with the all-reduce time per step, and the ceiling this machine
@@ -20,8 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -32,14 +33,25 @@ import numpy as np
 
 from polyjit import tensor as pt
 from polyjit.backends import get_backend
-from polyjit.backends.cpu import cpu_model, create_backend
+from polyjit.backends.cpu import create_backend
 from polyjit.bench.common import Target, print_targets
+from polyjit.bench.peers import (
+    PEERS,
+    add_race_arguments,
+    contention_targets,
+    flatten,
+    machine_info,
+    mnist_like,
+    parse_contention,
+    parse_list,
+    print_results,
+    race,
+)
 from polyjit.bench.timing import best_of
 from polyjit.demo.datasets import context_windows, encode_text
 from polyjit.tensor.plan import Mode
 
 Array = np.ndarray[Any, Any]
-ROOT = Path(__file__).resolve().parent.parent
 TARGETS: list[Target] = [
     ("mlp", "polyjit_vs_numpy", ">=", 1.0),
     ("dispatch", "host_ratio", "<=", 0.2),
@@ -66,95 +78,17 @@ def best_rates(steps: dict[str, Callable[[], Any]], samples_per_step: int, n: in
     return best
 
 
-def mnist_like(batch: int, seed: int = 0) -> tuple[Array, Array]:
-    rng = np.random.default_rng(seed)
-    return rng.standard_normal((batch, 784)).astype(np.float32), rng.integers(0, 10, batch).astype(np.int32)
-
-
 # ---------------------------------------------------------------------------
-# MLP 784-256-10
+# MLP 784-256-10 and char_lm against their peers
 
 
-def polyjit_mlp_step(batch: int, device: Any = None) -> Callable[[], float]:
-    x, y = pt.input("x", (batch, 784)), pt.input("y", (batch,), "int32")
-    mlp = pt.MLP("mlp", [784, 256, 10], seed=0)
-    plan = pt.compile(loss=pt.cross_entropy(mlp(x), y), optimizer=pt.SGD(0.01, momentum=0.9), device=device)
-    xs, ys = mnist_like(batch)
-    return lambda: plan.step(x=xs, y=ys)
-
-
-def numpy_mlp_step(batch: int) -> Callable[[], float]:
-    rng = np.random.default_rng(0)
-    w1 = (rng.standard_normal((784, 256)) * np.sqrt(2 / 784)).astype(np.float32)
-    w2 = (rng.standard_normal((256, 10)) * np.sqrt(2 / 256)).astype(np.float32)
-    b1, b2 = np.zeros(256, np.float32), np.zeros(10, np.float32)
-    params = [w1, b1, w2, b2]
-    moments = [np.zeros_like(p) for p in params]
-    xs, ys = mnist_like(batch)
-    rows = np.arange(batch)
-
-    def step() -> float:
-        h = xs @ w1 + b1
-        a = np.maximum(h, 0)
-        logits = a @ w2 + b2
-        z = logits - logits.max(1, keepdims=True)
-        e = np.exp(z)
-        s = e.sum(1, keepdims=True)
-        loss = float(np.mean(np.log(s[:, 0]) - z[rows, ys]))
-        d = e / s
-        d[rows, ys] -= 1
-        d /= batch
-        da = d @ w2.T
-        da[h <= 0] = 0
-        grads = [xs.T @ da, da.sum(0), a.T @ d, d.sum(0)]
-        for p, m, g in zip(params, moments, grads):
-            m *= 0.9
-            m += g
-            p -= 0.01 * m
-        return loss
-
-    return step
-
-
-def torch_mlp_step(batch: int) -> Callable[[], float] | None:
-    try:
-        import torch
-    except ImportError:
-        return None
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(784, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    lossf = torch.nn.CrossEntropyLoss()
-    xs, ys = mnist_like(batch)
-    xt, yt = torch.from_numpy(xs), torch.from_numpy(ys.astype(np.int64))
-
-    def step() -> float:
-        opt.zero_grad()
-        loss = lossf(model(xt), yt)
-        loss.backward()
-        opt.step()
-        return float(loss.detach())
-
-    return step
-
-
-def torch_mlp_rate(batch: int, steps: int) -> float | None:
-    """PyTorch's samples/s, measured in a child process: its thread pool keeps spinning after
-    a step, and on a small machine that would slow whatever this process runs next."""
-    proc = subprocess.run([sys.executable, __file__, "--torch-mlp", "--batch", str(batch), "--steps", str(steps)],
-                          capture_output=True, text=True, check=False)
-    lines = proc.stdout.split()
-    return float(lines[-1]) if proc.returncode == 0 and lines and lines[-1] != "none" else None
-
-
-def bench_mlp(batch: int, steps: int) -> dict[str, float]:
-    contenders = {"polyjit": polyjit_mlp_step(batch), "numpy": numpy_mlp_step(batch)}
-    out = {f"{k}_samples_s": v for k, v in best_rates(contenders, batch, steps).items()}
-    torch_rate = torch_mlp_rate(batch, steps)
-    if torch_rate is not None:
-        out["torch_samples_s"] = torch_rate
-    out["polyjit_vs_numpy"] = out["polyjit_samples_s"] / out["numpy_samples_s"]
+def bench_race(model: str, batch: int, peers: Sequence[str], contention: Sequence[int], rounds: int,
+               seconds: float) -> dict[str, Any]:
+    """polyjit's training step of the model against the peers (``peers.race``), as one group."""
+    result = race(model, ["polyjit", *peers], batch, contention, rounds, seconds)
+    out = flatten(result, contention)
+    if isinstance(result.get("numpy"), dict) and isinstance(result.get("polyjit"), dict):
+        out["polyjit_vs_numpy"] = result["polyjit"]["samples_s"] / result["numpy"]["samples_s"]
     return out
 
 
@@ -179,7 +113,8 @@ def char_lm_plan(batch: int, mode: Mode, device: str = "cpu") -> tuple[pt.Plan, 
     return plan, lambda: batches[next(it) % len(batches)]
 
 
-def bench_char_lm(batch: int, steps: int, device: str) -> dict[str, float]:
+def bench_char_lm_on(batch: int, steps: int, device: str) -> dict[str, float]:
+    """char_lm's samples/s on a device other than the CPU (no peers there)."""
     plan, data = char_lm_plan(batch, "compiled", device)
     return {"compiled_samples_s": best_rates({"lm": lambda: plan.step(**data())}, batch, steps)["lm"]}
 
@@ -271,34 +206,33 @@ def main(argv: Sequence[str] = ()) -> int:
                    help="device of the char_lm group, e.g. cuda:0 (the other groups run on the CPU)")
     p.add_argument("--only", default="", help="comma-separated subset: mlp,char_lm,dispatch,data_parallel")
     p.add_argument("--json", help="write the results to this file")
-    p.add_argument("--torch-mlp", action="store_true", help=argparse.SUPPRESS)  # the child of torch_mlp_rate
+    add_race_arguments(p)
     args = p.parse_args(list(argv))
-    if args.torch_mlp:
-        step = torch_mlp_step(args.batch)
-        print("none" if step is None else best_rates({"torch": step}, args.batch, args.steps)["torch"])
-        return 0
     wanted = set(filter(None, args.only.split(","))) or {"mlp", "char_lm", "dispatch", "data_parallel"}
+    peers = parse_list(args.peers, PEERS, "peers")
+    contention = parse_contention(args.contention)
     results: dict[str, dict[str, Any]] = {
-        "machine": {"cpu": cpu_model(), "cores": len(os.sched_getaffinity(0)), "python": platform.python_version(),
-                    "numpy": np.__version__, "devices": get_backend("cpu").num_devices()},
+        "machine": {**machine_info(), "devices": get_backend("cpu").num_devices()},
     }
+    targets = list(TARGETS)
     if "mlp" in wanted:
-        results["mlp"] = bench_mlp(args.batch, args.steps)
+        results["mlp"] = bench_race("mlp", args.batch, peers, contention, args.rounds, args.seconds)
+        targets += contention_targets("mlp", contention)
     if "char_lm" in wanted:
-        results["char_lm"] = {"device": args.lm_device,
-                              **bench_char_lm(args.lm_batch, args.steps * 3, args.lm_device)}
+        if args.lm_device == "cpu":
+            lm = bench_race("char_lm", args.lm_batch, peers, contention, args.rounds, args.seconds)
+            results["char_lm"] = {"device": "cpu", **lm}
+            targets += contention_targets("char_lm", contention)
+        else:
+            results["char_lm"] = {"device": args.lm_device,
+                                  **bench_char_lm_on(args.lm_batch, args.steps * 3, args.lm_device)}
     if "dispatch" in wanted:
         results["dispatch"] = bench_dispatch(args.lm_batch, args.steps)
     if "data_parallel" in wanted:
         results["data_parallel"] = bench_data_parallel(args.dp_batch, args.steps)
-    print(f"machine: {results['machine']}")
-    for group, values in results.items():
-        if group == "machine":
-            continue
-        print(f"[{group}]")
-        for key, val in values.items():
-            print(f"  {key:24s} {val:14.3f}" if isinstance(val, float) else f"  {key:24s} {val:>14}")
-    print_targets(results, TARGETS)
+    results["machine"]["load_average_after"] = os.getloadavg()[0]
+    print_results(results)
+    print_targets(results, targets)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

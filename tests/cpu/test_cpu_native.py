@@ -16,7 +16,14 @@ import pytest
 
 from polyjit.backends.cpu import compiler as cc
 from polyjit.backends.cpu.compiler import build_shared, compiler_identity
-from polyjit.backends.cpu.native import MAX_STATICS, RING_CAPACITY, NativeRuntime, load_runtime
+from polyjit.backends.cpu.native import (
+    MAX_STATICS,
+    RING_CAPACITY,
+    TEAM_ADAPT,
+    TEAM_NONE,
+    NativeRuntime,
+    load_runtime,
+)
 from polyjit.core.cache import BinaryCache
 from polyjit.core.errors import CompileError
 
@@ -68,6 +75,37 @@ void copy_one(void* const* b, const int64_t* s) {
     ((int64_t*)b[1])[0] = ((volatile int64_t*)b[0])[0];
 }
 
+/* Sleeps s[0] us shared by the team (each thread sleeps its part): a kernel a team speeds up.
+ * b[0]: int64, the team size it ran with. */
+void split_sleep(void* const* b, const int64_t* s) {
+    int64_t* out = (int64_t*)b[0];
+    #pragma omp parallel
+    {
+        int n = omp_get_num_threads();
+        struct timespec ts = {0, (long)(s[0] * 1000 / n)};
+        nanosleep(&ts, NULL);
+        #pragma omp single nowait
+        out[0] = n;
+    }
+}
+
+/* While the int64 at b[1] is not 0: sleeps s[0] us with a team of more than one thread, s[1]
+ * us with one (a kernel whose team costs more than it gains, as when a team thread waits for
+ * a descheduled one); else split_sleep of s[1]. b[0]: the team size it ran with. */
+void team_penalty(void* const* b, const int64_t* s) {
+    int64_t* out = (int64_t*)b[0];
+    int penalty = ((volatile int64_t*)b[1])[0] != 0;
+    #pragma omp parallel
+    {
+        int n = omp_get_num_threads();
+        int64_t us = penalty ? (n > 1 ? s[0] : s[1]) : s[1] / n;
+        struct timespec ts = {0, (long)(us * 1000)};
+        nanosleep(&ts, NULL);
+        #pragma omp single nowait
+        out[0] = n;
+    }
+}
+
 /* b[0] int64[2]: the OpenMP team size of a parallel region, and the CPU it ran on. */
 void team_info(void* const* b, const int64_t* s) {
     (void)s;
@@ -96,10 +134,15 @@ class Kernels:
         return value
 
     def launch(
-        self, stream: int, name: str, buffers: list[int], statics: list[int] | None = None
+        self,
+        stream: int,
+        name: str,
+        buffers: list[int],
+        statics: list[int] | None = None,
+        team: int = TEAM_ADAPT,
     ) -> int:
         bufs = self.rt.make_ptr_array(buffers)
-        descs = self.rt.make_descs([(self.addr(name), ctypes.addressof(bufs))])
+        descs = self.rt.make_descs([(self.addr(name), ctypes.addressof(bufs), team)])
         self._keep.append(bufs)
         values = statics or []
         st = (ctypes.c_int64 * max(1, len(values)))(*values)
@@ -407,6 +450,146 @@ def test_pinning(rt: NativeRuntime, kernels: Kernels) -> None:
         rt.stream_destroy(s)
 
 
+# -- team sizes picked by measurement ---------------------------------------------------------
+
+
+@pytest.fixture
+def stream2(rt: NativeRuntime) -> Iterator[int]:
+    s = rt.stream_create(2, None)
+    yield s
+    rt.stream_destroy(s)
+
+
+def run_times(rt: NativeRuntime, kernels: Kernels, stream: int, name: str, buffers: list[int],
+              statics: list[int], n: int) -> None:
+    for _ in range(n):
+        kernels.launch(stream, name, buffers, statics)
+    rt.sync(stream, rt.last_ticket(stream))
+
+
+def test_tuner_keeps_the_full_team_when_it_pays(
+    rt: NativeRuntime, kernels: Kernels, stream2: int
+) -> None:
+    out = np.zeros(1, dtype=np.int64)
+    assert rt.team_of(stream2, kernels.addr("split_sleep")) == 0  # never run
+    run_times(rt, kernels, stream2, "split_sleep", [ptr(out)], [4000], 30)
+    assert rt.team_of(stream2, kernels.addr("split_sleep")) == 2
+    rt.sync(stream2, kernels.launch(stream2, "split_sleep", [ptr(out)], [4000]))
+    assert out[0] == 2
+
+
+def test_tuner_drops_to_one_thread_when_the_team_costs(
+    rt: NativeRuntime, kernels: Kernels, stream2: int
+) -> None:
+    out, penalty = np.zeros(1, dtype=np.int64), np.ones(1, dtype=np.int64)
+    bufs = [ptr(out), ptr(penalty)]
+    run_times(rt, kernels, stream2, "team_penalty", bufs, [3000, 300], 30)
+    assert rt.team_of(stream2, kernels.addr("team_penalty")) == 1
+    rt.sync(stream2, kernels.launch(stream2, "team_penalty", bufs, [3000, 300]))
+    assert out[0] == 1
+
+
+def test_tuner_goes_back_to_the_team_when_the_cost_goes(
+    rt: NativeRuntime, kernels: Kernels, stream2: int
+) -> None:
+    """A size that lost is re-timed (at least once a second), so the team comes back."""
+    out, penalty = np.zeros(1, dtype=np.int64), np.ones(1, dtype=np.int64)
+    bufs, statics = [ptr(out), ptr(penalty)], [4000, 2000]
+    run_times(rt, kernels, stream2, "team_penalty", bufs, statics, 20)
+    assert rt.team_of(stream2, kernels.addr("team_penalty")) == 1
+    penalty[0] = 0  # from now on the team halves the time
+    deadline = time.monotonic() + 30
+    while rt.team_of(stream2, kernels.addr("team_penalty")) != 2:
+        assert time.monotonic() < deadline, "the full team never came back"
+        run_times(rt, kernels, stream2, "team_penalty", bufs, statics, 20)
+
+
+def test_tuner_off_always_runs_the_full_team(
+    rt: NativeRuntime, kernels: Kernels, stream2: int
+) -> None:
+    rt.set_adaptive(stream2, False)
+    out, penalty = np.zeros(1, dtype=np.int64), np.ones(1, dtype=np.int64)
+    for _ in range(12):
+        rt.sync(stream2, kernels.launch(stream2, "team_penalty", [ptr(out), ptr(penalty)], [2000, 200]))
+        assert out[0] == 2
+    assert rt.team_of(stream2, kernels.addr("team_penalty")) == 0  # never timed
+
+
+def test_fixed_and_teamless_launches(rt: NativeRuntime, kernels: Kernels, stream2: int) -> None:
+    out = np.zeros(1, dtype=np.int64)
+    for team in (1, 2, 1):
+        rt.sync(stream2, kernels.launch(stream2, "split_sleep", [ptr(out)], [100], team=team))
+        assert out[0] == team
+    # a kernel said to open no team runs as it is, and is never timed
+    x = np.zeros(4, dtype=np.float32)
+    for _ in range(10):
+        rt.sync(stream2, kernels.launch(stream2, "add1", [ptr(x)], [1, 4], team=TEAM_NONE))
+    np.testing.assert_array_equal(x, 10)
+    assert rt.team_of(stream2, kernels.addr("add1")) == 0
+
+
+def test_more_kernels_than_the_tuning_table_holds(rt: NativeRuntime, stream2: int) -> None:
+    src = "#include <stdint.h>\n" + "".join(
+        f"void k{i}(void* const* b, const int64_t* s) {{ ((int64_t*)b[0])[{i}] += s[0]; }}\n"
+        for i in range(300))
+    lib = ctypes.CDLL(str(build_shared(src)))
+    out = np.zeros(300, dtype=np.int64)
+    bufs = rt.make_ptr_array([ptr(out)])
+    addrs = [ctypes.cast(getattr(lib, f"k{i}"), ctypes.c_void_p).value or 0 for i in range(300)]
+    descs = rt.make_descs([(a, ctypes.addressof(bufs)) for a in addrs])
+    st = (ctypes.c_int64 * 1)(1)
+    for _ in range(5):
+        rt.launch_seq(stream2, descs, 300, st, 1)
+    rt.sync(stream2, rt.last_ticket(stream2))
+    np.testing.assert_array_equal(out, 5)
+
+
+IDLE_TEAM_CPU = r"""
+import ctypes, os, resource, time
+from polyjit.backends.cpu.compiler import build_shared
+from polyjit.backends.cpu.native import load_runtime
+rt = load_runtime()
+assert "GOMP_SPINCOUNT" not in os.environ, "the environment was not restored"
+lib = ctypes.CDLL(str(build_shared(
+    "#include <stdint.h>\nvoid region(void* const* b, const int64_t* s) {\n"
+    "#pragma omp parallel\n  { volatile int x = 0; (void)x; }\n}\n")))
+bufs = rt.make_ptr_array([0])
+descs = rt.make_descs([(ctypes.cast(lib.region, ctypes.c_void_p).value, ctypes.addressof(bufs), 2)])
+s = rt.stream_create(2, None)
+spent = []
+for _ in range(5):
+    rt.sync(s, rt.launch_seq(s, descs, 1, None, 0))
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    time.sleep(0.1)
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    spent.append(r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime)
+rt.stream_destroy(s)
+print(min(spent))
+"""
+
+
+def test_an_idle_team_stops_spinning_soon() -> None:
+    """libgomp's default keeps a thread spinning ~300000 pauses after every region (7 ms on a
+    CPU whose pause takes 24 ns): the runtime loads it with a bound (OMP_SPIN_COUNT), and
+    leaves the environment as it was. Measured by the CPU time an idle team burns."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    proc = subprocess.run([sys.executable, "-c", IDLE_TEAM_CPU], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    # the worker spins 0.1 ms and the team's helper about 0.25 ms before they sleep (spinning
+    # threads that get descheduled burn less: libgomp's default measured 3.5 ms on a busy VM)
+    assert float(proc.stdout.split()[-1]) < 0.001
+
+
+def test_a_users_openmp_spin_setting_is_kept() -> None:
+    script = ("import os\nfrom polyjit.backends.cpu.native import load_runtime\nload_runtime()\n"
+              "print(os.environ.get('GOMP_SPINCOUNT'))\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "GOMP_SPINCOUNT": "12345"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[-1] == "12345"
+
+
 def test_bad_cpu_raises(rt: NativeRuntime) -> None:
     with pytest.raises(RuntimeError, match="cannot start"):
         rt.stream_create(1, [1 << 20])
@@ -534,3 +717,71 @@ def test_compile_error_carries_log_and_source(
     assert "generated source around the fault:" in msg
     assert ">>     4 |     x[0] = undefined_name + 1;" in msg
     assert not list(tmp_path.rglob("*.so"))  # nothing published on failure
+
+
+# -- contention -------------------------------------------------------------------------------
+
+CONTENTION = """
+import os, subprocess, sys, time
+import numpy as np
+from polyjit import get_backend, ir
+from polyjit.backends.cpu.native import load_runtime
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one core, shared with the spinners
+be = get_backend("cpu")
+rt = load_runtime()
+n = 1 << 16
+a, out = ir.Node("a", (n,)), ir.Node("out", (n,))
+ctx = be.get_device(0).make_context().init_from_host(a, np.arange(n, dtype=np.float32))
+r = ctx.link(be.compile(ir.Comp.of(ir.apply(ir.Op.MUL, a, a, into=out)), name="sq"))
+host = np.empty(n, np.float32)
+
+def run_until(want, seconds):
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(20):
+            r.run()
+        r.context.to_host(out, host)
+        if rt.contended() == want:
+            return True
+    return False
+
+print("alone", rt.contended())
+spin = "import os\\np = os.getppid()\\nwhile os.getppid() == p: pass\\n"
+busy = [subprocess.Popen([sys.executable, "-S", "-c", spin]) for _ in range(2)]
+try:
+    print("busy", run_until(True, 20))
+finally:
+    for p in busy:
+        p.kill()
+r.run()
+r.context.to_host(out, host)
+np.testing.assert_array_equal(host, np.arange(n, dtype=np.float32) ** 2)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no affinity API")
+def test_workers_sense_a_contended_machine() -> None:
+    """Beside two spinning processes on its one core, a stream finds the machine contended
+    (and stops spinning; waiting threads run their streams' work), and still computes right."""
+    proc = subprocess.run([sys.executable, "-c", CONTENTION], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["alone", "False", "busy", "True", "ok"], proc.stdout
+
+
+@pytest.mark.parametrize(("mode", "want"), [("on", True), ("off", False)])
+def test_contention_mode_from_the_environment(mode: str, want: bool) -> None:
+    script = ("from polyjit.backends.cpu.native import load_runtime\n"
+              "print(load_runtime().contended())\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "POLYJIT_CPU_CONTENTION": mode})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[-1] == str(want)
+
+
+def test_a_bad_contention_mode_is_named() -> None:
+    script = "from polyjit.backends.cpu.native import load_runtime\nload_runtime()\n"
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "POLYJIT_CPU_CONTENTION": "sometimes"})
+    assert proc.returncode != 0
+    assert "POLYJIT_CPU_CONTENTION" in proc.stderr and "sometimes" in proc.stderr

@@ -25,10 +25,14 @@ from typing import Any
 
 from polyjit.backends.cpu.compiler import build_shared
 from polyjit.core.errors import BackendUnavailableError, PoolExhaustedError
+from polyjit.core.log import logger
 
 __all__ = [
     "MAX_STATICS",
+    "OMP_SPIN_COUNT",
     "RING_CAPACITY",
+    "TEAM_ADAPT",
+    "TEAM_NONE",
     "LaunchDesc",
     "NativeRuntime",
     "load_runtime",
@@ -39,15 +43,31 @@ RING_CAPACITY = 4096  # tasks in flight per stream before an enqueue blocks (PJ_
 
 RUNTIME_FLAGS: tuple[str, ...] = ("-O2", "-fPIC", "-shared", "-fopenmp", "-pthread", "-std=gnu11")
 
+#: How long a waiting OpenMP thread spins (libgomp's ``GOMP_SPINCOUNT``, in pause
+#: instructions) before it sleeps, unless the user set ``GOMP_SPINCOUNT`` or
+#: ``OMP_WAIT_POLICY``. libgomp's default, 300000 (about 7 ms at 24 ns a pause), keeps a
+#: thread that waits at a barrier or for the next kernel on its core: when other processes
+#: take cores, the team's threads spend most of their time spinning while the thread they
+#: wait for is descheduled. This bound (about 0.25 ms) still spans the gap between a step's
+#: kernels, so a team stays awake within a step when the machine is ours.
+OMP_SPIN_COUNT = 10000
+
 _c_void_p = ctypes.c_void_p
 _c_u64 = ctypes.c_uint64
 _c_i64 = ctypes.c_int64
 
 
-class LaunchDesc(ctypes.Structure):
-    """``pj_launch_desc``: a kernel address and the address of its ``void*`` buffer array."""
+#: ``LaunchDesc.team``: the stream picks the kernel's team size by timing it (the default).
+TEAM_ADAPT = 0
+#: ``LaunchDesc.team``: the kernel opens no OpenMP team (nothing to pick or time).
+TEAM_NONE = -1
 
-    _fields_ = (("fn", ctypes.c_void_p), ("bufs", ctypes.c_void_p))
+
+class LaunchDesc(ctypes.Structure):
+    """``pj_launch_desc``: a kernel address, the address of its ``void*`` buffer array, and
+    its team: :data:`TEAM_ADAPT`, :data:`TEAM_NONE` or a fixed number of threads."""
+
+    _fields_ = (("fn", ctypes.c_void_p), ("bufs", ctypes.c_void_p), ("team", ctypes.c_int64))
 
 
 def _source() -> str:
@@ -98,6 +118,10 @@ class NativeRuntime:
         self._alloc = _bind(lib, "pj_alloc", _c_void_p, [ctypes.c_size_t, ctypes.c_size_t])
         self._free = _bind(lib, "pj_free", None, [_c_void_p])
         self._set_spin = _bind(lib, "pj_set_spin", None, [_c_i64] * 4)
+        self._set_adaptive = _bind(lib, "pj_stream_set_adaptive", None, [_c_void_p, ctypes.c_int])
+        self._team = _bind(lib, "pj_stream_team", ctypes.c_int, [_c_void_p, _c_void_p])
+        self._contended = _bind(lib, "pj_contended", ctypes.c_int, [])
+        self._set_contention = _bind(lib, "pj_set_contention", None, [ctypes.c_double, ctypes.c_double])
         self.launch_seq = _bind(
             lib,
             "pj_launch_seq",
@@ -155,6 +179,27 @@ class NativeRuntime:
         """The stream as a ``c_void_p``, the form :attr:`launch_seq_raw` needs."""
         return ctypes.c_void_p(stream)
 
+    def set_adaptive(self, stream: int, on: bool) -> None:
+        """Whether the stream picks each kernel's team size by timing it (the default), or
+        always runs the full team."""
+        self._set_adaptive(stream, int(on))
+
+    def team_of(self, stream: int, kernel: int) -> int:
+        """The team size the stream runs the kernel at address ``kernel`` with now (0: not
+        timed yet); read it while the stream is idle."""
+        return int(self._team(stream, kernel))
+
+    def contended(self) -> bool:
+        """Whether the stream workers find the machine contended now: they wait for a core
+        for a noticeable share of the time, so nobody spins (see runtime.c)."""
+        return bool(self._contended())
+
+    def set_contention(self, on: float, off: float) -> None:
+        """The shares of time a stream worker spends waiting for a core above which the
+        machine counts as contended (no spinning) and below which it no longer does;
+        ``on > 1`` turns the sensing off."""
+        self._set_contention(on, off)
+
     def live_streams(self) -> list[int]:
         with self._live_lock:
             return list(self._live)
@@ -198,12 +243,16 @@ class NativeRuntime:
     # -- descriptors -----------------------------------------------------------------------
 
     @staticmethod
-    def make_descs(pairs: Sequence[tuple[int, int]]) -> ctypes.Array[LaunchDesc]:
-        """A ``pj_launch_desc`` array from ``(kernel address, address of void* array)`` pairs."""
+    def make_descs(
+        pairs: Sequence[tuple[int, int] | tuple[int, int, int]],
+    ) -> ctypes.Array[LaunchDesc]:
+        """A ``pj_launch_desc`` array from ``(kernel address, address of void* array)`` pairs,
+        or triples that add the team (:data:`TEAM_ADAPT` when left out)."""
         arr = (LaunchDesc * len(pairs))()
-        for i, (fn, bufs) in enumerate(pairs):
-            arr[i].fn = fn
-            arr[i].bufs = bufs
+        for i, desc in enumerate(pairs):
+            arr[i].fn = desc[0]
+            arr[i].bufs = desc[1]
+            arr[i].team = desc[2] if len(desc) > 2 else TEAM_ADAPT
         return arr
 
     @staticmethod
@@ -234,6 +283,43 @@ _lock = threading.Lock()
 _runtime: NativeRuntime | None = None
 
 
+def _openmp_loaded() -> bool:
+    """Whether libgomp is already in this process (it reads its settings once, when loaded)."""
+    try:
+        return "libgomp" in Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
+
+
+def _load_with_bounded_spin(path: Path) -> NativeRuntime:
+    """Load the runtime (and with it libgomp) with :data:`OMP_SPIN_COUNT` in the environment
+    libgomp reads at load time, then restore the environment: child processes keep theirs."""
+    if "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ:
+        return NativeRuntime(path)
+    if _openmp_loaded():
+        logger.debug("libgomp was loaded before the CPU runtime: its spin count is left as is")
+    os.environ["GOMP_SPINCOUNT"] = str(OMP_SPIN_COUNT)
+    try:
+        return NativeRuntime(path)
+    finally:
+        os.environ.pop("GOMP_SPINCOUNT", None)
+
+
+#: ``POLYJIT_CPU_CONTENTION``: ``auto`` (the default: stream workers sense whether they wait
+#: for a core), ``on`` (always behave as on a busy machine: nobody spins, a waiting thread runs
+#: its stream's work) or ``off`` (always as alone: spin before sleeping).
+CONTENTION_MODES = {"auto": None, "on": (-1.0, -1.0), "off": (2.0, 2.0)}
+
+
+def _apply_contention_mode(rt: NativeRuntime) -> None:
+    mode = os.environ.get("POLYJIT_CPU_CONTENTION", "auto").strip().lower() or "auto"
+    if mode not in CONTENTION_MODES:
+        raise ValueError(f"POLYJIT_CPU_CONTENTION must be one of {', '.join(CONTENTION_MODES)}, not {mode!r}")
+    thresholds = CONTENTION_MODES[mode]
+    if thresholds is not None:
+        rt.set_contention(*thresholds)
+
+
 def load_runtime() -> NativeRuntime:
     """The process-wide runtime, compiled (once per machine, cached on disk) and loaded."""
     global _runtime
@@ -243,7 +329,8 @@ def load_runtime() -> NativeRuntime:
     with _lock:
         if _runtime is None:
             path = build_shared(_source(), flags=RUNTIME_FLAGS)
-            _runtime = NativeRuntime(path)
+            _runtime = _load_with_bounded_spin(path)
+            _apply_contention_mode(_runtime)
             atexit.register(_runtime.shutdown)
             if hasattr(os, "register_at_fork"):
                 # The parent's streams are dead in a child (no workers there): the exit

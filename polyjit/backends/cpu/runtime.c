@@ -22,26 +22,43 @@
  * never lost: either the sleeper sees the new value, or the waker sees the
  * sleeper. Spinners yield the CPU after a few microseconds, in case the
  * thread they wait for shares their CPU.
+ *
+ * Team sizes: an OpenMP team ends in a barrier, so a kernel with a team is as slow as its
+ * slowest thread. When other processes take cores, a team thread is often descheduled and
+ * the others wait at the barrier for a whole time slice (milliseconds, for a kernel of tens
+ * of microseconds). So the worker picks each kernel's team size by measuring it: it keeps,
+ * per kernel, a running mean of its wall time at each candidate size (all threads, one
+ * less, half, one), runs the fastest, and now and then re-times the others, less often the
+ * more they cost (see tune_pick). Kernels that open no team (PJ_TEAM_NONE) are not timed. Alone on the machine the full team wins and stays; with
+ * cores taken the kernels move to the size that still pays.
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <omp.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
 #include <stddef.h>
+#include <stdio.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #define PJ_EXPORT __attribute__((visibility("default")))
 
 typedef void (*pj_kernel)(void* const* bufs, const int64_t* statics);
+/* team: PJ_TEAM_ADAPT (the worker picks the team size), PJ_TEAM_NONE (the kernel opens no
+ * OpenMP team: nothing to pick, nothing to time), or a fixed team size (> 0). */
 typedef struct {
     pj_kernel fn;
     void* const* bufs;
+    int64_t team;
 } pj_launch_desc;
+#define PJ_TEAM_ADAPT 0
+#define PJ_TEAM_NONE (-1)
 
 #define PJ_MAX_STATICS 16
 #define PJ_RING 4096 /* power of two */
@@ -63,6 +80,7 @@ typedef struct {
         struct {
             pj_kernel fn;
             void* const* bufs;
+            int64_t team;
         } launch;
         struct {
             void* dst;
@@ -79,6 +97,33 @@ typedef struct {
     int64_t statics[PJ_MAX_STATICS];
 } pj_task;
 
+/* Team-size tuning (see the top of the file). */
+#define PJ_MAX_TEAMS 4    /* candidate sizes: all threads, one less, half, one */
+#define PJ_TUNE_SLOTS 256 /* kernels remembered per stream (power of two) */
+#define PJ_TUNE_PROBE 4   /* slots looked at per lookup before one is reused */
+/* Each size is first timed this many times, in turns; the first (cold: page faults, the
+ * team's threads starting) is not counted. */
+#define PJ_TUNE_WARM 3
+/* Weights of a new time in a size's running mean: small for the size in use (one stall is
+ * not a trend), large for a re-timing (the machine may have changed since the last one). */
+#define PJ_WEIGHT_USE (1.0 / 16)
+#define PJ_WEIGHT_RETIME 0.5
+/* A slower size is re-timed after 200 * (its mean / the best mean - 1) launches, so that
+ * re-timing costs about 0.5% of the kernel's time, within these bounds... */
+#define PJ_RETIME_MIN 8
+#define PJ_RETIME_MAX 4096
+/* ... and at least once a second (ns): a size that lost under load is back soon after the
+ * load goes, for a few milliseconds a second per kernel while the load lasts. */
+#define PJ_RETIME_NS 1000000000
+
+typedef struct {
+    pj_kernel fn;                   /* NULL: free slot */
+    double mean[PJ_MAX_TEAMS];      /* running mean wall time (ns) */
+    int64_t timed_at[PJ_MAX_TEAMS]; /* when each size was last timed (ns) */
+    uint32_t since[PJ_MAX_TEAMS];   /* launches since each size was last timed */
+    uint32_t timed[PJ_MAX_TEAMS];   /* times each size was timed (saturates) */
+} pj_tune;
+
 typedef struct pj_stream {
     /* Producer side (host threads). */
     _Alignas(PJ_CACHELINE) _Atomic uint64_t tail; /* last ticket published */
@@ -86,11 +131,21 @@ typedef struct pj_stream {
     /* Consumer side (the worker). */
     _Alignas(PJ_CACHELINE) _Atomic uint64_t done; /* tasks completed */
     _Atomic uint32_t done_seq; /* bumped when done changes while someone parks on it */
+    /* 1 while a thread runs the ring's tasks: the worker, or a host thread that waits for
+     * them while the machine is contended (see wait_done_host). */
+    _Atomic int consuming;
+    int helpable; /* 0: pinned to some cores, so only the worker (on them) runs tasks */
     _Alignas(PJ_CACHELINE) _Atomic uint32_t sleeping; /* 1: the worker parks (or is about to) */
     _Atomic int waiters;                              /* threads parked on done_seq */
     _Atomic int refs; /* 1 for the owner until pj_stream_destroy, +1 per pending WAIT on it */
     pthread_t thread;
     int num_threads;
+    /* Worker-only state: the candidate team sizes, the size the worker's OpenMP ICV holds,
+     * the per-kernel timings. */
+    int teams[PJ_MAX_TEAMS];
+    int nteams;
+    _Atomic int adaptive; /* 0: always the full team (pj_stream_set_adaptive) */
+    pj_tune tune[PJ_TUNE_SLOTS];
     _Alignas(PJ_CACHELINE) pj_task ring[PJ_RING];
 } pj_stream;
 
@@ -100,6 +155,17 @@ static _Atomic int64_t g_wait_spin_ns = 100000;
 /* Pure spinning (no sched_yield) for this long, then spinning with yields. */
 static _Atomic int64_t g_worker_noyield_ns = 10000;
 static _Atomic int64_t g_wait_noyield_ns = 2000;
+
+/* Contention: 1 while a stream worker finds itself runnable but not running for a
+ * noticeable share of the time (other processes, or our own spinners, hold the cores).
+ * Then nobody spins: a spinning waiter would take the core from the very thread it waits
+ * for, for a whole time slice. Alone on the machine spinning saves a wake-up per handoff. */
+static _Atomic int g_contended = 0;
+#define PJ_SENSE_NS 20000000 /* how often a thread reads its run delay */
+/* Shares of the window spent runnable, not running, above which the machine counts as
+ * contended, and below which it no longer does (pj_set_contention). */
+static _Atomic double g_contended_on = 0.08;
+static _Atomic double g_contended_off = 0.02;
 
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -156,10 +222,74 @@ static void unpark_all(_Atomic uint32_t* word) {
 }
 #endif
 
+/* The budget to spin before parking: none while the machine is contended. */
+static inline int64_t spin_budget(_Atomic int64_t* budget) {
+    if (atomic_load_explicit(&g_contended, memory_order_relaxed)) return 0;
+    return atomic_load_explicit(budget, memory_order_relaxed);
+}
+
+/* This thread's time on a core and time runnable but waiting for one (ns; the first two
+ * fields of its schedstat). 0 on success. */
+static int thread_times(int64_t* on_cpu, int64_t* delay) {
+#ifdef __linux__
+    char path[64], buf[96];
+    snprintf(path, sizeof(path), "/proc/self/task/%ld/schedstat", (long)syscall(SYS_gettid));
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    ssize_t n = read(fd, buf, sizeof(buf) - 1);
+    close(fd);
+    if (n <= 0) return -1;
+    buf[n] = 0;
+    unsigned long long c = 0, d = 0;
+    if (sscanf(buf, "%llu %llu", &c, &d) != 2) return -1;
+    *on_cpu = (int64_t)c;
+    *delay = (int64_t)d;
+    return 0;
+#else
+    (void)on_cpu;
+    (void)delay;
+    return -1;
+#endif
+}
+
+/* Each thread that runs or waits for tasks (workers, host threads in pj_sync) senses, every
+ * PJ_SENSE_NS, the share of its runnable time it spent waiting for a core, and sets
+ * g_contended from it (with hysteresis). Time asleep does not count: a parked worker says
+ * nothing about the machine. A window with under PJ_SENSE_MIN_NS of runnable time is
+ * extended until it has enough. Reading the file costs a few microseconds per window. */
+#define PJ_SENSE_MIN_NS 1000000
+static __thread int64_t t_sensed_at, t_on_cpu, t_delay;
+static __thread int t_sensing = 0; /* 1: the baseline above is set; -1: no schedstat here */
+
+static void sense_contention(void) {
+    if (t_sensing < 0) return;
+    int64_t now = now_ns();
+    if (t_sensing && now - t_sensed_at < PJ_SENSE_NS) return;
+    int64_t on_cpu, delay;
+    if (thread_times(&on_cpu, &delay) != 0) {
+        t_sensing = -1;
+        return;
+    }
+    if (!t_sensing) {
+        t_sensing = 1;
+    } else {
+        int64_t ran = on_cpu - t_on_cpu, waited = delay - t_delay;
+        if (ran + waited < PJ_SENSE_MIN_NS) return;
+        double share = (double)waited / (double)(ran + waited);
+        if (share > atomic_load_explicit(&g_contended_on, memory_order_relaxed))
+            atomic_store_explicit(&g_contended, 1, memory_order_relaxed);
+        else if (share < atomic_load_explicit(&g_contended_off, memory_order_relaxed))
+            atomic_store_explicit(&g_contended, 0, memory_order_relaxed);
+    }
+    t_sensed_at = now;
+    t_on_cpu = on_cpu;
+    t_delay = delay;
+}
+
 /* Block until s->done >= ticket: spin, then park on done_seq. */
 static void wait_done(pj_stream* s, uint64_t ticket) {
     if (atomic_load_explicit(&s->done, memory_order_acquire) >= ticket) return;
-    int64_t budget = atomic_load_explicit(&g_wait_spin_ns, memory_order_relaxed);
+    int64_t budget = spin_budget(&g_wait_spin_ns);
     int64_t noyield = atomic_load_explicit(&g_wait_noyield_ns, memory_order_relaxed);
     if (budget > 0) {
         int64_t start = now_ns();
@@ -180,25 +310,53 @@ static void wait_done(pj_stream* s, uint64_t ticket) {
     atomic_fetch_sub_explicit(&s->waiters, 1, memory_order_seq_cst);
 }
 
-/* Worker: block until tail != head (new work published). */
-static void wait_work(pj_stream* s, uint64_t head) {
-    int64_t budget = atomic_load_explicit(&g_worker_spin_ns, memory_order_relaxed);
+/* Work for the worker: tasks not done, and no host thread running them. */
+static inline int has_work(pj_stream* s) {
+    return atomic_load_explicit(&s->tail, memory_order_seq_cst) !=
+               atomic_load_explicit(&s->done, memory_order_seq_cst) &&
+           !atomic_load_explicit(&s->consuming, memory_order_seq_cst);
+}
+
+/* Worker: block until has_work. Wakers: publish (new work), and a helping host thread that
+ * leaves work behind (release_role). */
+static void wait_work(pj_stream* s) {
+    int64_t budget = spin_budget(&g_worker_spin_ns);
     int64_t noyield = atomic_load_explicit(&g_worker_noyield_ns, memory_order_relaxed);
     if (budget > 0) {
         int64_t start = now_ns();
         for (unsigned i = 1;; i++) {
             cpu_relax();
-            if (atomic_load_explicit(&s->tail, memory_order_acquire) != head) return;
+            if (has_work(s)) return;
             if ((i & 63) == 0 && spin_tick(start, budget, noyield)) break;
         }
     }
     for (;;) {
         atomic_store_explicit(&s->sleeping, 1, memory_order_seq_cst);
-        if (atomic_load_explicit(&s->tail, memory_order_seq_cst) != head) break;
-        park(&s->sleeping, 1); /* returns at once if a producer already cleared the flag */
-        if (atomic_load_explicit(&s->tail, memory_order_acquire) != head) break;
+        if (has_work(s)) break;
+        park(&s->sleeping, 1); /* returns at once if a waker already cleared the flag */
+        if (has_work(s)) break;
     }
     atomic_store_explicit(&s->sleeping, 0, memory_order_relaxed);
+}
+
+static inline void wake_worker(pj_stream* s) {
+    if (atomic_load_explicit(&s->sleeping, memory_order_seq_cst) &&
+        atomic_exchange_explicit(&s->sleeping, 0, memory_order_seq_cst))
+        unpark_all(&s->sleeping);
+}
+
+static inline int take_role(pj_stream* s) {
+    int free_ = 0;
+    return atomic_compare_exchange_strong_explicit(&s->consuming, &free_, 1, memory_order_seq_cst,
+                                                   memory_order_relaxed);
+}
+
+/* Give the role back; work left behind goes to the worker. */
+static void release_role(pj_stream* s) {
+    atomic_store_explicit(&s->consuming, 0, memory_order_seq_cst);
+    if (atomic_load_explicit(&s->tail, memory_order_seq_cst) !=
+        atomic_load_explicit(&s->done, memory_order_seq_cst))
+        wake_worker(s);
 }
 
 static void stream_unref(pj_stream* s) {
@@ -226,50 +384,172 @@ static void parallel_bytes(void* dst, const void* src, int value, size_t n) {
     }
 }
 
+/* The candidate team sizes of a team of n: n, n - 1, n / 2, 1 (distinct, largest first). */
+static void init_teams(pj_stream* s, int n) {
+    int cand[PJ_MAX_TEAMS] = {n, n - 1, n / 2, 1};
+    s->nteams = 0;
+    for (int i = 0; i < PJ_MAX_TEAMS; i++) {
+        int dup = cand[i] < 1;
+        for (int j = 0; j < s->nteams && !dup; j++) dup = s->teams[j] == cand[i];
+        if (!dup) s->teams[s->nteams++] = cand[i];
+    }
+}
+
+/* The team size of the calling thread's next OpenMP regions (an ICV of the thread: the
+ * worker's, or a helping host thread's). */
+static void set_team(pj_stream* s, int n) {
+    (void)s;
+    omp_set_num_threads(n);
+}
+
+/* The kernel's timings; a slot of another kernel is reused when the probe finds no free one. */
+static pj_tune* tune_slot(pj_stream* s, pj_kernel fn) {
+    uintptr_t h = ((uintptr_t)fn >> 4) * (uintptr_t)0x9E3779B97F4A7C15ull;
+    unsigned base = (unsigned)(h >> 32);
+    pj_tune* e = NULL;
+    for (unsigned i = 0; i < PJ_TUNE_PROBE; i++) {
+        pj_tune* c = &s->tune[(base + i) & (PJ_TUNE_SLOTS - 1)];
+        if (c->fn == fn) return c;
+        if (c->fn == NULL) {
+            e = c;
+            break;
+        }
+    }
+    if (e == NULL) e = &s->tune[base & (PJ_TUNE_SLOTS - 1)];
+    memset(e, 0, sizeof(*e));
+    e->fn = fn;
+    return e;
+}
+
+/* Which candidate runs this launch: while warming up, the one timed least (largest first);
+ * then a slower one due for a re-timing, else the fastest. *retime: the pick is not the
+ * fastest. */
+static int tune_pick(const pj_stream* s, const pj_tune* e, int64_t now, int* retime) {
+    int least = 0, best = 0;
+    for (int k = 1; k < s->nteams; k++) {
+        if (e->timed[k] < e->timed[least]) least = k;
+        if (e->mean[k] < e->mean[best]) best = k;
+    }
+    *retime = 0;
+    if (e->timed[least] < PJ_TUNE_WARM) return least;
+    double floor = e->mean[best] > 1.0 ? e->mean[best] : 1.0;
+    for (int k = 0; k < s->nteams; k++) {
+        if (k == best) continue;
+        double every = 200.0 * (e->mean[k] / floor - 1.0);
+        if (every < PJ_RETIME_MIN) every = PJ_RETIME_MIN;
+        if (every > PJ_RETIME_MAX) every = PJ_RETIME_MAX;
+        if (e->since[k] >= (uint32_t)every || now - e->timed_at[k] > PJ_RETIME_NS) {
+            *retime = 1;
+            return k;
+        }
+    }
+    return best;
+}
+
+static void tune_record(const pj_stream* s, pj_tune* e, int k, int64_t t1, double dt, int retime) {
+    for (int j = 0; j < s->nteams; j++) e->since[j]++;
+    e->since[k] = 0;
+    e->timed_at[k] = t1;
+    uint32_t n = e->timed[k]++;
+    if (n == UINT32_MAX) e->timed[k] = n; /* saturate */
+    if (n == 0) return;                   /* the cold run */
+    if (n < PJ_TUNE_WARM) e->mean[k] += (dt - e->mean[k]) / n; /* the mean of the warm runs */
+    else e->mean[k] += (retime ? PJ_WEIGHT_RETIME : PJ_WEIGHT_USE) * (dt - e->mean[k]);
+}
+
+static void run_launch(pj_stream* s, const pj_task* t) {
+    pj_kernel fn = t->u.launch.fn;
+    int64_t team = t->u.launch.team;
+    if (team != PJ_TEAM_ADAPT || s->nteams < 2 ||
+        !atomic_load_explicit(&s->adaptive, memory_order_relaxed)) {
+        if (team > 0) set_team(s, (int)team);
+        else if (team == PJ_TEAM_ADAPT) set_team(s, s->teams[0]);
+        fn(t->u.launch.bufs, t->statics);
+        return;
+    }
+    pj_tune* e = tune_slot(s, fn);
+    int64_t t0 = now_ns();
+    int retime;
+    int k = tune_pick(s, e, t0, &retime);
+    set_team(s, s->teams[k]);
+    fn(t->u.launch.bufs, t->statics);
+    int64_t t1 = now_ns();
+    tune_record(s, e, k, t1, (double)(t1 - t0), retime);
+}
+
+/* With the role held: run the tasks after `done`, in order, up to ticket `until` (or until
+ * the ring is empty); a helper (a host thread) stops before a STOP. Returns 1 after a STOP. */
+static int consume(pj_stream* s, uint64_t until, int helper) {
+    uint64_t head = atomic_load_explicit(&s->done, memory_order_relaxed);
+    for (;;) {
+        uint64_t tail = atomic_load_explicit(&s->tail, memory_order_acquire);
+        if (head >= tail || head >= until) return 0;
+        pj_task* t = &s->ring[head & PJ_RING_MASK];
+        int kind = t->kind;
+        if (kind == PJ_STOP && helper) return 0;
+        switch (kind) {
+            case PJ_LAUNCH:
+                run_launch(s, t);
+                break;
+            case PJ_MEMCPY:
+                set_team(s, s->teams[0]);
+                parallel_bytes(t->u.copy.dst, t->u.copy.src, 0, t->u.copy.n);
+                break;
+            case PJ_MEMSET:
+                set_team(s, s->teams[0]);
+                parallel_bytes(t->u.copy.dst, NULL, t->value, t->u.copy.n);
+                break;
+            case PJ_WAIT:
+                wait_done(t->u.wait.other, t->u.wait.ticket);
+                stream_unref(t->u.wait.other);
+                break;
+            case PJ_STAMP:
+                *t->u.stamp = now_ns();
+                break;
+            default:
+                break;
+        }
+        head++;
+        /* Publishing `done` frees the slot; t must not be touched after this. */
+        atomic_store_explicit(&s->done, head, memory_order_seq_cst);
+        if (atomic_load_explicit(&s->waiters, memory_order_seq_cst) > 0) {
+            atomic_fetch_add_explicit(&s->done_seq, 1, memory_order_seq_cst);
+            unpark_all(&s->done_seq);
+        }
+        if (kind == PJ_STOP) return 1;
+    }
+}
+
 static void* worker_main(void* arg) {
     pj_stream* s = (pj_stream*)arg;
     /* OpenMP ICVs are per thread: this sets the team size of this stream's kernels. */
-    if (s->num_threads > 0) omp_set_num_threads(s->num_threads);
-    uint64_t head = 0;
+    omp_set_num_threads(s->teams[0]);
     for (;;) {
-        uint64_t tail = atomic_load_explicit(&s->tail, memory_order_acquire);
-        if (tail == head) {
-            wait_work(s, head);
+        sense_contention();
+        if (!has_work(s) || !take_role(s)) {
+            wait_work(s);
             continue;
         }
-        while (head < tail) {
-            pj_task* t = &s->ring[head & PJ_RING_MASK];
-            int kind = t->kind;
-            switch (kind) {
-                case PJ_LAUNCH:
-                    t->u.launch.fn(t->u.launch.bufs, t->statics);
-                    break;
-                case PJ_MEMCPY:
-                    parallel_bytes(t->u.copy.dst, t->u.copy.src, 0, t->u.copy.n);
-                    break;
-                case PJ_MEMSET:
-                    parallel_bytes(t->u.copy.dst, NULL, t->value, t->u.copy.n);
-                    break;
-                case PJ_WAIT:
-                    wait_done(t->u.wait.other, t->u.wait.ticket);
-                    stream_unref(t->u.wait.other);
-                    break;
-                case PJ_STAMP:
-                    *t->u.stamp = now_ns();
-                    break;
-                default:
-                    break;
-            }
-            head++;
-            /* Publishing `done` frees the slot; t must not be touched after this. */
-            atomic_store_explicit(&s->done, head, memory_order_seq_cst);
-            if (atomic_load_explicit(&s->waiters, memory_order_seq_cst) > 0) {
-                atomic_fetch_add_explicit(&s->done_seq, 1, memory_order_seq_cst);
-                unpark_all(&s->done_seq);
-            }
-            if (kind == PJ_STOP) return NULL;
-        }
+        int stopped = consume(s, UINT64_MAX, 0);
+        release_role(s);
+        if (stopped) return NULL;
     }
+}
+
+/* A host thread's wait for ticket. While the machine is contended, the waiting thread runs
+ * the stream's tasks itself when the worker is not at them (the worker would need a core
+ * and a wake-up, each handoff a scheduler round trip on a busy machine: what a step of
+ * many small kernels pays most). Alone on the machine the worker, spinning, is faster. */
+static void wait_done_host(pj_stream* s, uint64_t ticket) {
+    if (atomic_load_explicit(&s->done, memory_order_acquire) >= ticket) return;
+    sense_contention();
+    if (s->helpable && atomic_load_explicit(&g_contended, memory_order_relaxed) && take_role(s)) {
+        int saved = omp_get_max_threads(); /* the team ICV of this (the user's) thread */
+        consume(s, ticket, 1);
+        omp_set_num_threads(saved);
+        release_role(s);
+    }
+    wait_done(s, ticket);
 }
 
 /* With prod_mu held: the slot for the next ticket, waiting while the ring is full. */
@@ -283,9 +563,7 @@ static pj_task* reserve(pj_stream* s, uint64_t* ticket) {
 /* With prod_mu held: make the reserved task visible and wake the worker if it sleeps. */
 static void publish(pj_stream* s, uint64_t ticket) {
     atomic_store_explicit(&s->tail, ticket, memory_order_seq_cst);
-    if (atomic_load_explicit(&s->sleeping, memory_order_seq_cst) &&
-        atomic_exchange_explicit(&s->sleeping, 0, memory_order_seq_cst))
-        unpark_all(&s->sleeping);
+    wake_worker(s);
 }
 
 /* Process-wide spin policy (ns); a negative value leaves that setting unchanged. */
@@ -302,7 +580,10 @@ PJ_EXPORT void* pj_stream_create(int num_threads, const int* cpus, int ncpus) {
     if (posix_memalign((void**)&s, PJ_CACHELINE, sizeof(pj_stream)) != 0) return NULL;
     memset(s, 0, sizeof(*s));
     atomic_store(&s->refs, 1);
+    atomic_store(&s->adaptive, 1);
     s->num_threads = num_threads;
+    /* Here, not in the worker: a helping host thread may run the stream's first task. */
+    init_teams(s, num_threads > 0 ? num_threads : omp_get_max_threads());
     pthread_mutex_init(&s->prod_mu, NULL);
 
     pthread_attr_t attr;
@@ -322,9 +603,11 @@ PJ_EXPORT void* pj_stream_create(int num_threads, const int* cpus, int ncpus) {
         }
         if (ok) ok = pthread_attr_setaffinity_np(&attr, sizeof(set), &set) == 0;
     }
+    s->helpable = cpus == NULL || ncpus == 0;
 #else
     (void)cpus; /* no portable pinning API: the worker floats */
     (void)ncpus;
+    s->helpable = 1;
 #endif
     if (ok) ok = pthread_create(&s->thread, &attr, worker_main, s) == 0;
     pthread_attr_destroy(&attr);
@@ -334,6 +617,42 @@ PJ_EXPORT void* pj_stream_create(int num_threads, const int* cpus, int ncpus) {
         return NULL;
     }
     return s;
+}
+
+/* 1 while the stream workers find the machine contended (nobody spins then). */
+PJ_EXPORT int pj_contended(void) { return atomic_load(&g_contended); }
+
+/* The thresholds of g_contended (shares of runnable time spent waiting for a core); on > 1
+ * means never contended (spinning always), on < 0 always (host threads help): for
+ * benchmarks that compare, and tests of both paths. */
+PJ_EXPORT void pj_set_contention(double on, double off) {
+    atomic_store(&g_contended_on, on);
+    atomic_store(&g_contended_off, off);
+    if (on > 1.0) atomic_store(&g_contended, 0);
+    if (on < 0.0) atomic_store(&g_contended, 1);
+}
+
+/* Whether the stream picks team sizes by measurement (1, the default) or always runs the
+ * full team (0: for benchmarks that compare the two). */
+PJ_EXPORT void pj_stream_set_adaptive(void* sp, int on) {
+    atomic_store(&((pj_stream*)sp)->adaptive, on != 0);
+}
+
+/* The team size the tuner runs the kernel fn with now on this stream (0: still warming up).
+ * Reads worker-only state without a lock: call it while the stream is idle. */
+PJ_EXPORT int pj_stream_team(void* sp, void* fn) {
+    pj_stream* s = (pj_stream*)sp;
+    for (unsigned i = 0; i < PJ_TUNE_SLOTS; i++) {
+        const pj_tune* e = &s->tune[i];
+        if (e->fn != (pj_kernel)fn) continue;
+        int best = 0;
+        for (int k = 0; k < s->nteams; k++) {
+            if (e->timed[k] < PJ_TUNE_WARM) return 0;
+            if (e->mean[k] < e->mean[best]) best = k;
+        }
+        return s->teams[best];
+    }
+    return 0;
 }
 
 PJ_EXPORT void pj_stream_destroy(void* sp) {
@@ -362,6 +681,7 @@ PJ_EXPORT uint64_t pj_launch_seq(void* sp, const pj_launch_desc* descs, int n,
         t->kind = PJ_LAUNCH;
         t->u.launch.fn = descs[i].fn;
         t->u.launch.bufs = descs[i].bufs;
+        t->u.launch.team = descs[i].team;
         if (nstatics > 0) memcpy(t->statics, statics, (size_t)nstatics * sizeof(int64_t));
         publish(s, ticket);
     }
@@ -438,7 +758,7 @@ PJ_EXPORT uint64_t pj_done(void* sp) {
     return atomic_load_explicit(&((pj_stream*)sp)->done, memory_order_acquire);
 }
 
-PJ_EXPORT void pj_sync(void* sp, uint64_t ticket) { wait_done((pj_stream*)sp, ticket); }
+PJ_EXPORT void pj_sync(void* sp, uint64_t ticket) { wait_done_host((pj_stream*)sp, ticket); }
 
 PJ_EXPORT void* pj_alloc(size_t nbytes, size_t alignment) {
     void* p = NULL;
