@@ -24,7 +24,7 @@ import numpy as np
 from polyjit.backends import get_backend
 from polyjit.backends.cpu import cpu_model
 from polyjit.bench.common import Target, linked_matmul, print_targets
-from polyjit.bench.timing import best_of, best_of_each, median_ns
+from polyjit.bench.timing import best_of, best_of_blocks, best_of_each, median_ns
 from polyjit.core import ir
 from polyjit.core.routine import Routine
 from polyjit.demo import chain_program
@@ -106,7 +106,7 @@ def run_and_wait(routine: Routine) -> None:
 
 def bench_matmul(m: int) -> dict[str, float]:
     routine, xa, xb, c = linked_matmul("cpu", m)
-    t = best_of_each({"polyjit": lambda: run_and_wait(routine), "numpy": lambda: xa @ xb}, repeat=5)
+    t = best_of_blocks({"polyjit": lambda: run_and_wait(routine), "numpy": lambda: xa @ xb})
     t_pj, t_np = t["polyjit"], t["numpy"]
     err = float(np.abs(routine.context.read(c) - xa @ xb).max() / np.abs(xa @ xb).max())
     routine.context.finalize()

@@ -42,6 +42,28 @@ def best_of_each(fns: dict[str, Callable[[], object]], repeat: int = 10, warmup:
     return best
 
 
+def best_of_blocks(fns: dict[str, Callable[[], object]], rounds: int = 4, calls: int = 3,
+                   settle: float = 0.15, warmup: int = 8) -> dict[str, float]:
+    """Like :func:`best_of_each`, but each turn is a block of ``calls`` calls with ``settle``
+    seconds of quiet after it: for contenders whose thread pools keep spinning after a call
+    (OpenBLAS's spin for ~0.1 s on their cores), which would slow the next contender and
+    teach an adaptive runtime that its cores are taken. ``warmup`` untimed calls of each
+    first (the CPU runtime times a kernel's team sizes in its first runs)."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+        time.sleep(settle)
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                fn()
+                best[name] = min(best[name], time.perf_counter() - t0)
+            time.sleep(settle)
+    return best
+
+
 def median_ns(fn: Callable[[], object], n: int = 20000, warmup: int = 2000) -> float:
     """The median in nanoseconds of ``n`` individually timed calls of ``fn`` (latency, not
     throughput), after ``warmup`` untimed calls."""
