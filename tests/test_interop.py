@@ -147,13 +147,52 @@ def test_an_aligned_numpy_array_is_taken_without_a_copy() -> None:
     ctx.finalize()
 
 
+@pytest.mark.parametrize("shift", [0, 1, 3, 4, 15])
+def test_numpy_arrays_aligned_only_to_their_dtype_are_taken_and_written(shift: int) -> None:
+    """numpy aligns large arrays to 16 bytes, views to their dtype: the cpu kernels take both
+    in place, as inputs and as outputs of streaming-store and matmul kernels."""
+    be = get_backend("cpu")
+    dev = be.get_device(0)
+    n = (1 << 21) + 7  # 8 MiB and more: the chain streams its stores (patterns.STREAMING_MIN_BYTES)
+    rng = np.random.default_rng(shift)
+
+    def at(offset: int, count: int) -> np.ndarray:
+        raw = np.empty(count + 32, np.float32)
+        start = (-raw.ctypes.data % 64) // 4 + offset  # `offset` elements past a 64-byte line
+        return raw[start : start + count]
+
+    a, b, out = at(shift, n), at(shift + 1, n), at(shift + 2, n)
+    a[:], b[:], out[:] = rng.standard_normal(n), rng.standard_normal(n), 0
+    m, w, prod = at(shift, 48 * 40), at(shift + 3, 40 * 24), at(shift + 5, 48 * 24)
+    m[:], w[:], prod[:] = rng.standard_normal(m.size), rng.standard_normal(w.size), 0
+    na, nb, nout = Node("a", (n,)), Node("b", (n,)), Node("out", (n,))
+    nm, nw, nprod = Node("m", (48, 40)), Node("w", (40, 24)), Node("prod", (48, 24))
+    ctx = dev.make_context()
+    for node, arr in ((na, a), (nb, b), (nout, out), (nm, m.reshape(48, 40)), (nw, w.reshape(40, 24)),
+                      (nprod, prod.reshape(48, 24))):
+        ctx = ctx.init_from_dlpack(node, arr)
+        assert dev.pool_handle(ctx.buffers[node].pool_id) == arr.ctypes.data  # in place
+    ab = Node("ab", (n,))  # inlined: one kernel, streaming its stores into `out`
+    chain = ir.Comp.of(ir.apply(Op.MUL, na, nb, into=ab), ir.apply(Op.ADD, ab, na, into=nout))
+    matmul = ir.Comp.of(ir.einsum("ik,kj->ij", nm, nw, into=nprod))
+    for comp, name in ((chain, "chain"), (matmul, "mm")):
+        r = ctx.link(be.compile(comp, name=name))
+        r.run()
+        r.context.stream.synchronize()
+    np.testing.assert_allclose(out, a * b + a, rtol=1e-5, atol=1e-6)  # written in place (FMA rounds once)
+    np.testing.assert_allclose(prod.reshape(48, 24), m.reshape(48, 40) @ w.reshape(40, 24), rtol=1e-4, atol=1e-4)
+    ctx.finalize()
+
+
 def test_other_tensors_are_copied_or_refused() -> None:
     dev = get_backend("cpu").get_device(0)
     x = Node("x", (8, 8))
     ctx = dev.make_context()
-    unaligned = np.empty(8 * 8 + 1, np.float32)[1:].reshape(8, 8)
-    unaligned[:] = 3
+    raw = bytearray(4 * 64 + 2)
+    unaligned = np.frombuffer(raw, np.float32, count=64, offset=2).reshape(8, 8)  # not even 4-aligned
+    np.frombuffer(raw, np.uint8)[2:] = np.full(64, 3, np.float32).view(np.uint8)
     copied = ctx.init_from_dlpack(x, unaligned)  # not aligned as the kernels need: a copy
+    assert dev.pool_handle(copied.buffers[x].pool_id) != unaligned.ctypes.data
     np.testing.assert_array_equal(copied.read(x), unaligned)
     with pytest.raises(ShapeMismatchError, match="C-contiguous"):
         ctx.init_from_dlpack(x, np.ones((8, 16), np.float32)[:, ::2])

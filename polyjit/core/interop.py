@@ -146,7 +146,8 @@ def init_from_dlpack(ctx: Context, node: Node, obj: Any) -> Context:
                                      f"(strides {taken.strides}); make it contiguous first")
         fn = getattr(device.driver, "dlpack_device", None)
         here = fn(device.ordinal) if fn is not None else None
-        aligned = taken.address % device.info.base_alignment == 0
+        need = max(device.info.import_alignment or device.info.base_alignment, node.dtype.itemsize)
+        aligned = taken.address % need == 0
         if here is not None and taken.device == tuple(here) and aligned and taken.nbytes:
             handle = device.driver.wrap_address(device.ordinal, taken.address, taken.nbytes)  # type: ignore[attr-defined]
             pid = device.adopt_pool(handle, taken.nbytes, taken.release)

@@ -34,6 +34,9 @@ class DeviceInfo:
     memory_bytes: int
     compute_units: int
     base_alignment: int = 64  # bytes; every pool offset is a multiple of it
+    # bytes; a foreign buffer (init_from_dlpack) at an address that is a multiple of this and
+    # of its dtype's size is taken zero-copy (0: the base alignment)
+    import_alignment: int = 0
     properties: Mapping[str, Any] = attrs.field(factory=dict)
 
 

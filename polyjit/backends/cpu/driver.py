@@ -96,6 +96,7 @@ class CpuDriver:
             memory_bytes=self._memory,
             compute_units=len(cores),
             base_alignment=BASE_ALIGNMENT,
+            import_alignment=1,  # kernels load unaligned and peel streaming stores to alignment
             properties={"cores": tuple(cores), "openmp_threads": len(cores), "fp64": True},
         )
 

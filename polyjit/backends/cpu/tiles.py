@@ -282,7 +282,8 @@ def staged(em: Emitter, kernel: Kernel, plan: KernelPlan, names: Names) -> list[
 
 def streaming(em: Emitter, kernel: Kernel, plan: KernelPlan, names: Names) -> list[str]:
     """Blocks of one vector computed into an aligned local array, then streamed out; the
-    tail, and hosts without AVX, take the plain loop."""
+    elements before the first vector-aligned address (an imported buffer need only be
+    aligned to its dtype), the tail, and hosts without AVX take the plain loop."""
     body = kernel.body
     assert isinstance(body, Store)
     (sym, n), = kernel.parallel
@@ -291,21 +292,25 @@ def streaming(em: Emitter, kernel: Kernel, plan: KernelPlan, names: Names) -> li
     suffix = "ps" if dt is dtypes.float32 else "pd"
     width, guard = ("512", "__AVX512F__") if d.vector_bytes == 64 else ("256", "__AVX__")
     i, out, value = names.var(sym), names.buffer(body.node), em.expr(body.value)
-    blocks = n // lanes
     pragma = d.pragma(d.parallel_for_pragma, 1) if plan.team else None
     return [
         f"#if defined({guard})",
+        f"  int64_t pj_head = (int64_t)(((uintptr_t)0 - (uintptr_t){out}) % {d.vector_bytes});",
+        f"  pj_head = pj_head % {dt.itemsize} ? {n} : pj_head / {dt.itemsize};",
+        f"  if (pj_head > {n}) pj_head = {n};",
+        f"  const int64_t pj_blocks = ({n} - pj_head) / {lanes};",
+        f"  for (int64_t {i} = 0; {i} < pj_head; ++{i}) {out}[{i}] = {value};",
         *([f"  {pragma}"] if pragma else []),
-        f"  for (int64_t pj_blk = 0; pj_blk < {blocks}; ++pj_blk) {{",
+        "  for (int64_t pj_blk = 0; pj_blk < pj_blocks; ++pj_blk) {",
         f"    {d.type_name(dt)} pj_tmp[{lanes}] __attribute__((aligned({d.vector_bytes})));",
         f"    for (int pj_l = 0; pj_l < {lanes}; ++pj_l) {{",
-        f"      const int64_t {i} = pj_blk * {lanes} + pj_l;",
+        f"      const int64_t {i} = pj_head + pj_blk * {lanes} + pj_l;",
         f"      pj_tmp[pj_l] = {value};",
         "    }",
-        f"    _mm{width}_stream_{suffix}(&{out}[pj_blk * {lanes}], _mm{width}_load_{suffix}(pj_tmp));",
+        f"    _mm{width}_stream_{suffix}(&{out}[pj_head + pj_blk * {lanes}], _mm{width}_load_{suffix}(pj_tmp));",
         "  }",
         "  _mm_sfence();  /* streaming stores are weakly ordered */",
-        f"  for (int64_t {i} = {blocks * lanes}; {i} < {n}; ++{i}) {out}[{i}] = {value};",
+        f"  for (int64_t {i} = pj_head + pj_blocks * {lanes}; {i} < {n}; ++{i}) {out}[{i}] = {value};",
         "#else",
         *emit_loops(em, kernel, plan, 1),
         "#endif",
