@@ -50,3 +50,14 @@ def print_targets(results: Mapping[str, Mapping[str, Any]], targets: Sequence[Ta
         ok &= met
         print(f"  {group}.{key} = {val:.3f} (target {cmp} {bound}): {'met' if met else 'MISSED'}")
     return ok
+
+
+def print_results(results: Mapping[str, Mapping[str, Any]], width: int = 32) -> None:
+    """The machine line, then each group's figures, one per line."""
+    print(f"machine: {results['machine']}")
+    for group, values in results.items():
+        if group == "machine":
+            continue
+        print(f"[{group}]")
+        for key, val in values.items():
+            print(f"  {key:{width}s} {val:14.3f}" if isinstance(val, float) else f"  {key:{width}s} {val!s:>14}")

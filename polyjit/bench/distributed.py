@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from polyjit.bench.common import Target, print_targets
+from polyjit.bench.common import Target, print_results, print_targets
 from polyjit.distributed import MPI, Comm, bind_to_cores, mpiexec_command
 
 Array = np.ndarray[Any, Any]
@@ -151,13 +151,7 @@ def run(args: argparse.Namespace) -> int:
         results["data_parallel"] = bench_data_parallel(args.batch, args.steps, args.rounds)
     if RANK != 0:
         return 0
-    print(f"machine: {results['machine']}")
-    for group, values in results.items():
-        if group == "machine":
-            continue
-        print(f"[{group}]")
-        for key, val in values.items():
-            print(f"  {key:24s} {val:14.3f}" if isinstance(val, float) else f"  {key:24s} {val:>14}")
+    print_results(results, width=24)
     print_targets(results, TARGETS)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))

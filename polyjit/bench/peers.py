@@ -606,7 +606,7 @@ def main(argv: Sequence[str] = ()) -> int:
     args = p.parse_args(list(argv))
     if args.serve:
         return serve(args.serve[0], args.serve[1], args.batch or BATCH[args.serve[0]])
-    from polyjit.bench.common import print_targets
+    from polyjit.bench.common import print_results, print_targets
 
     contention = parse_contention(args.contention)
     contenders = ["polyjit", *parse_list(args.peers, PEERS, "peers")]
@@ -631,16 +631,6 @@ def machine_info() -> dict[str, Any]:
 
     return {"cpu": cpu_model(), "cores": len(os.sched_getaffinity(0)), "python": platform.python_version(),
             "numpy": np.__version__, "load_average": os.getloadavg()[0]}
-
-
-def print_results(results: dict[str, dict[str, Any]]) -> None:
-    print(f"machine: {results['machine']}")
-    for group, values in results.items():
-        if group == "machine":
-            continue
-        print(f"[{group}]")
-        for key, val in values.items():
-            print(f"  {key:32s} {val:14.3f}" if isinstance(val, float) else f"  {key:32s} {val!s:>14}")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ import numpy as np
 from polyjit import tensor as pt
 from polyjit.backends import get_backend
 from polyjit.backends.cpu import create_backend
-from polyjit.bench.common import Target, print_targets
+from polyjit.bench.common import Target, print_results, print_targets
 from polyjit.bench.peers import (
     PEERS,
     add_race_arguments,
@@ -47,7 +47,6 @@ from polyjit.bench.peers import (
     mnist_like,
     parse_contention,
     parse_list,
-    print_results,
     race,
 )
 from polyjit.bench.timing import best_of
