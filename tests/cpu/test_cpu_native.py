@@ -17,6 +17,7 @@ import pytest
 from polyjit.backends.cpu import compiler as cc
 from polyjit.backends.cpu.compiler import build_shared, compiler_identity
 from polyjit.backends.cpu.native import (
+    CONTENTION_MODES,
     MAX_STATICS,
     RING_CAPACITY,
     TEAM_ADAPT,
@@ -28,11 +29,22 @@ from polyjit.core.cache import BinaryCache
 from polyjit.core.errors import CompileError
 
 KERNELS = r"""
+#define _GNU_SOURCE
 #include <stdint.h>
 #include <time.h>
 #include <omp.h>
-#define _GNU_SOURCE
 #include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* Append s[0] to a log, and the id of the thread that ran it: b[0] = int64 [count, v1, ...],
+ * b[1] = int64 [t1, t2, ...]. */
+void record_thread(void* const* b, const int64_t* s) {
+    int64_t* log = (int64_t*)b[0];
+    ((int64_t*)b[1])[log[0]] = (int64_t)syscall(SYS_gettid);
+    log[1 + log[0]] = s[0];
+    log[0] += 1;
+}
 
 /* b[0]: float array; s[0]: value to add; s[1]: length */
 void add1(void* const* b, const int64_t* s) {
@@ -785,3 +797,48 @@ def test_a_bad_contention_mode_is_named() -> None:
                           env={**os.environ, "POLYJIT_CPU_CONTENTION": "sometimes"})
     assert proc.returncode != 0
     assert "POLYJIT_CPU_CONTENTION" in proc.stderr and "sometimes" in proc.stderr
+
+
+def test_waiting_threads_run_the_work_of_a_contended_stream(rt: NativeRuntime, kernels: Kernels) -> None:
+    """Contention forced on: threads that wait in sync run queued tasks themselves, one
+    thread at a time, each task once, every producer's tasks in its order; the worker takes
+    what they leave."""
+    s = rt.stream_create(1, None)
+    per_thread, nthreads = 500, 4
+    log = np.zeros(per_thread * nthreads + 1, dtype=np.int64)
+    tids = np.zeros(per_thread * nthreads, dtype=np.int64)
+    bufs = rt.make_ptr_array([ptr(log), ptr(tids)])
+    descs = rt.make_descs([(kernels.addr("record_thread"), ctypes.addressof(bufs))])
+    hosts: set[int] = set()
+    lock = threading.Lock()
+
+    def produce(k: int) -> None:
+        with lock:
+            hosts.add(threading.get_native_id())
+        st = (ctypes.c_int64 * 1)()
+        for i in range(per_thread):
+            st[0] = k * per_thread + i
+            ticket = rt.launch_seq(s, descs, 1, st, 1)
+            if i % 7 == k:
+                rt.sync(s, ticket)
+
+    rt.set_contention(-1.0, -1.0)
+    try:
+        threads = [threading.Thread(target=produce, args=(k,)) for k in range(nthreads)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=120)
+        assert not any(th.is_alive() for th in threads), "a deadlock"
+        rt.sync(s, rt.last_ticket(s))
+    finally:
+        rt.set_contention(*CONTENTION_MODES["auto"])
+        rt.stream_destroy(s)
+    values = log[1:]
+    assert log[0] == per_thread * nthreads  # each task once
+    np.testing.assert_array_equal(np.sort(values), np.arange(per_thread * nthreads))
+    for k in range(nthreads):
+        mine = values[(values >= k * per_thread) & (values < (k + 1) * per_thread)]
+        assert (np.diff(mine) > 0).all()
+    ran_on = set(tids.tolist())
+    assert ran_on & hosts, "no waiting thread ran a task"

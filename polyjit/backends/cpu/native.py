@@ -28,6 +28,7 @@ from polyjit.core.errors import BackendUnavailableError, PoolExhaustedError
 from polyjit.core.log import logger
 
 __all__ = [
+    "CONTENTION_MODES",
     "MAX_STATICS",
     "OMP_SPIN_COUNT",
     "RING_CAPACITY",
@@ -308,16 +309,16 @@ def _load_with_bounded_spin(path: Path) -> NativeRuntime:
 #: ``POLYJIT_CPU_CONTENTION``: ``auto`` (the default: stream workers sense whether they wait
 #: for a core), ``on`` (always behave as on a busy machine: nobody spins, a waiting thread runs
 #: its stream's work) or ``off`` (always as alone: spin before sleeping).
-CONTENTION_MODES = {"auto": None, "on": (-1.0, -1.0), "off": (2.0, 2.0)}
+#: Each mode's thresholds: the share of its runnable time a thread spends waiting for a core
+#: above which the machine counts as contended, and below which it no longer does.
+CONTENTION_MODES: dict[str, tuple[float, float]] = {"auto": (0.08, 0.02), "on": (-1.0, -1.0), "off": (2.0, 2.0)}
 
 
 def _apply_contention_mode(rt: NativeRuntime) -> None:
     mode = os.environ.get("POLYJIT_CPU_CONTENTION", "auto").strip().lower() or "auto"
     if mode not in CONTENTION_MODES:
         raise ValueError(f"POLYJIT_CPU_CONTENTION must be one of {', '.join(CONTENTION_MODES)}, not {mode!r}")
-    thresholds = CONTENTION_MODES[mode]
-    if thresholds is not None:
-        rt.set_contention(*thresholds)
+    rt.set_contention(*CONTENTION_MODES[mode])
 
 
 def load_runtime() -> NativeRuntime:
