@@ -8,6 +8,9 @@ tests/cuda/test_backend_raw_kernels.py.)
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -427,3 +430,36 @@ def test_the_cpu_example_of_the_docs_runs_as_written() -> None:
         exec(compile(code, str(doc), "exec"), {})
     expected = re.search(r"# (\[.*\])", code)
     assert expected is not None and out.getvalue().strip() == expected.group(1)
+
+
+BIG_STACK = r"""
+import numpy as np
+from polyjit import get_backend
+from polyjit.core import raw
+from polyjit.core import dtypes
+from polyjit.core.ir import Node
+SRC = '''
+#include <string.h>
+void big(float* out) {
+    volatile char scratch[16 << 20];  /* 16 MiB on the stack: more than a host thread's 8 */
+    memset((char*)scratch, 1, sizeof scratch);
+    out[0] = (float)scratch[12345];
+}
+'''
+be = get_backend("cpu")
+out = Node("out", (1,), dtypes.float32)
+r = be.get_device(0).make_context().link(be.raw_kernel(SRC, "big", [raw.write(out)]))
+for _ in range(50):
+    r.run()
+    r.context.stream.synchronize()
+print(float(r.context.read(out)[0]))
+"""
+
+
+def test_a_users_kernel_keeps_the_workers_stack_on_a_contended_machine() -> None:
+    """Waiting threads run generated kernels on a busy machine, but never a user's: its C may
+    keep large arrays on the stack, as the worker's 64 MiB stack allows."""
+    env = {**os.environ, "POLYJIT_CPU_CONTENTION": "on"}
+    proc = subprocess.run([sys.executable, "-c", BIG_STACK], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["1.0"]

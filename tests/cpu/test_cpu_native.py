@@ -842,3 +842,79 @@ def test_waiting_threads_run_the_work_of_a_contended_stream(rt: NativeRuntime, k
         assert (np.diff(mine) > 0).all()
     ran_on = set(tids.tolist())
     assert ran_on & hosts, "no waiting thread ran a task"
+
+
+def test_back_to_sensing_starts_uncontended(rt: NativeRuntime) -> None:
+    rt.set_contention(*CONTENTION_MODES["on"])
+    assert rt.contended()
+    rt.set_contention(*CONTENTION_MODES["auto"])
+    assert not rt.contended()  # an idle process senses nothing: it must not stay contended
+
+
+FORK_AFTER_HELPING = r"""
+import ctypes, os, threading, time
+import numpy as np
+from polyjit.backends.cpu.compiler import build_shared
+from polyjit.backends.cpu.native import load_runtime
+SRC = '''
+#define _GNU_SOURCE
+#include <stdint.h>
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+void team_tid(void* const* b, const int64_t* s) {
+    int64_t* out = (int64_t*)b[0];
+    #pragma omp parallel
+    {
+        #pragma omp single
+        out[0] = omp_get_num_threads();
+    }
+    out[1] = (int64_t)syscall(SYS_gettid);
+}
+'''
+lib = ctypes.CDLL(str(build_shared(SRC)))
+fn = ctypes.cast(lib.team_tid, ctypes.c_void_p).value
+rt = load_runtime()
+rt.set_contention(-1.0, -1.0)
+
+def run_team(stream, out):
+    bufs = rt.make_ptr_array([out.ctypes.data])
+    descs = rt.make_descs([(fn, ctypes.addressof(bufs), 2)])
+    rt.sync(stream, rt.launch_seq(stream, descs, 1, (ctypes.c_int64 * 1)(), 0))
+
+s = rt.stream_create(2, None)
+out = np.zeros(2, np.int64)
+helped = 0
+for _ in range(2000):  # until this (the main) thread has run a team itself
+    run_team(s, out)
+    helped += out[1] == threading.get_native_id()
+    if helped > 3:
+        break
+print("helped", helped > 3, flush=True)
+pid = os.fork()
+if pid == 0:
+    c = rt.stream_create(2, None)
+    o = np.zeros(2, np.int64)
+    run_team(c, o)  # a team on this thread would wait for the parent's pool threads forever
+    print("child team", o[0], flush=True)
+    os._exit(0)
+deadline = time.time() + 30
+while time.time() < deadline:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        print("child exit", os.waitstatus_to_exitcode(status), flush=True)
+        break
+    time.sleep(0.05)
+else:
+    os.kill(pid, 9)
+    print("child hung", flush=True)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork")
+def test_a_child_forked_by_a_thread_that_helped_does_not_hang() -> None:
+    """A host thread that ran OpenMP teams while helping owns a libgomp pool; in a forked
+    child that pool's threads are gone, so the thread must not open teams there."""
+    proc = subprocess.run([sys.executable, "-c", FORK_AFTER_HELPING], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["helped", "True", "child", "team", "2", "child", "exit", "0"], proc.stdout

@@ -23,10 +23,10 @@ import numpy as np
 from polyjit.backends.cpu.compiler import CCompiler
 from polyjit.backends.cpu.dialect import CpuDialect
 from polyjit.backends.cpu.host import cpu_model, host_cpu
-from polyjit.backends.cpu.native import NativeRuntime, load_runtime
+from polyjit.backends.cpu.native import TEAM_ADAPT, NativeRuntime, load_runtime
 from polyjit.core.codegen import KernelSpec, Source
 from polyjit.core.protocol import DeviceInfo
-from polyjit.core.raw import c_trampoline
+from polyjit.core.raw import RAW, c_trampoline
 from polyjit.core.runtime import Backend
 
 BASE_ALIGNMENT = 64  # a cache line; also enough for AVX-512 loads
@@ -202,7 +202,9 @@ class CpuDriver:
             fn = ctypes.cast(getattr(module, spec.name), ctypes.c_void_p).value or 0
             bufs = self.rt.make_ptr_array([pool + off for pool, off in args])
             keep.append(bufs)
-            pairs.append((fn, ctypes.addressof(bufs)))
+            # A user's kernel keeps to the worker's large stack; generated ones may run on a
+            # waiting host thread (runtime.c, wait_done_host).
+            pairs.append((fn, ctypes.addressof(bufs), TEAM_ADAPT, spec.plan.kind == RAW))
         return _Prepared(self.rt.make_descs(pairs), len(pairs), tuple(keep))
 
     def launch(self, stream: int, prepared: _Prepared, statics: Sequence[int]) -> None:

@@ -68,7 +68,8 @@ class LaunchDesc(ctypes.Structure):
     """``pj_launch_desc``: a kernel address, the address of its ``void*`` buffer array, and
     its team: :data:`TEAM_ADAPT`, :data:`TEAM_NONE` or a fixed number of threads."""
 
-    _fields_ = (("fn", ctypes.c_void_p), ("bufs", ctypes.c_void_p), ("team", ctypes.c_int64))
+    _fields_ = (("fn", ctypes.c_void_p), ("bufs", ctypes.c_void_p), ("team", ctypes.c_int64),
+                ("worker_only", ctypes.c_int64))
 
 
 def _source() -> str:
@@ -245,15 +246,18 @@ class NativeRuntime:
 
     @staticmethod
     def make_descs(
-        pairs: Sequence[tuple[int, int] | tuple[int, int, int]],
+        pairs: Sequence[tuple[int, int] | tuple[int, int, int] | tuple[int, int, int, bool]],
     ) -> ctypes.Array[LaunchDesc]:
         """A ``pj_launch_desc`` array from ``(kernel address, address of void* array)`` pairs,
-        or triples that add the team (:data:`TEAM_ADAPT` when left out)."""
+        optionally followed by the team (:data:`TEAM_ADAPT` when left out) and whether the
+        kernel runs on the stream's worker only (its 64 MiB stack: users' own kernels; else a
+        host thread that waits may run it, see runtime.c)."""
         arr = (LaunchDesc * len(pairs))()
         for i, desc in enumerate(pairs):
             arr[i].fn = desc[0]
             arr[i].bufs = desc[1]
             arr[i].team = desc[2] if len(desc) > 2 else TEAM_ADAPT
+            arr[i].worker_only = int(desc[3]) if len(desc) > 3 else 0
         return arr
 
     @staticmethod

@@ -56,6 +56,7 @@ typedef struct {
     pj_kernel fn;
     void* const* bufs;
     int64_t team;
+    int64_t worker_only; /* 1: runs on the stream's worker only (users' kernels: see consume) */
 } pj_launch_desc;
 #define PJ_TEAM_ADAPT 0
 #define PJ_TEAM_NONE (-1)
@@ -81,6 +82,7 @@ typedef struct {
             pj_kernel fn;
             void* const* bufs;
             int64_t team;
+            int64_t worker_only;
         } launch;
         struct {
             void* dst;
@@ -140,8 +142,8 @@ typedef struct pj_stream {
     _Atomic int refs; /* 1 for the owner until pj_stream_destroy, +1 per pending WAIT on it */
     pthread_t thread;
     int num_threads;
-    /* Worker-only state: the candidate team sizes, the size the worker's OpenMP ICV holds,
-     * the per-kernel timings. */
+    /* The candidate team sizes (fixed at creation) and the per-kernel timings (touched only
+     * by the thread holding `consuming`). */
     int teams[PJ_MAX_TEAMS];
     int nteams;
     _Atomic int adaptive; /* 0: always the full team (pj_stream_set_adaptive) */
@@ -259,15 +261,25 @@ static int thread_times(int64_t* on_cpu, int64_t* delay) {
  * extended until it has enough. Reading the file costs a few microseconds per window. */
 #define PJ_SENSE_MIN_NS 1000000
 static __thread int64_t t_sensed_at, t_on_cpu, t_delay;
-static __thread int t_sensing = 0; /* 1: the baseline above is set; -1: no schedstat here */
+static __thread int t_sensing = 0; /* 1: the baseline above is set */
+
+/* 1 on the thread that forked, in the child: its libgomp pool (if it ever opened a team,
+ * helping) is the parent's, whose threads do not exist here, so a team opened on it would
+ * wait for them forever. That thread never helps again. */
+static __thread int t_no_help = 0;
+static void at_fork_child(void) {
+    t_no_help = 1;
+    t_sensing = 0; /* the baseline is the parent thread's counters */
+}
+__attribute__((constructor)) static void pj_runtime_init(void) { pthread_atfork(NULL, NULL, at_fork_child); }
 
 static void sense_contention(void) {
-    if (t_sensing < 0) return;
     int64_t now = now_ns();
-    if (t_sensing && now - t_sensed_at < PJ_SENSE_NS) return;
+    if (now - t_sensed_at < PJ_SENSE_NS) return;
     int64_t on_cpu, delay;
-    if (thread_times(&on_cpu, &delay) != 0) {
-        t_sensing = -1;
+    if (thread_times(&on_cpu, &delay) != 0) { /* no schedstat here, or out of fds: later */
+        t_sensing = 0;
+        t_sensed_at = now;
         return;
     }
     if (!t_sensing) {
@@ -486,7 +498,9 @@ static int consume(pj_stream* s, uint64_t until, int helper) {
         if (head >= tail || head >= until) return 0;
         pj_task* t = &s->ring[head & PJ_RING_MASK];
         int kind = t->kind;
-        if (kind == PJ_STOP && helper) return 0;
+        /* A helper leaves the STOP, and kernels that need the worker's large stack, to the
+         * worker (release_role wakes it). */
+        if (helper && (kind == PJ_STOP || (kind == PJ_LAUNCH && t->u.launch.worker_only))) return 0;
         switch (kind) {
             case PJ_LAUNCH:
                 run_launch(s, t);
@@ -543,7 +557,8 @@ static void* worker_main(void* arg) {
 static void wait_done_host(pj_stream* s, uint64_t ticket) {
     if (atomic_load_explicit(&s->done, memory_order_acquire) >= ticket) return;
     sense_contention();
-    if (s->helpable && atomic_load_explicit(&g_contended, memory_order_relaxed) && take_role(s)) {
+    if (!t_no_help && s->helpable && atomic_load_explicit(&g_contended, memory_order_relaxed) &&
+        take_role(s)) {
         int saved = omp_get_max_threads(); /* the team ICV of this (the user's) thread */
         consume(s, ticket, 1);
         omp_set_num_threads(saved);
@@ -563,7 +578,9 @@ static pj_task* reserve(pj_stream* s, uint64_t* ticket) {
 /* With prod_mu held: make the reserved task visible and wake the worker if it sleeps. */
 static void publish(pj_stream* s, uint64_t ticket) {
     atomic_store_explicit(&s->tail, ticket, memory_order_seq_cst);
-    wake_worker(s);
+    /* While a thread holds the role it sees the new tail itself; a helper that leaves work
+     * behind wakes the worker (release_role stores `consuming` before it reads `tail`). */
+    if (!atomic_load_explicit(&s->consuming, memory_order_seq_cst)) wake_worker(s);
 }
 
 /* Process-wide spin policy (ns); a negative value leaves that setting unchanged. */
@@ -628,8 +645,9 @@ PJ_EXPORT int pj_contended(void) { return atomic_load(&g_contended); }
 PJ_EXPORT void pj_set_contention(double on, double off) {
     atomic_store(&g_contended_on, on);
     atomic_store(&g_contended_off, off);
-    if (on > 1.0) atomic_store(&g_contended, 0);
-    if (on < 0.0) atomic_store(&g_contended, 1);
+    /* Forced modes take effect now; back to sensing, start from uncontended (an idle
+     * process senses nothing until it runs again). */
+    atomic_store(&g_contended, on < 0.0 ? 1 : 0);
 }
 
 /* Whether the stream picks team sizes by measurement (1, the default) or always runs the
@@ -682,6 +700,7 @@ PJ_EXPORT uint64_t pj_launch_seq(void* sp, const pj_launch_desc* descs, int n,
         t->u.launch.fn = descs[i].fn;
         t->u.launch.bufs = descs[i].bufs;
         t->u.launch.team = descs[i].team;
+        t->u.launch.worker_only = descs[i].worker_only;
         if (nstatics > 0) memcpy(t->statics, statics, (size_t)nstatics * sizeof(int64_t));
         publish(s, ticket);
     }
