@@ -3,8 +3,9 @@
 A batch lowers to computations (``LoweredComp``), each a list of ``Kernel``s. A kernel is
 a nest of parallel loops (distinct iterations write distinct cells) around one statement:
 a ``Store``, a ``Reduce`` (a per-cell accumulator over reduction loops) or serial
-``Loop``s around either. Expressions (``Load``, ``Const``, ``IndexValue``, ``Call``)
-carry their dtype; indices are flat ``Affine`` forms, in elements.
+``Loop``s around either, or a ``Seq`` of stores (a horizontally fused kernel: core/fusion.py).
+Expressions (``Load``, ``Const``, ``IndexValue``, ``Call``) carry their dtype; indices are
+flat ``Affine`` forms, in elements.
 """
 
 from __future__ import annotations
@@ -101,7 +102,15 @@ class Loop:
     body: Stmt
 
 
-Stmt = Union[Store, Reduce, Loop]
+@attrs.frozen
+class Seq:
+    """Statements run one after the other in each iteration of the parallel nest (the body of
+    a horizontally fused kernel: stores over one iteration space, see core/fusion.py)."""
+
+    body: tuple[Stmt, ...]
+
+
+Stmt = Union[Store, Reduce, Loop, Seq]
 
 
 @attrs.frozen
@@ -173,6 +182,9 @@ def walk_stmts(s: Stmt) -> Iterator[Stmt]:
     yield s
     if isinstance(s, Loop):
         yield from walk_stmts(s.body)
+    elif isinstance(s, Seq):
+        for st in s.body:
+            yield from walk_stmts(st)
 
 
 def walk_expr(e: Expr) -> Iterator[Expr]:
@@ -219,6 +231,8 @@ def map_stmt(s: Stmt, f: Callable[[Affine], Affine],
         init = None if s.init is None else map_expr(s.init, f)
         new_loops = tuple(loops(*lp) for lp in s.loops) if loops else s.loops
         return attrs.evolve(s, index=f(s.index), init=init, loops=new_loops, value=map_expr(s.value, f))
+    if isinstance(s, Seq):
+        return Seq(tuple(map_stmt(st, f, loops) for st in s.body))
     sym, ext = loops(s.sym, s.extent) if loops else (s.sym, s.extent)
     return Loop(sym, ext, map_stmt(s.body, f, loops))
 

@@ -10,7 +10,9 @@ Steps, for a batch of computations:
 3. VIRTUAL nodes are inlined into their readers (this fuses elementwise chains);
 4. simplification: size-1 loops vanish, adjacent loops that walk memory
    contiguously merge into one;
-5. a long full reduction splits into partial results and their reduction.
+5. a long full reduction splits into partial results and their reduction;
+6. horizontal fusion: elementwise kernels of one iteration space merge into one kernel
+   when every value one reads of another's is its own iteration's (core/fusion.py).
 
 Each kernel reports its inputs and outputs *after* inlining. How each kernel then
 runs on a target (its kind, tiles, launch shape) is core/patterns.py's to decide.
@@ -27,6 +29,7 @@ import numpy as np
 
 from polyjit.core import ir
 from polyjit.core.errors import InvalidProgramError
+from polyjit.core.fusion import fuse_horizontal
 from polyjit.core.ir import Affine, MemoryMode, Node, Symbol
 from polyjit.core.loops import (
     Call,
@@ -39,6 +42,7 @@ from polyjit.core.loops import (
     LoweredBatch,
     LoweredComp,
     Reduce,
+    Seq,
     Stmt,
     Store,
     affines_of,
@@ -337,6 +341,8 @@ def _strip_loops(s: Stmt, drop: set[ir.Var]) -> Stmt:
         return inner if s.sym in drop else Loop(s.sym, s.extent, inner)
     if isinstance(s, Reduce):
         return attrs.evolve(s, loops=tuple((v, n) for v, n in s.loops if v not in drop))
+    if isinstance(s, Seq):
+        return Seq(tuple(_strip_loops(st, drop) for st in s.body))
     return s
 
 
@@ -417,8 +423,9 @@ def split_long_reduction(k: Kernel) -> tuple[list[Kernel], Node | None]:
 # The batch
 
 
-def lower(comps: Sequence[ir.Comp], names: Sequence[str]) -> LoweredBatch:
-    """Lower a batch of computations into kernels (the names must be C identifiers)."""
+def lower(comps: Sequence[ir.Comp], names: Sequence[str], horizontal: bool = True) -> LoweredBatch:
+    """Lower a batch of computations into kernels (the names must be C identifiers);
+    ``horizontal``: merge elementwise kernels of one iteration space (core/fusion.py)."""
     inference = infer_modes(comps)
     lowerer = _Lowerer(inference)
     out: list[LoweredComp] = []
@@ -455,6 +462,9 @@ def lower(comps: Sequence[ir.Comp], names: Sequence[str]) -> LoweredBatch:
                 if partial is not None:
                     partials.append(partial)
                     inference.modes[partial] = MemoryMode.LOCAL
+        if horizontal:
+            local = {n for n, m in inference.modes.items() if m is MemoryMode.LOCAL}
+            kernels = fuse_horizontal(kernels, local)
         if len(merges) > 1:
             labels = ", ".join(sorted(m.label for m in merges))
             raise InvalidProgramError(f"computation {name} reads several merge-buffer nodes: {labels}")

@@ -331,6 +331,16 @@ def streams(kernel: Kernel, vector_bytes: int) -> bool:
     return all(ld.index.coeff(sym) in (0, 1) for ld in loads) and all(ld.node is not body.node for ld in loads)
 
 
+def fusable(kernel: Kernel) -> bool:
+    """A kernel that horizontal fusion (core/fusion.py) may merge with others of its iteration
+    space: one ``Store`` in its parallel nest (an elementwise kernel: no reduction, no serial
+    loop, no contraction), no merge buffer, and no shape of its own on any dialect (not a
+    streaming-store candidate whatever the host's vectors)."""
+    if not isinstance(kernel.body, Store) or kernel.merge_input is not None:
+        return False
+    return not streams(kernel, 1 << 10)
+
+
 # ---------------------------------------------------------------------------
 # GPU dialects: global ids or grid-stride loops, group reductions, shared-memory tiles
 
