@@ -43,6 +43,7 @@ from polyjit.core.loops import (
     Stmt,
     Store,
     walk_exprs,
+    walk_stmts,
 )
 from polyjit.core.patterns import KernelPlan, LaunchShape, Tiles, plan_kernel
 from polyjit.core.source_text import (
@@ -284,6 +285,7 @@ class Emitter:
     def __init__(self, dialect: Dialect, names: Names) -> None:
         self.d = dialect
         self.names = names
+        self.hoisted: dict[tuple[ir.Node, int], str] = {}  # constant-index loads read once (emit_loops)
 
     # -- expressions ---------------------------------------------------------
 
@@ -322,6 +324,8 @@ class Emitter:
 
     def expr(self, e: Expr) -> str:
         if isinstance(e, Load):
+            if not e.index.terms and (e.node, e.index.const) in self.hoisted and not e.merge:
+                return self.hoisted[(e.node, e.index.const)]
             base = self.names.merge if e.merge else self.names.buffer(e.node)
             return self.load(e.node, f"{base}[{self.index(e.index)}]")
         if isinstance(e, Const):
@@ -456,6 +460,8 @@ def emit_loops(em: Emitter, kernel: Kernel, plan: KernelPlan, indent: int) -> li
     loops, or, without a nest, the loops of the reduction."""
     d, nest = em.d, kernel.parallel
     lines: list[str] = []
+    if isinstance(kernel.body, Seq) and nest:
+        lines += _hoist_invariant_loads(em, kernel, indent)
     if plan.team and nest:
         pragma = d.pragma(d.parallel_for_pragma, plan.team)
         lines += [f"{'  ' * indent}{pragma}"] if pragma else []
@@ -467,8 +473,25 @@ def emit_loops(em: Emitter, kernel: Kernel, plan: KernelPlan, indent: int) -> li
         lines.append(f"{'  ' * depth}for (int64_t {v} = 0; {v} < {n}; ++{v}) {{")
         depth += 1
     lines += em.stmt(kernel.body, depth)
+    em.hoisted.clear()
     for dd in range(depth - 1, indent - 1, -1):
         lines.append(f"{'  ' * dd}}}")
+    return lines
+
+
+def _hoist_invariant_loads(em: Emitter, kernel: Kernel, indent: int) -> list[str]:
+    """A fused kernel's loads at a constant index of nodes it does not write (an optimizer's
+    learning rate and bias corrections), read once before the loops: GCC 12 does not
+    vectorize a loop that stores to several arrays and reads two such scalars in it."""
+    written = {st.node for st in walk_stmts(kernel.body) if isinstance(st, (Store, Reduce))}
+    lines = []
+    for e in walk_exprs(kernel.body):
+        if isinstance(e, Load) and not e.merge and not e.index.terms and e.node not in written:
+            key = (e.node, e.index.const)
+            if key not in em.hoisted:
+                name = f"pj_inv{len(em.hoisted)}"
+                lines.append(f"{'  ' * indent}const {em.ctype(e.node.dtype)} {name} = {em.expr(e)};")
+                em.hoisted[key] = name
     return lines
 
 
