@@ -45,17 +45,22 @@ def test_the_gil_is_free_while_a_kernel_runs() -> None:
     routine = _slow_routine(backend, 0)
     routine.run()  # warm up (page faults, thread team)
     routine.context.stream.synchronize()
-    t0 = time.perf_counter()
-    routine.run()
-    enqueue = time.perf_counter() - t0
-    ev = routine.context.stream.record()
-    busy_loops = 0
-    while not ev.is_done():  # Python keeps running while the kernel does
-        busy_loops += 1
-        time.sleep(0.001)
-    total = time.perf_counter() - t0
-    assert enqueue < total / 5
-    assert busy_loops > 0
+    tries = []
+    for _ in range(3):  # on 2 cores the kernel's team may preempt this thread for a time slice
+        t0 = time.perf_counter()
+        routine.run()
+        enqueue = time.perf_counter() - t0
+        ev = routine.context.stream.record()
+        busy_loops = 0
+        while not ev.is_done():  # Python keeps running while the kernel does
+            busy_loops += 1
+            time.sleep(0.001)
+        total = time.perf_counter() - t0
+        tries.append((enqueue, total, busy_loops))
+        if enqueue < total / 5 and busy_loops > 0:
+            break
+    else:
+        raise AssertionError(f"run() did not return while the kernel ran: (enqueue s, total s, loops) {tries}")
     assert routine.context.read(next(iter(routine.outputs))) == 24 * (1 << 22)
 
 

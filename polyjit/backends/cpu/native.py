@@ -315,7 +315,7 @@ def _load_with_bounded_spin(path: Path) -> NativeRuntime:
 #: its stream's work) or ``off`` (always as alone: spin before sleeping).
 #: Each mode's thresholds: the share of its runnable time a thread spends waiting for a core
 #: above which the machine counts as contended, and below which it no longer does.
-CONTENTION_MODES: dict[str, tuple[float, float]] = {"auto": (0.08, 0.02), "on": (-1.0, -1.0), "off": (2.0, 2.0)}
+CONTENTION_MODES: dict[str, tuple[float, float]] = {"auto": (0.25, 0.12), "on": (-1.0, -1.0), "off": (2.0, 2.0)}
 
 
 def _apply_contention_mode(rt: NativeRuntime) -> None:

@@ -166,8 +166,8 @@ static _Atomic int g_contended = 0;
 #define PJ_SENSE_NS 20000000 /* how often a thread reads its run delay */
 /* Shares of the window spent runnable, not running, above which the machine counts as
  * contended, and below which it no longer does (pj_set_contention). */
-static _Atomic double g_contended_on = 0.08;
-static _Atomic double g_contended_off = 0.02;
+static _Atomic double g_contended_on = 0.25;
+static _Atomic double g_contended_off = 0.12;
 
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -261,6 +261,7 @@ static int thread_times(int64_t* on_cpu, int64_t* delay) {
  * extended until it has enough. Reading the file costs a few microseconds per window. */
 #define PJ_SENSE_MIN_NS 1000000
 static __thread int64_t t_sensed_at, t_on_cpu, t_delay;
+static __thread double t_share; /* a running mean of the windows' shares */
 static __thread int t_sensing = 0; /* 1: the baseline above is set */
 
 /* 1 on the thread that forked, in the child: its libgomp pool (if it ever opened a team,
@@ -270,6 +271,7 @@ static __thread int t_no_help = 0;
 static void at_fork_child(void) {
     t_no_help = 1;
     t_sensing = 0; /* the baseline is the parent thread's counters */
+    t_share = 0.0;
 }
 __attribute__((constructor)) static void pj_runtime_init(void) { pthread_atfork(NULL, NULL, at_fork_child); }
 
@@ -287,7 +289,8 @@ static void sense_contention(void) {
     } else {
         int64_t ran = on_cpu - t_on_cpu, waited = delay - t_delay;
         if (ran + waited < PJ_SENSE_MIN_NS) return;
-        double share = (double)waited / (double)(ran + waited);
+        /* One window is noisy (a time slice lost to our own threads reads as 60%): average. */
+        double share = t_share = 0.5 * t_share + 0.5 * (double)waited / (double)(ran + waited);
         if (share > atomic_load_explicit(&g_contended_on, memory_order_relaxed))
             atomic_store_explicit(&g_contended, 1, memory_order_relaxed);
         else if (share < atomic_load_explicit(&g_contended_off, memory_order_relaxed))
