@@ -101,6 +101,19 @@ def polyjit_char_lm_step(batch: int, device: str = "cpu") -> Step:
 # numpy, with hand-written gradients
 
 
+def _cross_entropy_grad(logits: Array, labels: Array) -> tuple[float, Array]:
+    """The mean softmax cross-entropy of the rows and its gradient with respect to the logits."""
+    rows = np.arange(len(labels))
+    z = logits - logits.max(1, keepdims=True)
+    e = np.exp(z)
+    s = e.sum(1, keepdims=True)
+    loss = float(np.mean(np.log(s[:, 0]) - z[rows, labels]))
+    d = e / s
+    d[rows, labels] -= 1
+    d /= len(labels)
+    return loss, d
+
+
 def numpy_mlp_step(batch: int) -> Step:
     rng = np.random.default_rng(0)
     w1 = (rng.standard_normal((784, 256)) * np.sqrt(2 / 784)).astype(np.float32)
@@ -109,19 +122,11 @@ def numpy_mlp_step(batch: int) -> Step:
     params = [w1, b1, w2, b2]
     moments = [np.zeros_like(p) for p in params]
     xs, ys = mnist_like(batch)
-    rows = np.arange(batch)
 
     def step() -> float:
         h = xs @ w1 + b1
         a = np.maximum(h, 0)
-        logits = a @ w2 + b2
-        z = logits - logits.max(1, keepdims=True)
-        e = np.exp(z)
-        s = e.sum(1, keepdims=True)
-        loss = float(np.mean(np.log(s[:, 0]) - z[rows, ys]))
-        d = e / s
-        d[rows, ys] -= 1
-        d /= batch
+        loss, d = _cross_entropy_grad(a @ w2 + b2, ys)
         da = d @ w2.T
         da[h <= 0] = 0
         grads = [xs.T @ da, da.sum(0), a.T @ d, d.sum(0)]
@@ -142,7 +147,6 @@ def numpy_char_lm_step(batch: int) -> Step:
     first = {k: np.zeros_like(v) for k, v in params.items()}
     second = {k: np.zeros_like(v) for k, v in params.items()}
     data = _cycle(char_lm_batches(batch))
-    rows = np.arange(batch)
     lr, b1, b2, eps, wd = 0.01, 0.9, 0.999, 1e-8, 0.01
     t = 0
 
@@ -152,14 +156,7 @@ def numpy_char_lm_step(batch: int) -> Step:
         p = params
         feats = p["embed"][ctx].reshape(batch, m.CONTEXT * m.EMBED)
         a = np.tanh(feats @ p["w1"] + p["b1"])
-        logits = a @ p["w2"] + p["b2"]
-        z = logits - logits.max(1, keepdims=True)
-        e = np.exp(z)
-        s = e.sum(1, keepdims=True)
-        loss = float(np.mean(np.log(s[:, 0]) - z[rows, nxt]))
-        d = e / s
-        d[rows, nxt] -= 1
-        d /= batch
+        loss, d = _cross_entropy_grad(a @ p["w2"] + p["b2"], nxt)
         dh = (d @ p["w2"].T) * (1 - a * a)
         dfeats = (dh @ p["w1"].T).reshape(batch * m.CONTEXT, m.EMBED)
         gembed = np.zeros_like(p["embed"])
