@@ -141,7 +141,6 @@ typedef struct pj_stream {
     _Atomic int waiters;                              /* threads parked on done_seq */
     _Atomic int refs; /* 1 for the owner until pj_stream_destroy, +1 per pending WAIT on it */
     pthread_t thread;
-    int num_threads;
     /* The candidate team sizes (fixed at creation) and the per-kernel timings (touched only
      * by the thread holding `consuming`). */
     int teams[PJ_MAX_TEAMS];
@@ -410,13 +409,6 @@ static void init_teams(pj_stream* s, int n) {
     }
 }
 
-/* The team size of the calling thread's next OpenMP regions (an ICV of the thread: the
- * worker's, or a helping host thread's). */
-static void set_team(pj_stream* s, int n) {
-    (void)s;
-    omp_set_num_threads(n);
-}
-
 /* The kernel's timings; a slot of another kernel is reused when the probe finds no free one. */
 static pj_tune* tune_slot(pj_stream* s, pj_kernel fn) {
     uintptr_t h = ((uintptr_t)fn >> 4) * (uintptr_t)0x9E3779B97F4A7C15ull;
@@ -477,8 +469,8 @@ static void run_launch(pj_stream* s, const pj_task* t) {
     int64_t team = t->u.launch.team;
     if (team != PJ_TEAM_ADAPT || s->nteams < 2 ||
         !atomic_load_explicit(&s->adaptive, memory_order_relaxed)) {
-        if (team > 0) set_team(s, (int)team);
-        else if (team == PJ_TEAM_ADAPT) set_team(s, s->teams[0]);
+        if (team > 0) omp_set_num_threads((int)team);
+        else if (team == PJ_TEAM_ADAPT) omp_set_num_threads(s->teams[0]);
         fn(t->u.launch.bufs, t->statics);
         return;
     }
@@ -486,7 +478,7 @@ static void run_launch(pj_stream* s, const pj_task* t) {
     int64_t t0 = now_ns();
     int retime;
     int k = tune_pick(s, e, t0, &retime);
-    set_team(s, s->teams[k]);
+    omp_set_num_threads(s->teams[k]);
     fn(t->u.launch.bufs, t->statics);
     int64_t t1 = now_ns();
     tune_record(s, e, k, t1, (double)(t1 - t0), retime);
@@ -509,11 +501,11 @@ static int consume(pj_stream* s, uint64_t until, int helper) {
                 run_launch(s, t);
                 break;
             case PJ_MEMCPY:
-                set_team(s, s->teams[0]);
+                omp_set_num_threads(s->teams[0]);
                 parallel_bytes(t->u.copy.dst, t->u.copy.src, 0, t->u.copy.n);
                 break;
             case PJ_MEMSET:
-                set_team(s, s->teams[0]);
+                omp_set_num_threads(s->teams[0]);
                 parallel_bytes(t->u.copy.dst, NULL, t->value, t->u.copy.n);
                 break;
             case PJ_WAIT:
@@ -601,7 +593,6 @@ PJ_EXPORT void* pj_stream_create(int num_threads, const int* cpus, int ncpus) {
     memset(s, 0, sizeof(*s));
     atomic_store(&s->refs, 1);
     atomic_store(&s->adaptive, 1);
-    s->num_threads = num_threads;
     /* Here, not in the worker: a helping host thread may run the stream's first task. */
     init_teams(s, num_threads > 0 ? num_threads : omp_get_max_threads());
     pthread_mutex_init(&s->prod_mu, NULL);
