@@ -21,7 +21,7 @@ from polyjit.bench.timing import median_ns, median_per_call
 
 KERNEL_SOURCE = r"""
 #include <stdint.h>
-void tiny(void* const* b, const int64_t* s) {
+void tiny(void* const* b, const int64_t* s, int64_t lo, int64_t hi) {
     float* x = (float*)b[0];
     for (int64_t i = 0; i < 4; i++) x[i] += (float)s[0];
 }

@@ -99,6 +99,10 @@ class Dialect:
     index_value = "((int64_t)({}))"  # an index used as an int64 value
     reduction_ops = {ir.AccumOp.ADD: "+", ir.AccumOp.MUL: "*", ir.AccumOp.MAX: "max", ir.AccumOp.MIN: "min"}
     parallel_for_pragma: str | None = "#pragma omp parallel for{collapse} schedule(static)"
+    # A ranged dialect's kernels take ``int64_t pj_lo, int64_t pj_hi`` after the statics and
+    # compute those iterations of their shared loops (KernelPlan.team), flattened, instead
+    # of opening an OpenMP team: the runtime shares the range (the CPU's, runtime.c).
+    ranged = False
     parallel_reduction_pragma: str | None = (
         "#pragma omp parallel for{collapse} reduction({op}:pj_acc) schedule(static)")
     # a reduction whose order is free (Reduce.reassociable): one accumulator per vector lane
@@ -213,7 +217,8 @@ class Dialect:
         """The signature and what precedes the body: C takes the buffers as an array of
         pointers and the statics as an array of int64."""
         lines = [f"void {spec.name}(void* const* {self.restrict} pj_bufs, "
-                 f"const int64_t* {self.restrict} pj_statics) {{"]
+                 f"const int64_t* {self.restrict} pj_statics"
+                 f"{', int64_t pj_lo, int64_t pj_hi' if self.ranged else ''}) {{"]
         for k, node in enumerate(spec.buffers):
             t = self.type_name(node.dtype)
             const = "" if node in spec.outputs else "const "
@@ -455,19 +460,42 @@ def emit_body(em: Emitter, kernel: Kernel, plan: KernelPlan, names: Names) -> li
     return gpu.emit_body(em, kernel, plan, names, em.d.gpu)
 
 
+def range_loops(loops: Sequence[tuple[str, int]], indent: int) -> tuple[list[str], int]:
+    """A ranged kernel's shared loops (variable, extent; outermost first) as one loop over its
+    range ``[pj_lo, pj_hi)`` of their iterations, flattened, each variable decoded from it;
+    returns the lines and the indent depth inside."""
+    p = "  " * indent
+    if len(loops) == 1:
+        ((v, _),) = loops
+        return [f"{p}for (int64_t {v} = pj_lo; {v} < pj_hi; ++{v}) {{"], indent + 1
+    decoded, stride = [], 1
+    for k in range(len(loops) - 1, -1, -1):
+        v, n = loops[k]
+        flat = "pj_it" if stride == 1 else f"pj_it / {stride}"
+        decoded.append(f"{v} = {flat}" if k == 0 else f"{v} = {flat} % {n}")
+        stride *= n
+    return [f"{p}for (int64_t pj_it = pj_lo; pj_it < pj_hi; ++pj_it) {{",
+            f"{p}  const int64_t {', '.join(reversed(decoded))};"], indent + 1
+
+
 def emit_loops(em: Emitter, kernel: Kernel, plan: KernelPlan, indent: int) -> list[str]:
-    """The parallel nest as for loops; OpenMP threads share the plan's ``team`` of outer
-    loops, or, without a nest, the loops of the reduction."""
+    """The parallel nest as for loops; threads share the plan's ``team`` of outer loops (a
+    ranged dialect's range of them, else an OpenMP team), or, without a nest, the loops of
+    the reduction (OpenMP)."""
     d, nest = em.d, kernel.parallel
     lines: list[str] = []
     if isinstance(kernel.body, Seq) and nest:
         lines += _hoist_invariant_loads(em, kernel, indent)
-    if plan.team and nest:
+    depth = indent
+    if plan.team and nest and d.ranged:
+        opened, depth = range_loops([(em.names.var(s), n) for s, n in nest[:plan.team]], indent)
+        lines += opened
+        nest = nest[plan.team:]
+    elif plan.team and nest:
         pragma = d.pragma(d.parallel_for_pragma, plan.team)
         lines += [f"{'  ' * indent}{pragma}"] if pragma else []
     elif plan.team and isinstance(kernel.body, Reduce):
         return em.reduce(kernel.body, indent, d.pragma(d.parallel_reduction_pragma, plan.team, kernel.body.accum))
-    depth = indent
     for sym, n in nest:
         v = em.names.var(sym)
         lines.append(f"{'  ' * depth}for (int64_t {v} = 0; {v} < {n}; ++{v}) {{")

@@ -192,7 +192,9 @@ class KernelPlan:
     kind: str  # SERIAL, ELEMENTWISE, REDUCTION, GROUP_REDUCTION or CONTRACTION
     launch: LaunchShape
     shape: str = ""  # a shape of the dialect's own (Dialect.shape_emitters); "": the kind's generic one
-    team: int = 0  # LOOPS: the outer loops OpenMP threads share (0: one thread)
+    team: int = 0  # LOOPS: the outer loops threads share (0: one thread)
+    chunks: int = 1  # LOOPS: the iterations of those loops, flattened: the range a ranged
+    # dialect's kernel takes (Dialect.ranged), which the runtime shares among its threads
     dims: tuple[tuple[tuple[Symbol, int], ...], ...] = ()  # GLOBAL_IDS: the parallel loops of each dim
     contraction: Contraction | None = None
     tiles: Tiles | None = None
@@ -266,12 +268,14 @@ def _loops_plan(kernel: Kernel, d: Dialect) -> KernelPlan:
         bn = REGISTER_VECTORS * lanes
         tiles = Tiles(REGISTER_ROWS, bn, 1, REGISTER_ROWS, bn, lanes)
         team = len(c.batch) + 2 if kernel.total_work >= d.omp_min_work else 0
-        return KernelPlan(CONTRACTION, launch, REGISTER_TILES, team, contraction=c, tiles=tiles)
+        tiles_ij = -(-c.m // tiles.tm) * -(-c.n // tiles.tn)
+        return KernelPlan(CONTRACTION, launch, REGISTER_TILES, team, c.batch_size * tiles_ij if team else 1,
+                          contraction=c, tiles=tiles)
     if COLUMN in shapes and column_reduction(kernel) is not None:
         blocks = -(-kernel.parallel[-1][1] // COLUMN_BLOCK)
         loops = [n for _, n in kernel.parallel[:-1]] + [blocks]
         big = kernel.total_work >= d.omp_min_work * 8 and math.prod(loops) > 1
-        return KernelPlan(REDUCTION, launch, COLUMN, len(loops) if big else 0)
+        return KernelPlan(REDUCTION, launch, COLUMN, len(loops) if big else 0, math.prod(loops) if big else 1)
     shape = ""
     if STAGED in shapes and staged_reduction(kernel) is not None:
         shape = STAGED
@@ -281,9 +285,10 @@ def _loops_plan(kernel: Kernel, d: Dialect) -> KernelPlan:
     if nest and kernel.total_work >= d.omp_min_work:
         # a short outer loop: share the next ones too
         team = len(nest) - 1 if len(nest) > 1 and nest[0][1] < 64 else 1
-        return KernelPlan(_kind(kernel), launch, shape, team)
+        return KernelPlan(_kind(kernel), launch, shape, team, math.prod(n for _, n in nest[:team]))
     if not nest and isinstance(body, Reduce) and body.loops and body.length >= OMP_REDUCTION_MIN_LENGTH:
-        return KernelPlan(REDUCTION, launch, shape, len(body.loops))  # threads share the reduced loops
+        # OpenMP threads share the reduced loops (a reduction clause): one call, no range
+        return KernelPlan(REDUCTION, launch, shape, len(body.loops))
     return KernelPlan(_kind(kernel), launch, shape)
 
 

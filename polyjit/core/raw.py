@@ -82,11 +82,12 @@ def raw_source(driver: Any, text: str, spec: KernelSpec) -> tuple[str, str]:
     return str(out), str(entry)
 
 
-def c_trampoline(text: str, spec: KernelSpec) -> tuple[str, str]:
+def c_trampoline(text: str, spec: KernelSpec, ranged: bool = False) -> tuple[str, str]:
     """The C calling convention's binding (``codegen.Dialect``: ``void k(void* const* bufs,
-    const int64_t* statics)``): a function that passes buffer k as the user's parameter k,
-    then the statics, appended to the user's source. Pointers convert from ``void*`` as C
-    does, so the user's function may take any pointer types."""
+    const int64_t* statics)``, plus ``int64_t lo, int64_t hi`` when ``ranged``, the CPU's,
+    which it ignores: a user's kernel runs whole): a function that passes buffer k as the
+    user's parameter k, then the statics, appended to the user's source. Pointers convert
+    from ``void*`` as C does, so the user's function may take any pointer types."""
     entry = f"pj_raw_{spec.name}"
     args = [f"pj_bufs[{k}]" for k in range(len(spec.buffers))]
     args += [f"pj_statics[{k}]" for k in range(len(spec.statics))]
@@ -95,9 +96,11 @@ def c_trampoline(text: str, spec: KernelSpec) -> tuple[str, str]:
              # The call must find the user's function and match its parameters' kinds.
              '#pragma GCC diagnostic error "-Wimplicit-function-declaration"',
              '#pragma GCC diagnostic error "-Wint-conversion"',
-             f"void {entry}(void* const* pj_bufs, const long long* pj_statics) {{",
+             f"void {entry}(void* const* pj_bufs, const long long* pj_statics"
+             f"{', long long pj_lo, long long pj_hi' if ranged else ''}) {{",
              "  (void)pj_bufs;",
              "  (void)pj_statics;",
+             *(["  (void)pj_lo;", "  (void)pj_hi;"] if ranged else []),
              f"  {spec.name}({', '.join(args)});",
              "}", ""]
     return "\n".join(lines), entry

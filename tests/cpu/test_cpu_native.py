@@ -39,40 +39,54 @@ KERNELS = r"""
 
 /* Append s[0] to a log, and the id of the thread that ran it: b[0] = int64 [count, v1, ...],
  * b[1] = int64 [t1, t2, ...]. */
-void record_thread(void* const* b, const int64_t* s) {
+void record_thread(void* const* b, const int64_t* s, int64_t lo, int64_t hi) {
     int64_t* log = (int64_t*)b[0];
     ((int64_t*)b[1])[log[0]] = (int64_t)syscall(SYS_gettid);
     log[1 + log[0]] = s[0];
     log[0] += 1;
 }
 
+/* A kernel with a range: b[0] = int64 [n] counts of each iteration run, b[1] = int64 [n] the
+ * thread that ran it; each call sleeps s[0] microseconds (time for waiting threads to join). */
+void mark_range(void* const* b, const int64_t* s, int64_t lo, int64_t hi) {
+    int64_t* counts = (int64_t*)b[0];
+    int64_t* tids = (int64_t*)b[1];
+    const int64_t tid = (int64_t)syscall(SYS_gettid);
+    for (int64_t i = lo; i < hi; i++) {
+        counts[i] += 1;
+        tids[i] = tid;
+    }
+    struct timespec ts = {0, (long)s[0] * 1000};
+    if (s[0] > 0) nanosleep(&ts, NULL);
+}
+
 /* b[0]: float array; s[0]: value to add; s[1]: length */
-void add1(void* const* b, const int64_t* s) {
+void add1(void* const* b, const int64_t* s, int64_t lo, int64_t hi) {
     float* x = (float*)b[0];
     for (int64_t i = 0; i < s[1]; i++) x[i] += (float)s[0];
 }
 
 /* b[0]: float array; s[0]: factor; s[1]: length */
-void scale(void* const* b, const int64_t* s) {
+void scale(void* const* b, const int64_t* s, int64_t lo, int64_t hi) {
     float* x = (float*)b[0];
     for (int64_t i = 0; i < s[1]; i++) x[i] *= (float)s[0];
 }
 
 /* Append s[0] to a log: b[0] = int64 [count, v1, v2, ...]. */
-void record(void* const* b, const int64_t* s) {
+void record(void* const* b, const int64_t* s, int64_t lo, int64_t hi) {
     int64_t* log = (int64_t*)b[0];
     log[1 + log[0]] = s[0];
     log[0] += 1;
 }
 
 /* Copy all 16 statics into b[0] (int64[16]). */
-void dump_statics(void* const* b, const int64_t* s) {
+void dump_statics(void* const* b, const int64_t* s, int64_t lo, int64_t hi) {
     int64_t* out = (int64_t*)b[0];
     for (int i = 0; i < 16; i++) out[i] = s[i];
 }
 
 /* Busy for s[0] microseconds, then write s[1] into the int64 at b[0]. */
-void slow_write(void* const* b, const int64_t* s) {
+void slow_write(void* const* b, const int64_t* s, int64_t lo, int64_t hi) {
     struct timespec t0, t;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     do {
@@ -82,14 +96,14 @@ void slow_write(void* const* b, const int64_t* s) {
 }
 
 /* b[1][0] = b[0][0]: a reader of what another kernel wrote. */
-void copy_one(void* const* b, const int64_t* s) {
+void copy_one(void* const* b, const int64_t* s, int64_t lo, int64_t hi) {
     (void)s;
     ((int64_t*)b[1])[0] = ((volatile int64_t*)b[0])[0];
 }
 
 /* Sleeps s[0] us shared by the team (each thread sleeps its part): a kernel a team speeds up.
  * b[0]: int64, the team size it ran with. */
-void split_sleep(void* const* b, const int64_t* s) {
+void split_sleep(void* const* b, const int64_t* s, int64_t lo, int64_t hi) {
     int64_t* out = (int64_t*)b[0];
     #pragma omp parallel
     {
@@ -104,7 +118,7 @@ void split_sleep(void* const* b, const int64_t* s) {
 /* While the int64 at b[1] is not 0: sleeps s[0] us with a team of more than one thread, s[1]
  * us with one (a kernel whose team costs more than it gains, as when a team thread waits for
  * a descheduled one); else split_sleep of s[1]. b[0]: the team size it ran with. */
-void team_penalty(void* const* b, const int64_t* s) {
+void team_penalty(void* const* b, const int64_t* s, int64_t lo, int64_t hi) {
     int64_t* out = (int64_t*)b[0];
     int penalty = ((volatile int64_t*)b[1])[0] != 0;
     #pragma omp parallel
@@ -119,7 +133,7 @@ void team_penalty(void* const* b, const int64_t* s) {
 }
 
 /* b[0] int64[2]: the OpenMP team size of a parallel region, and the CPU it ran on. */
-void team_info(void* const* b, const int64_t* s) {
+void team_info(void* const* b, const int64_t* s, int64_t lo, int64_t hi) {
     (void)s;
     int64_t* out = (int64_t*)b[0];
     #pragma omp parallel
@@ -542,7 +556,7 @@ def test_fixed_and_teamless_launches(rt: NativeRuntime, kernels: Kernels, stream
 
 def test_more_kernels_than_the_tuning_table_holds(rt: NativeRuntime, stream2: int) -> None:
     src = "#include <stdint.h>\n" + "".join(
-        f"void k{i}(void* const* b, const int64_t* s) {{ ((int64_t*)b[0])[{i}] += s[0]; }}\n"
+        f"void k{i}(void* const* b, const int64_t* s, int64_t lo, int64_t hi) {{ ((int64_t*)b[0])[{i}] += s[0]; }}\n"
         for i in range(300))
     lib = ctypes.CDLL(str(build_shared(src)))
     out = np.zeros(300, dtype=np.int64)
@@ -563,7 +577,7 @@ from polyjit.backends.cpu.native import load_runtime
 rt = load_runtime()
 assert "GOMP_SPINCOUNT" not in os.environ, "the environment was not restored"
 lib = ctypes.CDLL(str(build_shared(
-    "#include <stdint.h>\nvoid region(void* const* b, const int64_t* s) {\n"
+    "#include <stdint.h>\nvoid region(void* const* b, const int64_t* s, int64_t lo, int64_t hi) {\n"
     "#pragma omp parallel\n  { volatile int x = 0; (void)x; }\n}\n")))
 bufs = rt.make_ptr_array([0])
 descs = rt.make_descs([(ctypes.cast(lib.region, ctypes.c_void_p).value, ctypes.addressof(bufs), 2)])
@@ -711,7 +725,7 @@ def test_compile_error_carries_log_and_source(
     source = "\n".join(
         [
             "#include <stdint.h>",
-            "void k(void* const* b, const int64_t* s) {",
+            "void k(void* const* b, const int64_t* s, int64_t lo, int64_t hi) {",
             "    float* x = (float*)b[0];",
             "    x[0] = undefined_name + 1;",
             "}",
@@ -845,6 +859,62 @@ def test_waiting_threads_run_the_work_of_a_contended_stream(rt: NativeRuntime, k
     assert ran_on & hosts, "no waiting thread ran a task"
 
 
+def _run_range(rt: NativeRuntime, kernels: Kernels, s: int, n: int, sleep_us: int, team: int = TEAM_ADAPT,
+               ) -> tuple[np.ndarray, np.ndarray]:
+    counts = np.zeros(n, dtype=np.int64)
+    tids = np.zeros(n, dtype=np.int64)
+    bufs = rt.make_ptr_array([ptr(counts), ptr(tids)])
+    descs = rt.make_descs([(kernels.addr("mark_range"), ctypes.addressof(bufs), team, False, n)])
+    st = (ctypes.c_int64 * 1)(sleep_us)
+    rt.sync(s, rt.launch_seq(s, descs, 1, st, 1))
+    return counts, tids
+
+
+@pytest.mark.parametrize("team", [1, 2, TEAM_ADAPT])
+@pytest.mark.parametrize("n", [1, 2, 7, 64, 1000])
+def test_a_kernel_range_runs_each_iteration_once(rt: NativeRuntime, kernels: Kernels, n: int, team: int) -> None:
+    s = rt.stream_create(2, None)
+    try:
+        for _ in range(3):
+            counts, _ = _run_range(rt, kernels, s, n, 0, team)
+            np.testing.assert_array_equal(counts, np.ones(n, dtype=np.int64))
+    finally:
+        rt.stream_destroy(s)
+
+
+def test_a_waiting_thread_runs_part_of_a_kernel_range(rt: NativeRuntime, kernels: Kernels) -> None:
+    """Uncontended, a host thread spinning in sync claims iterations of the running kernel's
+    range (the core a team would need); each iteration still runs once."""
+    rt.set_contention(*CONTENTION_MODES["off"])
+    s = rt.stream_create(1, None)
+    try:
+        joined = False
+        for _ in range(5):  # the host must reach sync while the kernel runs: 64 calls of 200 us
+            counts, tids = _run_range(rt, kernels, s, 64, 200)
+            np.testing.assert_array_equal(counts, np.ones(64, dtype=np.int64))
+            if threading.get_native_id() in set(tids.tolist()):
+                joined = True
+                break
+        assert joined, "the waiting thread never ran part of the range"
+    finally:
+        rt.set_contention(*CONTENTION_MODES["auto"])
+        rt.stream_destroy(s)
+
+
+def test_a_pinned_stream_keeps_its_range_on_its_cores(rt: NativeRuntime, kernels: Kernels) -> None:
+    """A stream pinned to some cores (a device of several) runs its kernels there only."""
+    rt.set_contention(*CONTENTION_MODES["off"])
+    cpu = sorted(os.sched_getaffinity(0))[0]
+    s = rt.stream_create(1, [cpu])
+    try:
+        counts, tids = _run_range(rt, kernels, s, 32, 100)
+        np.testing.assert_array_equal(counts, np.ones(32, dtype=np.int64))
+        assert threading.get_native_id() not in set(tids.tolist())
+    finally:
+        rt.set_contention(*CONTENTION_MODES["auto"])
+        rt.stream_destroy(s)
+
+
 def test_back_to_sensing_starts_uncontended(rt: NativeRuntime) -> None:
     rt.set_contention(*CONTENTION_MODES["on"])
     assert rt.contended()
@@ -863,7 +933,7 @@ SRC = '''
 #include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-void team_tid(void* const* b, const int64_t* s) {
+void team_tid(void* const* b, const int64_t* s, int64_t lo, int64_t hi) {
     int64_t* out = (int64_t*)b[0];
     #pragma omp parallel
     {

@@ -23,6 +23,7 @@ class CpuDialect(Dialect):
     matmul = True  # register tiles, whatever the size: they never lose to the plain loop
     matmul_rows = True  # they load rows of y and the output as vectors
     shape_emitters = tiles.SHAPES
+    ranged = True  # the runtime shares each kernel's range among threads (runtime.c, run_chunks)
 
     def __init__(self, vector_bytes: int | None = None) -> None:
         self.vector_bytes = vector_bytes or host_cpu().vector_bytes

@@ -184,7 +184,7 @@ class CpuDriver:
 
     def raw_source(self, text: str, spec: KernelSpec) -> tuple[str, str]:
         """A user's C function, called through a trampoline that unpacks the argument arrays."""
-        return c_trampoline(text, spec)
+        return c_trampoline(text, spec, ranged=True)
 
     def load(self, ordinal: int, binary: Path) -> ctypes.CDLL:
         return ctypes.CDLL(str(binary))  # dlopen counts references: one per load
@@ -204,7 +204,7 @@ class CpuDriver:
             keep.append(bufs)
             # A user's kernel keeps to the worker's large stack; generated ones may run on a
             # waiting host thread (runtime.c, wait_done_host).
-            pairs.append((fn, ctypes.addressof(bufs), TEAM_ADAPT, spec.plan.kind == RAW))
+            pairs.append((fn, ctypes.addressof(bufs), TEAM_ADAPT, spec.plan.kind == RAW, spec.plan.chunks))
         return _Prepared(self.rt.make_descs(pairs), len(pairs), tuple(keep))
 
     def launch(self, stream: int, prepared: _Prepared, statics: Sequence[int]) -> None:

@@ -65,11 +65,14 @@ TEAM_NONE = -1
 
 
 class LaunchDesc(ctypes.Structure):
-    """``pj_launch_desc``: a kernel address, the address of its ``void*`` buffer array, and
-    its team: :data:`TEAM_ADAPT`, :data:`TEAM_NONE` or a fixed number of threads."""
+    """``pj_launch_desc``: a kernel address, the address of its ``void*`` buffer array, its
+    team (:data:`TEAM_ADAPT`, :data:`TEAM_NONE` or a fixed number of threads), whether only
+    the stream's worker runs it, and its range: the kernel
+    ``void k(void* const* bufs, const int64_t* statics, int64_t lo, int64_t hi)`` computes
+    iterations [lo, hi) of ``[0, chunks)``, which the runtime shares among threads."""
 
     _fields_ = (("fn", ctypes.c_void_p), ("bufs", ctypes.c_void_p), ("team", ctypes.c_int64),
-                ("worker_only", ctypes.c_int64))
+                ("worker_only", ctypes.c_int64), ("chunks", ctypes.c_int64))
 
 
 def _source() -> str:
@@ -246,18 +249,20 @@ class NativeRuntime:
 
     @staticmethod
     def make_descs(
-        pairs: Sequence[tuple[int, int] | tuple[int, int, int] | tuple[int, int, int, bool]],
+        pairs: Sequence[tuple[int, ...]],
     ) -> ctypes.Array[LaunchDesc]:
         """A ``pj_launch_desc`` array from ``(kernel address, address of void* array)`` pairs,
-        optionally followed by the team (:data:`TEAM_ADAPT` when left out) and whether the
+        optionally followed by the team (:data:`TEAM_ADAPT` when left out), whether the
         kernel runs on the stream's worker only (its 64 MiB stack: users' own kernels; else a
-        host thread that waits may run it, see runtime.c)."""
+        host thread that waits may run it, see runtime.c) and its range (1 when left out:
+        one call with ``[0, 1)``)."""
         arr = (LaunchDesc * len(pairs))()
         for i, desc in enumerate(pairs):
             arr[i].fn = desc[0]
             arr[i].bufs = desc[1]
             arr[i].team = desc[2] if len(desc) > 2 else TEAM_ADAPT
             arr[i].worker_only = int(desc[3]) if len(desc) > 3 else 0
+            arr[i].chunks = desc[4] if len(desc) > 4 else 1
         return arr
 
     @staticmethod

@@ -49,7 +49,10 @@
 
 #define PJ_EXPORT __attribute__((visibility("default")))
 
-typedef void (*pj_kernel)(void* const* bufs, const int64_t* statics);
+/* A kernel computes iterations [lo, hi) of its parallel loops, flattened (a serial one, whose
+ * range is [0, 1), ignores them): the runtime shares a kernel's range among the threads that
+ * run it (run_chunks). */
+typedef void (*pj_kernel)(void* const* bufs, const int64_t* statics, int64_t lo, int64_t hi);
 /* team: PJ_TEAM_ADAPT (the worker picks the team size), PJ_TEAM_NONE (the kernel opens no
  * OpenMP team: nothing to pick, nothing to time), or a fixed team size (> 0). */
 typedef struct {
@@ -57,6 +60,7 @@ typedef struct {
     void* const* bufs;
     int64_t team;
     int64_t worker_only; /* 1: runs on the stream's worker only (users' kernels: see consume) */
+    int64_t chunks;      /* the kernel's range: [0, chunks); 1 (or less): one call */
 } pj_launch_desc;
 #define PJ_TEAM_ADAPT 0
 #define PJ_TEAM_NONE (-1)
@@ -83,6 +87,7 @@ typedef struct {
             void* const* bufs;
             int64_t team;
             int64_t worker_only;
+            int64_t chunks;
         } launch;
         struct {
             void* dst;
@@ -147,6 +152,16 @@ typedef struct pj_stream {
     int nteams;
     _Atomic int adaptive; /* 0: always the full team (pj_stream_set_adaptive) */
     pj_tune tune[PJ_TUNE_SLOTS];
+    /* The range of the kernel running now (run_chunks), shared by the threads that run it:
+     * its team, and host threads waiting for this stream (join_chunks). The fields are set
+     * before `job_live` is stored (release) and change only once no helper is in. */
+    _Alignas(PJ_CACHELINE) _Atomic int job_live;
+    _Atomic int job_helpers; /* host threads inside join_chunks */
+    pj_kernel job_fn;
+    void* const* job_bufs;
+    const int64_t* job_statics;
+    int64_t job_n, job_grain;
+    _Alignas(PJ_CACHELINE) _Atomic int64_t job_next; /* the next unclaimed iteration */
     _Alignas(PJ_CACHELINE) pj_task ring[PJ_RING];
 } pj_stream;
 
@@ -300,16 +315,71 @@ static void sense_contention(void) {
     t_delay = delay;
 }
 
-/* Block until s->done >= ticket: spin, then park on done_seq. */
+/* Claim iterations of the running kernel's range, a grain at a time, and run them. */
+static void work_chunks(pj_stream* s) {
+    const pj_kernel fn = s->job_fn;
+    void* const* bufs = s->job_bufs;
+    const int64_t* statics = s->job_statics;
+    const int64_t n = s->job_n, grain = s->job_grain;
+    for (;;) {
+        const int64_t lo = atomic_fetch_add_explicit(&s->job_next, grain, memory_order_relaxed);
+        if (lo >= n) return;
+        fn(bufs, statics, lo, lo + grain < n ? lo + grain : n);
+    }
+}
+
+/* A thread waiting for the stream runs part of the kernel running on it, if any: on a
+ * machine of few cores the waiting host thread is the core a team would need. The count
+ * goes up before `job_live` is read, so the owner, which clears `job_live` and then waits
+ * for the count to drop, never returns while a helper still reads the job or writes its
+ * output. */
+static void join_chunks(pj_stream* s) {
+    atomic_fetch_add_explicit(&s->job_helpers, 1, memory_order_seq_cst);
+    if (atomic_load_explicit(&s->job_live, memory_order_seq_cst)) work_chunks(s);
+    atomic_fetch_sub_explicit(&s->job_helpers, 1, memory_order_seq_cst);
+}
+
+/* Run a kernel's range [0, chunks) on `team` OpenMP threads (this one among them), in
+ * grains claimed one at a time, so that a thread that was descheduled or started late
+ * takes less, and waiting host threads take part (join_chunks). */
+static void run_chunks(pj_stream* s, const pj_task* t, int team) {
+    const int64_t n = t->u.launch.chunks;
+    int64_t grain = n / (4 * (team + 1)); /* about four claims per thread, a helper counted */
+    if (grain < 1) grain = 1;
+    s->job_fn = t->u.launch.fn;
+    s->job_bufs = t->u.launch.bufs;
+    s->job_statics = t->statics;
+    s->job_n = n;
+    s->job_grain = grain;
+    atomic_store_explicit(&s->job_next, 0, memory_order_relaxed);
+    atomic_store_explicit(&s->job_live, 1, memory_order_seq_cst);
+    if (team > 1) {
+#pragma omp parallel num_threads(team)
+        work_chunks(s);
+    } else {
+        work_chunks(s);
+    }
+    atomic_store_explicit(&s->job_live, 0, memory_order_seq_cst);
+    while (atomic_load_explicit(&s->job_helpers, memory_order_seq_cst) > 0) cpu_relax();
+}
+
+/* Block until s->done >= ticket: spin (running chunks of the stream's kernel when it may),
+ * then park on done_seq. */
 static void wait_done(pj_stream* s, uint64_t ticket) {
     if (atomic_load_explicit(&s->done, memory_order_acquire) >= ticket) return;
     int64_t budget = spin_budget(&g_wait_spin_ns);
     int64_t noyield = atomic_load_explicit(&g_wait_noyield_ns, memory_order_relaxed);
+    const int may_join = s->helpable && !t_no_help;
     if (budget > 0) {
         int64_t start = now_ns();
         for (unsigned i = 1;; i++) {
             cpu_relax();
             if (atomic_load_explicit(&s->done, memory_order_acquire) >= ticket) return;
+            if (may_join && atomic_load_explicit(&s->job_live, memory_order_relaxed)) {
+                join_chunks(s);
+                start = now_ns(); /* time spent working is not time spent spinning */
+                continue;
+            }
             if ((i & 63) == 0 && spin_tick(start, budget, noyield)) break;
         }
     }
@@ -464,22 +534,29 @@ static void tune_record(const pj_stream* s, pj_tune* e, int k, int64_t t1, doubl
     else e->mean[k] += (retime ? PJ_WEIGHT_RETIME : PJ_WEIGHT_USE) * (dt - e->mean[k]);
 }
 
+/* The kernel on a team of `team` threads: its range shared (run_chunks), or one call. */
+static void call_kernel(pj_stream* s, const pj_task* t, int team) {
+    if (t->u.launch.chunks > 1) {
+        run_chunks(s, t, team);
+    } else {
+        omp_set_num_threads(team); /* a kernel that opens its own team (a long reduction) */
+        t->u.launch.fn(t->u.launch.bufs, t->statics, 0, 1);
+    }
+}
+
 static void run_launch(pj_stream* s, const pj_task* t) {
     pj_kernel fn = t->u.launch.fn;
     int64_t team = t->u.launch.team;
     if (team != PJ_TEAM_ADAPT || s->nteams < 2 ||
         !atomic_load_explicit(&s->adaptive, memory_order_relaxed)) {
-        if (team > 0) omp_set_num_threads((int)team);
-        else if (team == PJ_TEAM_ADAPT) omp_set_num_threads(s->teams[0]);
-        fn(t->u.launch.bufs, t->statics);
+        call_kernel(s, t, team > 0 ? (int)team : team == PJ_TEAM_ADAPT ? s->teams[0] : 1);
         return;
     }
     pj_tune* e = tune_slot(s, fn);
     int64_t t0 = now_ns();
     int retime;
     int k = tune_pick(s, e, t0, &retime);
-    omp_set_num_threads(s->teams[k]);
-    fn(t->u.launch.bufs, t->statics);
+    call_kernel(s, t, s->teams[k]);
     int64_t t1 = now_ns();
     tune_record(s, e, k, t1, (double)(t1 - t0), retime);
 }
@@ -695,6 +772,7 @@ PJ_EXPORT uint64_t pj_launch_seq(void* sp, const pj_launch_desc* descs, int n,
         t->u.launch.bufs = descs[i].bufs;
         t->u.launch.team = descs[i].team;
         t->u.launch.worker_only = descs[i].worker_only;
+        t->u.launch.chunks = descs[i].chunks;
         if (nstatics > 0) memcpy(t->statics, statics, (size_t)nstatics * sizeof(int64_t));
         publish(s, ticket);
     }

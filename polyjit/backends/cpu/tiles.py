@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 
 from polyjit.core import dtypes
-from polyjit.core.codegen import Emitter, Names, ShapeEmitter, emit_loops
+from polyjit.core.codegen import Emitter, Names, ShapeEmitter, emit_loops, range_loops
 from polyjit.core.loops import Kernel, Reduce, Store
 from polyjit.core.patterns import (
     COLUMN,
@@ -123,9 +123,12 @@ def tail_helpers(dt: dtypes.DType, t: str, vb: int) -> list[tuple[str, list[str]
 
 
 def _open_nest(loops: list[tuple[str, int]], parallel: bool) -> tuple[list[str], int]:
-    """``for`` loops over ``loops`` (outermost first), all shared by OpenMP when ``parallel``;
-    returns the lines and the indent depth inside."""
-    lines = [f"  #pragma omp parallel for collapse({len(loops)}) schedule(static)"] if parallel else []
+    """``for`` loops over ``loops`` (outermost first), all shared by the threads (the kernel's
+    range, ``codegen.range_loops``) when ``parallel``; returns the lines and the indent
+    depth inside."""
+    if parallel:
+        return range_loops(loops, 1)
+    lines = []
     for depth, (v, n) in enumerate(loops, start=1):
         lines.append(f"{'  ' * depth}for (int64_t {v} = 0; {v} < {n}; ++{v}) {{")
     return lines, len(loops) + 1
@@ -292,25 +295,25 @@ def streaming(em: Emitter, kernel: Kernel, plan: KernelPlan, names: Names) -> li
     suffix = "ps" if dt is dtypes.float32 else "pd"
     width, guard = ("512", "__AVX512F__") if d.vector_bytes == 64 else ("256", "__AVX__")
     i, out, value = names.var(sym), names.buffer(body.node), em.expr(body.value)
-    pragma = d.pragma(d.parallel_for_pragma, 1) if plan.team else None
+    lo, hi = ("pj_lo", "pj_hi") if plan.team else ("0", str(n))  # this call's elements
     return [
         f"#if defined({guard})",
-        f"  int64_t pj_head = (int64_t)(((uintptr_t)0 - (uintptr_t){out}) % {d.vector_bytes});",
-        f"  pj_head = pj_head % {dt.itemsize} ? {n} : pj_head / {dt.itemsize};",
-        f"  if (pj_head > {n}) pj_head = {n};",
-        f"  const int64_t pj_blocks = ({n} - pj_head) / {lanes};",
-        f"  for (int64_t {i} = 0; {i} < pj_head; ++{i}) {out}[{i}] = {value};",
-        *([f"  {pragma}"] if pragma else []),
+        f"  const int64_t pj_start = {lo}, pj_n = {hi} - pj_start;",
+        f"  int64_t pj_head = (int64_t)(((uintptr_t)0 - (uintptr_t)({out} + pj_start)) % {d.vector_bytes});",
+        f"  pj_head = pj_head % {dt.itemsize} ? pj_n : pj_head / {dt.itemsize};",
+        "  if (pj_head > pj_n) pj_head = pj_n;",
+        f"  const int64_t pj_blocks = (pj_n - pj_head) / {lanes};",
+        f"  for (int64_t {i} = pj_start; {i} < pj_start + pj_head; ++{i}) {out}[{i}] = {value};",
         "  for (int64_t pj_blk = 0; pj_blk < pj_blocks; ++pj_blk) {",
         f"    {d.type_name(dt)} pj_tmp[{lanes}] __attribute__((aligned({d.vector_bytes})));",
         f"    for (int pj_l = 0; pj_l < {lanes}; ++pj_l) {{",
-        f"      const int64_t {i} = pj_head + pj_blk * {lanes} + pj_l;",
+        f"      const int64_t {i} = pj_start + pj_head + pj_blk * {lanes} + pj_l;",
         f"      pj_tmp[pj_l] = {value};",
         "    }",
-        f"    _mm{width}_stream_{suffix}(&{out}[pj_head + pj_blk * {lanes}], _mm{width}_load_{suffix}(pj_tmp));",
+        f"    _mm{width}_stream_{suffix}(&{out}[pj_start + pj_head + pj_blk * {lanes}], _mm{width}_load_{suffix}(pj_tmp));",
         "  }",
         "  _mm_sfence();  /* streaming stores are weakly ordered */",
-        f"  for (int64_t {i} = pj_head + pj_blocks * {lanes}; {i} < {n}; ++{i}) {out}[{i}] = {value};",
+        f"  for (int64_t {i} = pj_start + pj_head + pj_blocks * {lanes}; {i} < {hi}; ++{i}) {out}[{i}] = {value};",
         "#else",
         *emit_loops(em, kernel, plan, 1),
         "#endif",
