@@ -146,6 +146,8 @@ def _why_not_inlinable(
         return "it is written more than once"
     w = wpos[0]
     comp, writer = leaves[w]
+    if isinstance(writer, ir.Fetch) and isinstance(writer.value, ir.Reshape):
+        return _why_not_view(writer.value.source, w, rpos, leaves)
     if not _is_elementwise_writer(writer):
         return "its writer is not elementwise (a reduction, a partial or strided write)"
     if len(rpos) != 1:
@@ -166,6 +168,24 @@ def _why_not_inlinable(
     for _, between in leaves[w + 1 : r]:
         if ir.writes(between) in sources:
             return f"{ir.writes(between).label}, which its writer reads, changes before the read"
+    return None
+
+
+def _why_not_view(
+    source: Node, w: int, rpos: list[int], leaves: list[tuple[int, ir.Accum | ir.Fetch]]
+) -> str | None:
+    """A reshape only renames indices (row-major order keeps the flat index): every reader,
+    however many, loads the source instead, unless the source changes before a read."""
+    comp = leaves[w][0]
+    for r in rpos:
+        rcomp = leaves[r][0]
+        if r <= w:
+            return "it is read before it is written"
+        if rcomp != comp:
+            return "its reader is in another computation of the batch"
+    for _, between in leaves[w + 1 : max(rpos, default=w) + 1]:
+        if ir.writes(between) is source:
+            return f"{source.label}, which it reshapes, changes before a read"
     return None
 
 
@@ -206,6 +226,15 @@ class _Lowerer:
             return self.inline(self.inference.writer[x], index)
         return Load(x, flat_index(x, index))
 
+    def load_flat(self, node: Node, flat: Affine) -> Expr:
+        """The element at a flat index; an inlined reshape's is its source's."""
+        if self.inference.modes.get(node) is MemoryMode.VIRTUAL:
+            writer = self.inference.writer[node]
+            if not (isinstance(writer, ir.Fetch) and isinstance(writer.value, ir.Reshape)):
+                raise InvalidProgramError(f"{node.label} is inlined but read at a flat index")
+            return self.load_flat(writer.value.source, flat)
+        return Load(node, flat)
+
     def inline(self, writer: ir.Accum | ir.Fetch, index: Sequence[Affine]) -> Expr:
         """The writer's value at ``index`` (its cell symbols replaced by the reader's indices)."""
         if isinstance(writer, ir.Fetch):
@@ -238,7 +267,7 @@ class _Lowerer:
         if isinstance(v, ir.Slice):
             return self.read(v.source, (v.index, *cell))
         if isinstance(v, ir.Reshape):  # same row-major order: the flat index carries over
-            return Load(v.source, flat_index(f.node, cell))
+            return self.load_flat(v.source, flat_index(f.node, cell))
         raise InvalidProgramError(f"a constant cannot be inlined: {f.node.label}")
 
     # -- kernels -------------------------------------------------------------

@@ -1,0 +1,102 @@
+"""Reshapes as views (core/lower.py): a reshape only renames indices, so every reader loads
+its source at the same flat index and no copy kernel runs, however many readers it has,
+unless the source changes before a read. Results equal the reference on cpu and OpenCL."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from polyjit.backends import get_backend
+from polyjit.core import ir
+from polyjit.core.ir import MemoryMode, Node, Op
+from polyjit.core.loops import Kernel, Load, walk_exprs
+from polyjit.core.lower import infer_modes, lower
+from polyjit.core.runtime import Backend
+from polyjit.testing.harness import run_programs
+from polyjit.testing.programs import CatalogProgram
+
+Array = np.ndarray[Any, Any]
+BACKENDS = ("cpu", "opencl")
+
+
+def _backend(name: str) -> Backend:
+    be = get_backend(name)
+    if be.num_devices() == 0:
+        pytest.skip(f"no {name} device")
+    return be
+
+
+def _uniform(shape: tuple[int, ...]) -> Callable[..., Array]:
+    return lambda rng: rng.uniform(-1, 1, shape).astype("float32")
+
+
+def _kernels(comp: ir.Comp) -> list[Kernel]:
+    return list(lower([comp], ["c0"]).kernels)
+
+
+def _check(program: CatalogProgram, backend: str) -> None:
+    failures = run_programs(_backend(backend), [program])
+    assert not failures, "\n".join(f"{f.program}: {f.message}" for f in failures)
+
+
+def _copies(kernels: list[Kernel]) -> list[Kernel]:
+    return [k for k in kernels if "reshape" in k.comment]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_reshape_read_twice_is_a_view(backend: str) -> None:
+    """r = x viewed as 4 x 6, read by a transpose-free product and a row sum: no copy."""
+    x, r = Node("x", (24,)), Node("r", (4, 6))
+    y, s = Node("y", (4, 6)), Node("s", (4,))
+    comp = ir.Comp.of(ir.reshape(r, x), ir.apply(Op.MUL, r, 3.0, into=y), ir.einsum("ij->i", r, into=s),
+                      embedded=[y, s])
+    assert infer_modes([comp]).modes[r] is MemoryMode.VIRTUAL
+    kernels = _kernels(comp)
+    assert not _copies(kernels)
+    loaded = {e.node for k in kernels for e in walk_exprs(k.body) if isinstance(e, Load)}
+    assert loaded == {x}
+    _check(CatalogProgram("views.twice", (comp,), ((x, _uniform((24,))),), (y, s)), backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_reshape_of_a_reshape_is_a_view_of_the_first_source(backend: str) -> None:
+    """The embedding's chain: a matmul's rows regrouped twice, then read by a contraction
+    and an elementwise kernel."""
+    a, b = Node("a", (8, 3)), Node("b", (3, 4))
+    m, r1, r2 = Node("m", (8, 4)), Node("r1", (2, 4, 4)), Node("r2", (2, 16))
+    w, out, z = Node("w", (16, 5)), Node("out", (2, 5)), Node("z", (2, 16))
+    comp = ir.Comp.of(ir.einsum("ik,kj->ij", a, b, into=m), ir.reshape(r1, m), ir.reshape(r2, r1),
+                      ir.einsum("ik,kj->ij", r2, w, into=out), ir.apply(Op.TANH, r2, into=z),
+                      embedded=[out, z])
+    kernels = _kernels(comp)
+    assert not _copies(kernels)
+    inputs = ((a, _uniform((8, 3))), (b, _uniform((3, 4))), (w, _uniform((16, 5))))
+    _check(CatalogProgram("views.chain", (comp,), inputs, (out, z), rtol=1e-5, atol=1e-5), backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_reshape_whose_source_changes_before_a_read_stays_a_copy(backend: str) -> None:
+    """x changes in place between the reshape and its second reader: that reader must see
+    the old values, so the reshape is copied."""
+    x, r = Node("x", (12,)), Node("r", (3, 4))
+    y, z = Node("y", (3, 4)), Node("z", (3, 4))
+    comp = ir.Comp.of(ir.reshape(r, x), ir.apply(Op.NEG, r, into=y), ir.apply(Op.ADD, x, 1.0, into=x),
+                      ir.apply(Op.MUL, r, 2.0, into=z), embedded=[x, y, z])
+    inference = infer_modes([comp])
+    assert inference.modes[r] is MemoryMode.LOCAL
+    assert "changes before a read" in inference.why_not[r]
+    assert _copies(_kernels(comp))
+    program = CatalogProgram("views.changed", (comp,), ((x, _uniform((12,))),), (x, y, z), runs=({}, {}))
+    _check(program, backend)
+
+
+def test_a_reshape_read_by_another_computation_stays_a_buffer() -> None:
+    x, r, y = Node("x", (6,)), Node("r", (2, 3)), Node("y", (2, 3))
+    first = ir.Comp.of(ir.reshape(r, x), embedded=[])
+    second = ir.Comp.of(ir.apply(Op.NEG, r, into=y))
+    inference = infer_modes([first, second])
+    assert inference.modes[r] is not MemoryMode.VIRTUAL
