@@ -8,6 +8,7 @@ waits its buffers need. A ``Replay`` runs routines as one unit (a CUDA graph on 
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -172,23 +173,46 @@ class Routine:
         self.statics = specs[0].statics if specs else comp.statics
         self.bindings: dict[StaticSymbol, int] = dict(batch.bindings[index])
         self.source = batch.source
-        self._specs = specs
         self._module = module
         self._buffers = buffers
-        device = context.device
+        self._bind(specs)
+
+    def _bind(self, specs: Sequence[KernelSpec]) -> None:
+        """Take these kernels: their buffers' event records and their launch record."""
+        device = self.context.device
+        self._specs = tuple(specs)
         stored = {n for spec in specs for n in spec.buffers}
-        locs = {n: buffers[n] for n in stored}
+        locs = {n: self._buffers[n] for n in stored}
         written = {n for spec in specs for n in spec.outputs}
         self.write_locs = tuple(dict.fromkeys(locs[n] for n in written))
         self.read_locs = tuple(dict.fromkeys(locs[n] for n in stored if n not in written))
-        if comp.merge_input is not None:
+        if self.merge_buffer_input is not None:
             self.read_locs += (BufferLoc(MERGE_POOL, 0),)
         self._read_states = device.tracker.states(self.read_locs)
         self._write_states = device.tracker.states(self.write_locs)
         self._prepared: Any = None
         self._merge_generation = -1
-        if comp.merge_input is None or device.merge.handle is not None:
+        if self.merge_buffer_input is None or device.merge.handle is not None:
             self._prepare()
+
+    def split_after(self, node: Node) -> tuple[Routine, Routine] | None:
+        """Two routines that run this one's kernels in two parts: up to the last kernel that
+        writes ``node``, and the rest (None when that is the last kernel, or none writes it).
+        Work enqueued between the parts' runs (copying ``node`` out) is done as soon as the
+        first part is, before the second part runs: a training step's loss, before its
+        backward pass and update."""
+        writers = [k for k, spec in enumerate(self._specs) if node in spec.outputs]
+        if not writers or writers[-1] == len(self._specs) - 1:
+            return None
+        cut = writers[-1] + 1
+        return self._part(self._specs[:cut], "head"), self._part(self._specs[cut:], "tail")
+
+    def _part(self, specs: Sequence[KernelSpec], which: str) -> Routine:
+        part = copy.copy(self)
+        part.name = f"{self.name}.{which}"
+        part.bindings = dict(self.bindings)
+        part._bind(specs)
+        return part
 
     def _kernel_args(self, spec: KernelSpec) -> tuple[KernelSpec, list[tuple[Any, int]]]:
         device = self.context.device

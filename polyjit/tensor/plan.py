@@ -14,7 +14,7 @@ stored (readable with ``plan.read``); ``"auto"`` runs dynamic for the first
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -25,8 +25,8 @@ from polyjit.core.errors import (
     ShapeMismatchError,
 )
 from polyjit.core.interop import Exported
-from polyjit.core.ir import MemoryMode
-from polyjit.core.runtime import Backend, Context, Device, Replay, Routine
+from polyjit.core.ir import MemoryMode, Node
+from polyjit.core.runtime import Backend, Context, Device, Event, Replay, Routine
 from polyjit.tensor.autograd import grad, topo_order
 from polyjit.tensor.devices import DeviceLike, resolve_device
 from polyjit.tensor.hostio import Feed, check_names, enqueue_to_host
@@ -53,29 +53,53 @@ class SharesState(Protocol):
 
 class _Linked:
     """A compiled batch linked into the state context; a fused batch is captured for replay
-    (``Backend.capture``: a CUDA graph on CUDA) after its first run."""
+    (``Backend.capture``: a CUDA graph on CUDA) after its first run. A fused training step
+    is also split after the kernel that writes the loss (``Routine.split_after``), so that
+    ``step()`` waits for the loss only: the backward pass and the update run while the
+    caller prepares the next step (the stream keeps them in order)."""
 
-    __slots__ = ("context", "kind", "replay", "routines")
+    __slots__ = ("context", "kind", "part_replays", "parts", "replay", "routines")
 
-    def __init__(self, kind: str, routines: list[Routine], context: Context) -> None:
+    def __init__(self, kind: str, routines: list[Routine], context: Context, loss: Node | None) -> None:
         self.kind = kind
         self.routines = routines
         self.context = context
         self.replay: Replay | None = None
+        fused = kind == "compiled" and len(routines) == 1 and loss is not None
+        self.parts = routines[0].split_after(loss) if fused and loss is not None else None
+        self.part_replays: tuple[Replay, Replay] | None = None
 
-    def run(self, backend: Backend) -> None:
+    def run(self, backend: Backend, between: Callable[[], None] | None = None) -> None:
+        """Enqueue the routines; ``between`` where the loss is ready (after the head of a
+        split step, else after everything)."""
+        if between is not None and self.parts is not None:
+            if self.part_replays is None:  # recorded on the first run, replayed after it
+                head, tail = self.parts
+                head.run()
+                between()
+                tail.run()
+                self.part_replays = (backend.capture([head]), backend.capture([tail]))
+            else:
+                head_replay, tail_replay = self.part_replays
+                head_replay.replay()
+                between()
+                tail_replay.replay()
+            return
         if self.replay is not None:
             self.replay.replay()
-            return
-        for r in self.routines:
-            r.run()
-        if self.kind == "compiled" and self.routines:  # recorded on the first run, replayed after it
-            self.replay = backend.capture(self.routines)
+        else:
+            for r in self.routines:
+                r.run()
+            if self.kind == "compiled" and self.routines:  # recorded on the first run, replayed after it
+                self.replay = backend.capture(self.routines)
+        if between is not None:
+            between()
 
     def finalize(self) -> None:
-        if self.replay is not None:
-            self.replay.close()
-            self.replay = None
+        for replay in (self.replay, *(self.part_replays or ())):
+            if replay is not None:
+                replay.close()
+        self.replay = self.part_replays = None
         self.context.finalize()
 
 
@@ -184,7 +208,8 @@ class Plan:
         routines = self._state.context.link_batch(batch)
         if self._linked is not None:
             self._linked.finalize()
-        self._linked = _Linked(kind, routines, routines[0].context if routines else self._state.context)
+        loss = self._loss[0] if self._loss is not None else None
+        self._linked = _Linked(kind, routines, routines[0].context if routines else self._state.context, loss)
         return self._linked
 
     def build(self) -> Plan:
@@ -203,14 +228,14 @@ class Plan:
     def _launch(self, inputs: Mapping[str, Any], slot: _Slot | None) -> None:
         self._enqueue(self._prepare(inputs, slot))
 
-    def _enqueue(self, arrays: Sequence[Array]) -> None:
+    def _enqueue(self, arrays: Sequence[Array], between: Callable[[], None] | None = None) -> None:
         self._routines()
         linked = self._linked
         assert linked is not None
         base = self._state.context
         for f, arr in zip(self._feeds, arrays):
             base.from_host(f.node, arr)
-        linked.run(self.backend)
+        linked.run(self.backend, between)
         self.runs += 1
 
     def run(self, **inputs: Any) -> dict[str, Array]:
@@ -231,15 +256,29 @@ class Plan:
         return {name: ctx.export(node) for name, node, _ in self._outputs}
 
     def step(self, **inputs: Any) -> float:
-        """One training step (forward, backward, update); returns the loss."""
+        """One training step (forward, backward, update); returns the loss.
+
+        It returns once the loss is computed: the backward pass and the update may still be
+        running, in order before anything enqueued later (the next step, ``read``,
+        ``state_dict``: each waits for the buffers it touches). ``synchronize()`` waits for
+        them."""
         if self._loss is None:
             raise InvalidProgramError("step() needs a plan compiled with loss=...")
-        self._launch(inputs, None)
         node, arr = self._loss
-        ctx = self.context
-        enqueue_to_host(ctx, node, arr)
-        ctx.stream.synchronize()
+        ready: list[Event] = []
+
+        def copy_loss() -> None:
+            ctx = self.context
+            enqueue_to_host(ctx, node, arr)
+            ready.append(ctx.stream.record())
+
+        self._enqueue(self._prepare(inputs, None), copy_loss)
+        ready[0].synchronize()
         return float(arr)
+
+    def synchronize(self) -> None:
+        """Wait for all the work this plan enqueued (the last step's update, too)."""
+        self.context.stream.synchronize()
 
     def run_pipelined(self, runs: Sequence[Mapping[str, Any]]) -> list[dict[str, Array]]:
         """Enqueue several runs back to back and synchronize once; one result dict per run

@@ -288,3 +288,72 @@ def test_compiled_plans_replay_a_capture_after_their_first_run() -> None:
     with pytest.raises(InvalidProgramError, match="at least one routine"):
         plan.backend.capture([])
     plan.close()
+
+
+@pytest.mark.parametrize("device", ["cpu", "opencl"])
+def test_a_step_waits_for_its_loss_and_later_work_for_its_update(device: str) -> None:
+    """A compiled step is split after the kernel that writes the loss: step() returns the
+    loss while the backward pass and the update may still run, and everything enqueued
+    later (a read, the next step) comes after them. Bit for bit the numbers of a plan
+    synchronized after every step."""
+    from polyjit.backends import get_backend
+
+    if get_backend(device).num_devices() == 0:
+        pytest.skip(f"no {device} device")
+    data = _batches(6)
+    plans = []
+    for _ in range(2):
+        mlp, _, _, loss = _classifier(hidden=64)
+        plans.append((mlp, pt.compile(loss=loss, optimizer=pt.Adam(0.01), device=device)))
+    (mlp, eager), (mlp2, synced) = plans
+    for batch in data:
+        a = eager.step(**batch)
+        w_eager = eager.read(mlp.params[0]).copy()  # waits for this step's update
+        b = synced.step(**batch)
+        synced.synchronize()
+        assert a == b
+        np.testing.assert_array_equal(w_eager, synced.read(mlp2.params[0]))
+    linked = eager._linked
+    assert linked is not None and linked.parts is not None
+    head, tail = linked.parts
+    assert eager._loss is not None
+    assert any(eager._loss[0] in spec.outputs for spec in head.kernels) and tail.kernels
+    assert len(head.kernels) + len(tail.kernels) == len(linked.routines[0].kernels)
+    for _, p in plans:
+        p.close()
+
+
+def test_split_after_a_node_the_last_kernel_writes_is_no_split() -> None:
+    x = pt.input("x", (4, 3))
+    y = (x * 2.0).sum()
+    plan = pt.compile({"y": y}).build()
+    assert plan._linked is not None
+    (routine,) = plan._linked.routines
+    assert routine.split_after(y.node) is None  # written by the last kernel
+    assert routine.split_after(pt.input("other", (2,)).node) is None  # written by none
+    plan.close()
+
+
+def test_plans_dropped_right_after_a_step_free_everything_once_their_work_is_done() -> None:
+    """The tail of each step is still queued when the plan goes: the runtime keeps what it
+    uses until it has run, then the memory comes back."""
+    import polyjit
+
+    dev = polyjit.default_device()
+    data = _batches(2)
+
+    def one() -> float:
+        _, _, _, loss = _classifier(hidden=256)
+        plan = pt.compile(loss=loss, optimizer=pt.AdamW(0.01), device=dev)
+        return plan.step(**data[0]) + plan.step(**data[1])  # dropped with the second update queued
+
+    def settled() -> int:
+        gc.collect()
+        dev.synchronize()
+        return int(dev.used_memory())
+
+    first = one()
+    base = settled()
+    for _ in range(10):
+        assert one() == first
+    assert settled() == base
