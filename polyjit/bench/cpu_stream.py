@@ -34,7 +34,7 @@ def measure_launch_overhead(reps: int = 2000, rounds: int = 15) -> dict[str, flo
     lib = ctypes.CDLL(str(build_shared(KERNEL_SOURCE)))
     kernel = lib.tiny
     kernel.restype = None
-    kernel.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    kernel.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     fn_addr = ctypes.cast(kernel, ctypes.c_void_p).value
     assert fn_addr is not None
 
@@ -48,7 +48,7 @@ def measure_launch_overhead(reps: int = 2000, rounds: int = 15) -> dict[str, flo
     handle = rt.stream_handle(stream)
 
     def bare() -> None:
-        kernel(bufs, statics)
+        kernel(bufs, statics, 0, 1)
 
     def streamed() -> None:
         sync(stream, launch_seq(stream, descs, 1, statics, 1))

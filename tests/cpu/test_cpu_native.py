@@ -450,15 +450,23 @@ def test_destroy_drains_the_queue(rt: NativeRuntime, kernels: Kernels) -> None:
 # -- threads and pinning ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("num_threads", [1, 2])
+def _cores(n: int) -> list[int]:
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
+    return (cores * n)[:n]
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+@pytest.mark.parametrize("num_threads", [1, 2, 3])
 def test_num_threads_sets_the_team_size(
-    rt: NativeRuntime, kernels: Kernels, num_threads: int
+    rt: NativeRuntime, kernels: Kernels, num_threads: int, pinned: bool
 ) -> None:
-    s = rt.stream_create(num_threads, None)
+    """A stream of n threads runs teams of n; an unpinned one (whose waiting host thread
+    takes part in its kernels) of n - 1, the host thread being the last."""
+    s = rt.stream_create(num_threads, _cores(num_threads) if pinned else None)
     try:
         out = np.zeros(2, dtype=np.int64)
         rt.sync(s, kernels.launch(s, "team_info", [ptr(out)]))
-        assert out[0] == num_threads
+        assert out[0] == (num_threads if pinned or num_threads == 1 else num_threads - 1)
     finally:
         rt.stream_destroy(s)
 
@@ -481,7 +489,7 @@ def test_pinning(rt: NativeRuntime, kernels: Kernels) -> None:
 
 @pytest.fixture
 def stream2(rt: NativeRuntime) -> Iterator[int]:
-    s = rt.stream_create(2, None)
+    s = rt.stream_create(2, _cores(2))  # pinned: its kernels' teams are all its threads
     yield s
     rt.stream_destroy(s)
 
@@ -896,6 +904,23 @@ def test_a_waiting_thread_runs_part_of_a_kernel_range(rt: NativeRuntime, kernels
                 joined = True
                 break
         assert joined, "the waiting thread never ran part of the range"
+    finally:
+        rt.set_contention(*CONTENTION_MODES["auto"])
+        rt.stream_destroy(s)
+
+
+def test_a_waiter_with_no_grain_left_parks(rt: NativeRuntime, kernels: Kernels) -> None:
+    """Once the running kernel's last grains are claimed, a waiting thread waits like for
+    any task (spin within the budget, then park), not on a core for as long as they run:
+    two grains of 150 ms (asleep), the host thread takes one at most."""
+    rt.set_contention(*CONTENTION_MODES["off"])
+    s = rt.stream_create(1, None)
+    try:
+        t0 = time.thread_time()
+        counts, _ = _run_range(rt, kernels, s, 2, 150_000)
+        spent = time.thread_time() - t0
+        np.testing.assert_array_equal(counts, np.ones(2, dtype=np.int64))
+        assert spent < 0.05, f"the waiting thread spent {spent * 1e3:.0f} ms on a CPU"
     finally:
         rt.set_contention(*CONTENTION_MODES["auto"])
         rt.stream_destroy(s)

@@ -150,6 +150,7 @@ typedef struct pj_stream {
      * by the thread holding `consuming`). */
     int teams[PJ_MAX_TEAMS];
     int nteams;
+    int copy_team; /* the threads of large copies and fills */
     _Atomic int adaptive; /* 0: always the full team (pj_stream_set_adaptive) */
     pj_tune tune[PJ_TUNE_SLOTS];
     /* The range of the kernel running now (run_chunks), shared by the threads that run it:
@@ -315,15 +316,16 @@ static void sense_contention(void) {
     t_delay = delay;
 }
 
-/* Claim iterations of the running kernel's range, a grain at a time, and run them. */
-static void work_chunks(pj_stream* s) {
+/* Claim iterations of the running kernel's range, a grain at a time, and run them; returns
+ * whether this thread ran any. */
+static int work_chunks(pj_stream* s) {
     const pj_kernel fn = s->job_fn;
     void* const* bufs = s->job_bufs;
     const int64_t* statics = s->job_statics;
     const int64_t n = s->job_n, grain = s->job_grain;
-    for (;;) {
+    for (int ran = 0;; ran = 1) {
         const int64_t lo = atomic_fetch_add_explicit(&s->job_next, grain, memory_order_relaxed);
-        if (lo >= n) return;
+        if (lo >= n) return ran;
         fn(bufs, statics, lo, lo + grain < n ? lo + grain : n);
     }
 }
@@ -333,10 +335,11 @@ static void work_chunks(pj_stream* s) {
  * goes up before `job_live` is read, so the owner, which clears `job_live` and then waits
  * for the count to drop, never returns while a helper still reads the job or writes its
  * output. */
-static void join_chunks(pj_stream* s) {
+static int join_chunks(pj_stream* s) {
     atomic_fetch_add_explicit(&s->job_helpers, 1, memory_order_seq_cst);
-    if (atomic_load_explicit(&s->job_live, memory_order_seq_cst)) work_chunks(s);
+    const int ran = atomic_load_explicit(&s->job_live, memory_order_seq_cst) && work_chunks(s);
     atomic_fetch_sub_explicit(&s->job_helpers, 1, memory_order_seq_cst);
+    return ran;
 }
 
 /* Run a kernel's range [0, chunks) on `team` OpenMP threads (this one among them), in
@@ -371,16 +374,25 @@ static void wait_done(pj_stream* s, uint64_t ticket) {
     int64_t noyield = atomic_load_explicit(&g_wait_noyield_ns, memory_order_relaxed);
     const int may_join = s->helpable && !t_no_help;
     if (budget > 0) {
+        /* The budget runs from the stream's last progress: a task done, or a grain run here. */
         int64_t start = now_ns();
+        uint64_t seen = atomic_load_explicit(&s->done, memory_order_relaxed);
         for (unsigned i = 1;; i++) {
             cpu_relax();
-            if (atomic_load_explicit(&s->done, memory_order_acquire) >= ticket) return;
-            if (may_join && atomic_load_explicit(&s->job_live, memory_order_relaxed)) {
-                join_chunks(s);
-                start = now_ns(); /* time spent working is not time spent spinning */
+            const uint64_t done = atomic_load_explicit(&s->done, memory_order_acquire);
+            if (done >= ticket) return;
+            if (may_join && atomic_load_explicit(&s->job_live, memory_order_relaxed) && join_chunks(s)) {
+                start = now_ns();
                 continue;
             }
-            if ((i & 63) == 0 && spin_tick(start, budget, noyield)) break;
+            if ((i & 63) == 0) {
+                if (done != seen) {
+                    seen = done;
+                    start = now_ns();
+                }
+                if (spin_tick(start, budget, noyield) || atomic_load_explicit(&g_contended, memory_order_relaxed))
+                    break;
+            }
         }
     }
     /* Announce first, then read the sequence, then re-check: the worker stores done
@@ -578,11 +590,11 @@ static int consume(pj_stream* s, uint64_t until, int helper) {
                 run_launch(s, t);
                 break;
             case PJ_MEMCPY:
-                omp_set_num_threads(s->teams[0]);
+                omp_set_num_threads(s->copy_team);
                 parallel_bytes(t->u.copy.dst, t->u.copy.src, 0, t->u.copy.n);
                 break;
             case PJ_MEMSET:
-                omp_set_num_threads(s->teams[0]);
+                omp_set_num_threads(s->copy_team);
                 parallel_bytes(t->u.copy.dst, NULL, t->value, t->u.copy.n);
                 break;
             case PJ_WAIT:
@@ -670,8 +682,18 @@ PJ_EXPORT void* pj_stream_create(int num_threads, const int* cpus, int ncpus) {
     memset(s, 0, sizeof(*s));
     atomic_store(&s->refs, 1);
     atomic_store(&s->adaptive, 1);
-    /* Here, not in the worker: a helping host thread may run the stream's first task. */
-    init_teams(s, num_threads > 0 ? num_threads : omp_get_max_threads());
+#ifdef __linux__
+    s->helpable = cpus == NULL || ncpus <= 0;
+#else
+    s->helpable = 1; /* no portable pinning API: the worker floats */
+#endif
+    /* Here, not in the worker: a helping host thread may run the stream's first task. The
+     * host thread that waits for a helpable stream takes part in its kernels (join_chunks),
+     * so their teams leave it a core (else the tuner's full team would be one thread too
+     * many, and three threads on two cores are a preempted team); copies take them all. */
+    const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
+    s->copy_team = threads;
+    init_teams(s, s->helpable && threads > 1 ? threads - 1 : threads);
     pthread_mutex_init(&s->prod_mu, NULL);
 
     pthread_attr_t attr;
@@ -691,11 +713,9 @@ PJ_EXPORT void* pj_stream_create(int num_threads, const int* cpus, int ncpus) {
         }
         if (ok) ok = pthread_attr_setaffinity_np(&attr, sizeof(set), &set) == 0;
     }
-    s->helpable = cpus == NULL || ncpus == 0;
 #else
-    (void)cpus; /* no portable pinning API: the worker floats */
+    (void)cpus;
     (void)ncpus;
-    s->helpable = 1;
 #endif
     if (ok) ok = pthread_create(&s->thread, &attr, worker_main, s) == 0;
     pthread_attr_destroy(&attr);
