@@ -100,3 +100,45 @@ def test_a_reshape_read_by_another_computation_stays_a_buffer() -> None:
     second = ir.Comp.of(ir.apply(Op.NEG, r, into=y))
     inference = infer_modes([first, second])
     assert inference.modes[r] is not MemoryMode.VIRTUAL
+
+
+# ---------------------------------------------------------------------------
+# Chains: an inlined node is computed where it is finally used, from the stored nodes at the
+# end of its chain (found by a hostile review: each case gave wrong values)
+
+
+def _transpose(into: Node, source: Node) -> ir.Accum:
+    return ir.einsum("ij->ji", source, into=into)
+
+
+CHAINS = {
+    # r2's readers load x: x changes between r2 and its reader
+    "chain_changed": lambda x, n: ([ir.reshape(r1 := Node("r1", (n, n)), x), ir.reshape(r2 := Node("r2", (n * n,)), r1),
+                                    ir.apply(Op.ADD, x, 1.0, into=x), ir.apply(Op.MUL, r2, 2.0, into=Node("z", (n * n,)))]),
+    # t is inlined into y, after x changed; r has a second reader, so it is a view
+    "reader_inlined_later": lambda x, n: ([ir.reshape(r := Node("r", (n * n,)), x), ir.apply(Op.MUL, r, 2.0, into=(t := Node("t", (n * n,)))),
+                                           ir.apply(Op.ADD, r, 1.0, into=Node("z", (n * n,))), ir.apply(Op.ADD, x, 1.0, into=x),
+                                           ir.apply(Op.NEG, t, into=Node("y", (n * n,)))]),
+    # x = (2 x)^T through a view and an inlined node: one kernel would read x[j, i] and write x[i, j]
+    "transposed_in_place": lambda x, n: ([ir.reshape(r := Node("r", (n, n)), x), ir.apply(Op.ADD, r, 1.0, into=Node("z", (n, n))),
+                                          ir.apply(Op.MUL, r, 2.0, into=(t := Node("t", (n, n)))), _transpose(x, t)]),
+    # the same through two reshapes
+    "chain_transposed_in_place": lambda x, n: ([ir.reshape(r1 := Node("r1", (n * n,)), x), ir.reshape(r2 := Node("r2", (n, n)), r1),
+                                                _transpose(x, r2)]),
+    # without views: a = exp(x) inlined into b, b inlined into y, x changed in between
+    "elementwise_chain": lambda x, n: ([ir.apply(Op.EXP, x, into=(a := Node("a", (n, n)))), ir.apply(Op.MUL, a, 2.0, into=(b := Node("b", (n, n)))),
+                                        ir.apply(Op.ADD, x, 1.0, into=x), ir.apply(Op.NEG, b, into=Node("y", (n, n)))]),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", sorted(CHAINS))
+def test_inlined_chains_see_the_values_of_their_sources_at_their_writer(case: str, backend: str) -> None:
+    n = 8
+    x = Node("x", (n, n))
+    leaves = CHAINS[case](x, n)
+    results = [x] + [ir.writes(leaf) for leaf in leaves if ir.writes(leaf).name in ("y", "z")]
+    comp = ir.Comp.of(*leaves, embedded=list(dict.fromkeys(results)))
+    program = CatalogProgram(f"views.{case}", (comp,), ((x, _uniform((n, n))),), tuple(dict.fromkeys(results)),
+                             runs=({}, {}))
+    _check(program, backend)

@@ -136,7 +136,66 @@ def infer_modes(comps: Sequence[ir.Comp]) -> Inference:
         else:
             modes[node] = MemoryMode.LOCAL
             why_not[node] = why_not_inlined or "it is marked LOCAL"
-    return Inference(modes, writer_of, why_not)
+    inference = Inference(modes, writer_of, why_not)
+    while True:  # each pass demotes at least one node, or ends
+        _keep_inlined_sources_fixed(inference, leaves, writers, readers)
+        overwritten = _inlined_reads_of_own_target(inference, leaves)
+        if not overwritten:
+            return inference
+        for node in overwritten:
+            _demote(inference, node, "its value is read, inlined, by a kernel that writes what it is "
+                                      "computed from at other cells")
+
+
+def stored_sources(inference: Inference, node: Node) -> set[Node]:
+    """The stored nodes a read of ``node`` loads once inlining is done: itself, or, for a
+    VIRTUAL node, those its writer reads, through any chain of inlined nodes and views."""
+    if inference.modes.get(node) is not MemoryMode.VIRTUAL:
+        return {node}
+    out: set[Node] = set()
+    for x in ir.reads(inference.writer[node]):
+        if isinstance(x, Node):
+            out |= stored_sources(inference, x)
+    return out
+
+
+def _demote(inference: Inference, node: Node, why: str) -> None:
+    if node.mode is MemoryMode.VIRTUAL:
+        raise InvalidProgramError(f"{node.label} is marked VIRTUAL but cannot be inlined: {why}")
+    inference.modes[node] = MemoryMode.LOCAL
+    del inference.writer[node]
+    inference.why_not[node] = why
+
+
+def _keep_inlined_sources_fixed(
+    inference: Inference, leaves: list[tuple[int, ir.Accum | ir.Fetch]],
+    writers: dict[Node, list[int]], readers: dict[Node, list[int]],
+) -> None:
+    """An inlined node is computed where it is finally consumed (its reader, or its reader's
+    reader when that is inlined too, ...), from the stored nodes at the end of its chain: none
+    of those may change between its writer and a final consumer. The checks of one node
+    (``_why_not_inlinable``) see its direct sources and readers only; this sees through the
+    chain, to a fixed point (demoting one node changes the chains through it)."""
+    def consumers(node: Node) -> list[int]:
+        out: list[int] = []
+        for r in readers.get(node, []):
+            target = ir.writes(leaves[r][1])
+            out += consumers(target) if inference.modes.get(target) is MemoryMode.VIRTUAL else [r]
+        return out
+
+    changed = True
+    while changed:
+        changed = False
+        for node in [n for n, m in inference.modes.items() if m is MemoryMode.VIRTUAL]:
+            w = writers[node][0]
+            last = max(consumers(node), default=w)
+            sources = stored_sources(inference, node)
+            for _, between in leaves[w + 1 : last]:
+                if ir.writes(between) in sources:
+                    _demote(inference, node, f"{ir.writes(between).label}, which it is computed from, "
+                                             "changes before it is used")
+                    changed = True
+                    break
 
 
 def _why_not_inlinable(
@@ -187,6 +246,44 @@ def _why_not_view(
         if ir.writes(between) is source:
             return f"{source.label}, which it reshapes, changes before a read"
     return None
+
+
+def _inlined_reads_of_own_target(
+    inference: Inference, leaves: list[tuple[int, ir.Accum | ir.Fetch]]
+) -> set[Node]:
+    """The inlined nodes that make a kernel load a node it stores at other cells than the one
+    it stores (``x = transpose(2 * x)`` through an inlined ``2 * x``: iterations would read
+    cells others already wrote). Each stored write whose inlined reads lead back to its own
+    target is lowered and looked at."""
+    lowerer = _Lowerer(inference)
+    found: set[Node] = set()
+    for _, leaf in leaves:
+        target = ir.writes(leaf)
+        if inference.modes[target] is MemoryMode.VIRTUAL:
+            continue
+        suspects = {v for v in _inlined_by(inference, leaf) if target in stored_sources(inference, v)}
+        if not suspects or (isinstance(leaf, ir.Fetch) and isinstance(leaf.value, ir.Constant)):
+            continue
+        kernels = lowerer.lower_fetch("k", leaf) if isinstance(leaf, ir.Fetch) else lowerer.lower_accum("k", leaf)
+        for k in kernels:
+            for st in walk_stmts(k.body):
+                if isinstance(st, (Store, Reduce)) and any(
+                        isinstance(e, Load) and e.node is st.node and e.index != st.index
+                        for e in walk_exprs(st)):
+                    found |= suspects
+    return found
+
+
+def _inlined_by(inference: Inference, leaf: ir.Accum | ir.Fetch) -> set[Node]:
+    """The VIRTUAL nodes a leaf's kernel computes inline (through chains of them)."""
+    out: set[Node] = set()
+    todo = [x for x in ir.reads(leaf) if isinstance(x, Node)]
+    while todo:
+        x = todo.pop()
+        if inference.modes.get(x) is MemoryMode.VIRTUAL and x not in out:
+            out.add(x)
+            todo += [y for y in ir.reads(inference.writer[x]) if isinstance(y, Node)]
+    return out
 
 
 # ---------------------------------------------------------------------------
