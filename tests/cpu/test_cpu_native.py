@@ -940,6 +940,32 @@ def test_a_pinned_stream_keeps_its_range_on_its_cores(rt: NativeRuntime, kernels
         rt.stream_destroy(s)
 
 
+def test_while_contended_work_nobody_waits_for_still_runs(rt: NativeRuntime, kernels: Kernels) -> None:
+    """Contended, new work does not wake a lazily parked worker (a thread that waits runs the
+    work itself, without a hand-off); work that nobody waits for or polls still starts
+    within the worker's lazy timeout, and a poll starts it at once."""
+    rt.set_contention(*CONTENTION_MODES["on"])
+    s = rt.stream_create(1, None)
+    try:
+        x = np.zeros(4, dtype=np.float32)
+        rt.sync(s, kernels.launch(s, "add1", [ptr(x)], [1, 4]))
+        time.sleep(0.01)  # the worker parks lazily
+        kernels.launch(s, "add1", [ptr(x)], [1, 4])
+        deadline = time.monotonic() + 2.0
+        while x[0] != 2 and time.monotonic() < deadline:  # reads memory only: no poll, no wait
+            time.sleep(0.0005)
+        assert x[0] == 2, "queued work never ran"
+        time.sleep(0.01)
+        ticket = kernels.launch(s, "add1", [ptr(x)], [1, 4])
+        deadline = time.monotonic() + 2.0
+        while rt.done(s) < ticket and time.monotonic() < deadline:  # a poll
+            pass
+        assert x[0] == 3
+    finally:
+        rt.set_contention(*CONTENTION_MODES["auto"])
+        rt.stream_destroy(s)
+
+
 def test_back_to_sensing_starts_uncontended(rt: NativeRuntime) -> None:
     rt.set_contention(*CONTENTION_MODES["on"])
     assert rt.contended()

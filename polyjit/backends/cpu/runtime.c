@@ -223,6 +223,11 @@ static inline void park(_Atomic uint32_t* word, uint32_t expected) {
 static inline void unpark_all(_Atomic uint32_t* word) {
     syscall(SYS_futex, (uint32_t*)word, FUTEX_WAKE_PRIVATE, INT32_MAX, NULL, NULL, 0);
 }
+/* park, for at most ns nanoseconds */
+static inline void park_for(_Atomic uint32_t* word, uint32_t expected, int64_t ns) {
+    struct timespec ts = {(time_t)(ns / 1000000000), (long)(ns % 1000000000)};
+    syscall(SYS_futex, (uint32_t*)word, FUTEX_WAIT_PRIVATE, expected, &ts, NULL, 0);
+}
 #else
 static pthread_mutex_t g_park_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t g_park_cv = PTHREAD_COND_INITIALIZER;
@@ -237,12 +242,49 @@ static void unpark_all(_Atomic uint32_t* word) {
     pthread_mutex_unlock(&g_park_mu);
     pthread_cond_broadcast(&g_park_cv);
 }
+static void park_for(_Atomic uint32_t* word, uint32_t expected, int64_t ns) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_sec += (time_t)(ns / 1000000000);
+    ts.tv_nsec += (long)(ns % 1000000000);
+    if (ts.tv_nsec >= 1000000000) {
+        ts.tv_sec += 1;
+        ts.tv_nsec -= 1000000000;
+    }
+    pthread_mutex_lock(&g_park_mu);
+    if (atomic_load(word) == expected) pthread_cond_timedwait(&g_park_cv, &g_park_mu, &ts);
+    pthread_mutex_unlock(&g_park_mu);
+}
 #endif
 
 /* The budget to spin before parking: none while the machine is contended. */
 static inline int64_t spin_budget(_Atomic int64_t* budget) {
     if (atomic_load_explicit(&g_contended, memory_order_relaxed)) return 0;
     return atomic_load_explicit(budget, memory_order_relaxed);
+}
+
+/* How an idle worker parks (pj_stream.sleeping): until woken, or, while the machine is
+ * contended, for at most PJ_LAZY_NS. A worker parked the second way is not woken for new
+ * work: a thread that waits for the work runs it itself, on its core, without a hand-off
+ * (wait_done_host), and whoever waits without helping wakes the worker (wait_done); the
+ * timeout starts work that nobody waits for. */
+#define PJ_PARKED 1
+#define PJ_PARKED_LAZY 2
+#define PJ_LAZY_NS 2000000
+
+static inline void wake_worker(pj_stream* s) {
+    if (atomic_load_explicit(&s->sleeping, memory_order_seq_cst) &&
+        atomic_exchange_explicit(&s->sleeping, 0, memory_order_seq_cst))
+        unpark_all(&s->sleeping);
+}
+
+/* New work for a worker that may sleep: wake it, unless it is parked lazily while the
+ * machine is contended and a waiting host thread may run the work (a helpable stream). */
+static inline void offer_work(pj_stream* s) {
+    if (s->helpable && atomic_load_explicit(&g_contended, memory_order_relaxed) &&
+        atomic_load_explicit(&s->sleeping, memory_order_seq_cst) == PJ_PARKED_LAZY)
+        return;
+    wake_worker(s);
 }
 
 /* This thread's time on a core and time runnable but waiting for one (ns; the first two
@@ -370,6 +412,7 @@ static void run_chunks(pj_stream* s, const pj_task* t, int team) {
  * then park on done_seq. */
 static void wait_done(pj_stream* s, uint64_t ticket) {
     if (atomic_load_explicit(&s->done, memory_order_acquire) >= ticket) return;
+    wake_worker(s); /* a lazily parked worker: the work is wanted now */
     int64_t budget = spin_budget(&g_wait_spin_ns);
     int64_t noyield = atomic_load_explicit(&g_wait_noyield_ns, memory_order_relaxed);
     const int may_join = s->helpable && !t_no_help;
@@ -427,19 +470,18 @@ static void wait_work(pj_stream* s) {
         }
     }
     for (;;) {
-        atomic_store_explicit(&s->sleeping, 1, memory_order_seq_cst);
+        const int lazy = s->helpable && atomic_load_explicit(&g_contended, memory_order_relaxed);
+        const uint32_t how = lazy ? PJ_PARKED_LAZY : PJ_PARKED;
+        atomic_store_explicit(&s->sleeping, how, memory_order_seq_cst);
         if (has_work(s)) break;
-        park(&s->sleeping, 1); /* returns at once if a waker already cleared the flag */
+        /* returns at once if a waker already cleared the flag */
+        if (lazy) park_for(&s->sleeping, how, PJ_LAZY_NS);
+        else park(&s->sleeping, how);
         if (has_work(s)) break;
     }
     atomic_store_explicit(&s->sleeping, 0, memory_order_relaxed);
 }
 
-static inline void wake_worker(pj_stream* s) {
-    if (atomic_load_explicit(&s->sleeping, memory_order_seq_cst) &&
-        atomic_exchange_explicit(&s->sleeping, 0, memory_order_seq_cst))
-        unpark_all(&s->sleeping);
-}
 
 static inline int take_role(pj_stream* s) {
     int free_ = 0;
@@ -452,7 +494,7 @@ static void release_role(pj_stream* s) {
     atomic_store_explicit(&s->consuming, 0, memory_order_seq_cst);
     if (atomic_load_explicit(&s->tail, memory_order_seq_cst) !=
         atomic_load_explicit(&s->done, memory_order_seq_cst))
-        wake_worker(s);
+        offer_work(s);
 }
 
 static void stream_unref(pj_stream* s) {
@@ -664,7 +706,7 @@ static void publish(pj_stream* s, uint64_t ticket) {
     atomic_store_explicit(&s->tail, ticket, memory_order_seq_cst);
     /* While a thread holds the role it sees the new tail itself; a helper that leaves work
      * behind wakes the worker (release_role stores `consuming` before it reads `tail`). */
-    if (!atomic_load_explicit(&s->consuming, memory_order_seq_cst)) wake_worker(s);
+    if (!atomic_load_explicit(&s->consuming, memory_order_seq_cst)) offer_work(s);
 }
 
 /* Process-wide spin policy (ns); a negative value leaves that setting unchanged. */
@@ -773,6 +815,7 @@ PJ_EXPORT void pj_stream_destroy(void* sp) {
     t->kind = PJ_STOP;
     publish(s, ticket);
     pthread_mutex_unlock(&s->prod_mu);
+    wake_worker(s); /* even a lazily parked worker: it must stop now */
     pthread_join(s->thread, NULL); /* the worker drains everything before STOP */
     stream_unref(s);
 }
@@ -866,7 +909,10 @@ PJ_EXPORT uint64_t pj_last_ticket(void* sp) {
 }
 
 PJ_EXPORT uint64_t pj_done(void* sp) {
-    return atomic_load_explicit(&((pj_stream*)sp)->done, memory_order_acquire);
+    pj_stream* s = (pj_stream*)sp;
+    const uint64_t done = atomic_load_explicit(&s->done, memory_order_acquire);
+    if (done != atomic_load_explicit(&s->tail, memory_order_relaxed)) wake_worker(s); /* polled: wanted */
+    return done;
 }
 
 PJ_EXPORT void pj_sync(void* sp, uint64_t ticket) { wait_done_host((pj_stream*)sp, ticket); }
