@@ -14,8 +14,10 @@ stored (readable with ``plan.read``); ``"auto"`` runs dynamic for the first
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, Protocol
+from typing import Any, Concatenate, Literal, ParamSpec, Protocol, TypeVar
 
 import numpy as np
 
@@ -39,6 +41,20 @@ Array = np.ndarray[Any, Any]
 Mode = Literal["compiled", "dynamic", "auto"]
 MODES = ("compiled", "dynamic", "auto")
 AUTO_DYNAMIC_STEPS = 3
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _serialized(method: Callable[Concatenate[Plan, P], R]) -> Callable[Concatenate[Plan, P], R]:
+    """One run of a plan at a time: threads that share a plan take turns (a run uses the
+    plan's staging and result arrays, and a step's parts must not interleave with another's)."""
+    @functools.wraps(method)
+    def serialized(self: Plan, *args: P.args, **kwargs: P.kwargs) -> R:
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return serialized
 
 
 class SharesState(Protocol):
@@ -172,6 +188,7 @@ class Plan:
         self._loss = next(((node, arr) for name, node, arr in self._outputs if name == "loss"), None)
         self._slots: list[_Slot] = []
         self._linked: _Linked | None = None
+        self._lock = threading.RLock()
         self.runs = 0
 
     # -- contexts --------------------------------------------------------------------
@@ -212,6 +229,7 @@ class Plan:
         self._linked = _Linked(kind, routines, routines[0].context if routines else self._state.context, loss)
         return self._linked
 
+    @_serialized
     def build(self) -> Plan:
         """Compile and link now rather than on the first run; returns the plan."""
         self._routines()
@@ -238,6 +256,7 @@ class Plan:
         linked.run(self.backend, between)
         self.runs += 1
 
+    @_serialized
     def run(self, **inputs: Any) -> dict[str, Array]:
         """One run: returns every output, in arrays this plan reuses on its next run."""
         self._launch(inputs, None)
@@ -247,6 +266,7 @@ class Plan:
         ctx.stream.synchronize()
         return self._results
 
+    @_serialized
     def run_on_device(self, **inputs: Any) -> dict[str, Exported]:
         """One run whose outputs stay on the device: zero-copy views of the output buffers
         (DLPack; ``np.from_dlpack``, ``torch.from_dlpack``), which show the values of this run
@@ -255,6 +275,7 @@ class Plan:
         ctx = self.context
         return {name: ctx.export(node) for name, node, _ in self._outputs}
 
+    @_serialized
     def step(self, **inputs: Any) -> float:
         """One training step (forward, backward, update); returns the loss.
 
@@ -280,6 +301,7 @@ class Plan:
         """Wait for all the work this plan enqueued (the last step's update, too)."""
         self.context.stream.synchronize()
 
+    @_serialized
     def run_pipelined(self, runs: Sequence[Mapping[str, Any]]) -> list[dict[str, Array]]:
         """Enqueue several runs back to back and synchronize once; one result dict per run
         (host arrays reused by the next pipelined call of the same length)."""

@@ -133,6 +133,35 @@ void team_penalty(void* const* b, const int64_t* s, int64_t lo, int64_t hi) {
 }
 
 /* b[0] int64[2]: the OpenMP team size of a parallel region, and the CPU it ran on. */
+/* Busy for s[0] microseconds; b[0] = int64 [started, thread, end time (ns)]. */
+void busy_stamped(void* const* b, const int64_t* s, int64_t lo, int64_t hi) {
+    volatile int64_t* o = (volatile int64_t*)b[0];
+    struct timespec ts;
+    o[1] = (int64_t)syscall(SYS_gettid);
+    o[0] = 1;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    const int64_t t0 = (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+    int64_t now = t0;
+    while (now - t0 < s[0] * 1000) {
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        now = (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+    }
+    o[2] = now;
+}
+
+/* b[0] = int64 [the time (ns) it ran] */
+void stamp_now(void* const* b, const int64_t* s, int64_t lo, int64_t hi) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    ((volatile int64_t*)b[0])[0] = (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* A kernel with a range: b[0][i] = the size of the team that ran iteration i. */
+void range_team(void* const* b, const int64_t* s, int64_t lo, int64_t hi) {
+    (void)s;
+    for (int64_t i = lo; i < hi; i++) ((int64_t*)b[0])[i] = omp_get_num_threads();
+}
+
 void team_info(void* const* b, const int64_t* s, int64_t lo, int64_t hi) {
     (void)s;
     int64_t* out = (int64_t*)b[0];
@@ -460,13 +489,19 @@ def _cores(n: int) -> list[int]:
 def test_num_threads_sets_the_team_size(
     rt: NativeRuntime, kernels: Kernels, num_threads: int, pinned: bool
 ) -> None:
-    """A stream of n threads runs teams of n; an unpinned one (whose waiting host thread
-    takes part in its kernels) of n - 1, the host thread being the last."""
+    """A stream of n threads gives a kernel that opens its own team n threads; the range of
+    a kernel is shared by n too, or, on an unpinned stream (whose waiting host thread takes
+    part in it), by n - 1 and the host thread."""
     s = rt.stream_create(num_threads, _cores(num_threads) if pinned else None)
     try:
         out = np.zeros(2, dtype=np.int64)
         rt.sync(s, kernels.launch(s, "team_info", [ptr(out)]))
-        assert out[0] == (num_threads if pinned or num_threads == 1 else num_threads - 1)
+        assert out[0] == num_threads
+        teams = np.zeros(64, dtype=np.int64)
+        bufs = rt.make_ptr_array([ptr(teams)])
+        descs = rt.make_descs([(kernels.addr("range_team"), ctypes.addressof(bufs), TEAM_ADAPT, False, 64)])
+        rt.sync(s, rt.launch_seq(s, descs, 1, None, 0))
+        assert teams.max() == (num_threads if pinned or num_threads == 1 else num_threads - 1)
     finally:
         rt.stream_destroy(s)
 
@@ -964,6 +999,40 @@ def test_while_contended_work_nobody_waits_for_still_runs(rt: NativeRuntime, ker
     finally:
         rt.set_contention(*CONTENTION_MODES["auto"])
         rt.stream_destroy(s)
+
+
+def test_while_contended_a_second_waiter_is_not_left_to_the_lazy_timeout(
+    rt: NativeRuntime, kernels: Kernels
+) -> None:
+    """Contended: thread H1 runs the stream's tasks up to its ticket; this thread waits for a
+    later one without helping (H1 has the role). When H1 gives the role back, the worker
+    must be woken for the rest at once, not after its 2 ms lazy timeout (found by review:
+    1.2 ms median gap)."""
+    rt.set_contention(*CONTENTION_MODES["on"])
+    s = rt.stream_create(1, None)
+    gaps = []
+    try:
+        for _ in range(150):  # about one in five runs has the helper take the role
+            o, stamp = np.zeros(4, np.int64), np.zeros(1, np.int64)
+            rt.sync(s, rt.last_ticket(s))
+            time.sleep(0.003)  # the worker parks lazily
+            t1 = kernels.launch(s, "busy_stamped", [ptr(o)], [2500])  # 2.5 ms: out of step with the 2 ms timeout
+            t2 = kernels.launch(s, "stamp_now", [ptr(stamp)])
+            h1 = threading.Thread(target=rt.sync, args=(s, t1))
+            h1.start()
+            while o[0] == 0:
+                pass
+            helped = o[1] == h1.native_id
+            rt.sync(s, t2)
+            h1.join()
+            if helped:
+                gaps.append((stamp[0] - o[2]) / 1e3)
+    finally:
+        rt.set_contention(*CONTENTION_MODES["auto"])
+        rt.stream_destroy(s)
+    assert gaps, "the helping thread never took the role"
+    late = sum(g > 500 for g in gaps)
+    assert late <= len(gaps) // 2, f"{late} of {len(gaps)} second waits took the lazy timeout: {sorted(gaps)}"
 
 
 def test_back_to_sensing_starts_uncontended(rt: NativeRuntime) -> None:

@@ -357,3 +357,39 @@ def test_plans_dropped_right_after_a_step_free_everything_once_their_work_is_don
     for _ in range(10):
         assert one() == first
     assert settled() == base
+
+
+def test_threads_sharing_a_plan_take_turns() -> None:
+    """Four threads step one plan on the same batch: the steps take turns (a step's two
+    parts never interleave with another's), so 20 of them leave the state 20 serial steps
+    leave, bit for bit."""
+    import threading
+
+    batch = _batches(1)[0]
+    plans = []
+    for _ in range(2):
+        _, _, _, loss = _classifier(hidden=32)
+        plans.append(pt.compile(loss=loss, optimizer=pt.Adam(0.01)))
+    shared, serial = plans
+    errors: list[BaseException] = []
+
+    def steps() -> None:
+        try:
+            for _ in range(5):
+                shared.step(**batch)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=steps) for _ in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=120)
+    assert not errors and not any(th.is_alive() for th in threads)
+    for _ in range(20):
+        serial.step(**batch)
+    got, want = shared.state_dict(), serial.state_dict()
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    for p in plans:
+        p.close()

@@ -150,7 +150,7 @@ typedef struct pj_stream {
      * by the thread holding `consuming`). */
     int teams[PJ_MAX_TEAMS];
     int nteams;
-    int copy_team; /* the threads of large copies and fills */
+    int copy_team; /* all its threads: large copies and fills, kernels without a range */
     _Atomic int adaptive; /* 0: always the full team (pj_stream_set_adaptive) */
     pj_tune tune[PJ_TUNE_SLOTS];
     /* The range of the kernel running now (run_chunks), shared by the threads that run it:
@@ -282,7 +282,8 @@ static inline void wake_worker(pj_stream* s) {
  * machine is contended and a waiting host thread may run the work (a helpable stream). */
 static inline void offer_work(pj_stream* s) {
     if (s->helpable && atomic_load_explicit(&g_contended, memory_order_relaxed) &&
-        atomic_load_explicit(&s->sleeping, memory_order_seq_cst) == PJ_PARKED_LAZY)
+        atomic_load_explicit(&s->sleeping, memory_order_seq_cst) == PJ_PARKED_LAZY &&
+        atomic_load_explicit(&s->waiters, memory_order_seq_cst) == 0) /* nobody parked on done */
         return;
     wake_worker(s);
 }
@@ -408,6 +409,7 @@ static void run_chunks(pj_stream* s, const pj_task* t, int team) {
     while (atomic_load_explicit(&s->job_helpers, memory_order_seq_cst) > 0) cpu_relax();
 }
 
+#define PJ_SPIN_CAP 10
 /* Block until s->done >= ticket: spin (running chunks of the stream's kernel when it may),
  * then park on done_seq. */
 static void wait_done(pj_stream* s, uint64_t ticket) {
@@ -417,8 +419,11 @@ static void wait_done(pj_stream* s, uint64_t ticket) {
     int64_t noyield = atomic_load_explicit(&g_wait_noyield_ns, memory_order_relaxed);
     const int may_join = s->helpable && !t_no_help;
     if (budget > 0) {
-        /* The budget runs from the stream's last progress: a task done, or a grain run here. */
+        /* The budget runs from the stream's last progress (a task done, or a grain run here),
+         * and a wait spins PJ_SPIN_CAP budgets at most: a long queue of short tasks does not
+         * keep a core busy for the whole wait. */
         int64_t start = now_ns();
+        const int64_t give_up = start + PJ_SPIN_CAP * budget;
         uint64_t seen = atomic_load_explicit(&s->done, memory_order_relaxed);
         for (unsigned i = 1;; i++) {
             cpu_relax();
@@ -433,7 +438,8 @@ static void wait_done(pj_stream* s, uint64_t ticket) {
                     seen = done;
                     start = now_ns();
                 }
-                if (spin_tick(start, budget, noyield) || atomic_load_explicit(&g_contended, memory_order_relaxed))
+                if (spin_tick(start, budget, noyield) || atomic_load_explicit(&g_contended, memory_order_relaxed) ||
+                    now_ns() > give_up)
                     break;
             }
         }
@@ -441,6 +447,8 @@ static void wait_done(pj_stream* s, uint64_t ticket) {
     /* Announce first, then read the sequence, then re-check: the worker stores done
      * before reading waiters, so it either sees us or we see its done. */
     atomic_fetch_add_explicit(&s->waiters, 1, memory_order_seq_cst);
+    /* a helper that gave the role back before it could see us left the worker parked */
+    if (!atomic_load_explicit(&s->consuming, memory_order_seq_cst)) wake_worker(s);
     for (;;) {
         uint32_t seq = atomic_load_explicit(&s->done_seq, memory_order_seq_cst);
         if (atomic_load_explicit(&s->done, memory_order_seq_cst) >= ticket) break;
@@ -588,12 +596,15 @@ static void tune_record(const pj_stream* s, pj_tune* e, int k, int64_t t1, doubl
     else e->mean[k] += (retime ? PJ_WEIGHT_RETIME : PJ_WEIGHT_USE) * (dt - e->mean[k]);
 }
 
-/* The kernel on a team of `team` threads: its range shared (run_chunks), or one call. */
-static void call_kernel(pj_stream* s, const pj_task* t, int team) {
+/* The kernel on a team of `team` threads: its range shared (run_chunks), or one call. A
+ * kernel without a range that opens its own OpenMP team (a user's kernel, a long reduction)
+ * cannot take in the waiting host thread: a team size the stream picked (`picked`) gets the
+ * host's core back for it. */
+static void call_kernel(pj_stream* s, const pj_task* t, int team, int picked) {
     if (t->u.launch.chunks > 1) {
         run_chunks(s, t, team);
     } else {
-        omp_set_num_threads(team); /* a kernel that opens its own team (a long reduction) */
+        omp_set_num_threads(picked && s->helpable && s->copy_team > 1 ? team + 1 : team);
         t->u.launch.fn(t->u.launch.bufs, t->statics, 0, 1);
     }
 }
@@ -603,14 +614,14 @@ static void run_launch(pj_stream* s, const pj_task* t) {
     int64_t team = t->u.launch.team;
     if (team != PJ_TEAM_ADAPT || s->nteams < 2 ||
         !atomic_load_explicit(&s->adaptive, memory_order_relaxed)) {
-        call_kernel(s, t, team > 0 ? (int)team : team == PJ_TEAM_ADAPT ? s->teams[0] : 1);
+        call_kernel(s, t, team > 0 ? (int)team : team == PJ_TEAM_ADAPT ? s->teams[0] : 1, team == PJ_TEAM_ADAPT);
         return;
     }
     pj_tune* e = tune_slot(s, fn);
     int64_t t0 = now_ns();
     int retime;
     int k = tune_pick(s, e, t0, &retime);
-    call_kernel(s, t, s->teams[k]);
+    call_kernel(s, t, s->teams[k], 1);
     int64_t t1 = now_ns();
     tune_record(s, e, k, t1, (double)(t1 - t0), retime);
 }
