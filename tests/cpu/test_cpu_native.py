@@ -156,10 +156,13 @@ void stamp_now(void* const* b, const int64_t* s, int64_t lo, int64_t hi) {
     ((volatile int64_t*)b[0])[0] = (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-/* A kernel with a range: b[0][i] = the size of the team that ran iteration i. */
+/* A kernel with a range: b[0][i] = the size of the team that ran iteration i; each call
+ * sleeps 200 us, so that the team is up before a waiting host thread took every grain. */
 void range_team(void* const* b, const int64_t* s, int64_t lo, int64_t hi) {
     (void)s;
     for (int64_t i = lo; i < hi; i++) ((int64_t*)b[0])[i] = omp_get_num_threads();
+    struct timespec ts = {0, 200000};
+    nanosleep(&ts, NULL);
 }
 
 void team_info(void* const* b, const int64_t* s, int64_t lo, int64_t hi) {
