@@ -9,10 +9,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from catalog_check import check_program
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from polyjit.backends import get_backend
 from polyjit.backends.cuda.dialect import CudaDialect
 from polyjit.backends.opencl import OpenCLDialect
 from polyjit.core import dtypes, fusion, ir
@@ -20,20 +20,12 @@ from polyjit.core.codegen import Dialect, generate
 from polyjit.core.ir import AccumOp, Node, Op, Symbol
 from polyjit.core.loops import Kernel, Seq, Store
 from polyjit.core.lower import lower
-from polyjit.core.runtime import Backend
-from polyjit.testing.harness import run_programs
 from polyjit.testing.programs import CatalogProgram
 from polyjit.testing.strategies import elementwise_programs
 
 Array = np.ndarray[Any, Any]
 BACKENDS = ("cpu", "opencl")
 
-
-def _backend(name: str) -> Backend:
-    be = get_backend(name)
-    if be.num_devices() == 0:
-        pytest.skip(f"no {name} device")
-    return be
 
 
 def _kernels(comps: Sequence[ir.Comp], horizontal: bool = True) -> list[Kernel]:
@@ -43,10 +35,6 @@ def _kernels(comps: Sequence[ir.Comp], horizontal: bool = True) -> list[Kernel]:
 def _uniform(lo: float, hi: float, shape: tuple[int, ...], dt: str = "float32") -> Callable[..., Array]:
     return lambda rng: rng.uniform(lo, hi, shape).astype(dt)
 
-
-def _check(program: CatalogProgram, backend: str) -> None:
-    failures = run_programs(_backend(backend), [program])
-    assert not failures, "\n".join(f"{f.program}: {f.message}" for f in failures)
 
 
 def _reversed(into: Node, source: Node) -> ir.Accum:
@@ -115,7 +103,7 @@ def test_adamw_updates_fuse_into_one_kernel_per_parameter() -> None:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_adamw_like_program_matches_the_reference(backend: str) -> None:
     program, _ = _adamw_program([(64,), (8, 16), (3,), (1000,)])
-    _check(program, backend)
+    check_program(program, backend)
 
 
 @pytest.mark.parametrize("dialect", [Dialect(), OpenCLDialect(), CudaDialect()], ids=lambda d: d.name)
@@ -139,7 +127,7 @@ def test_kernels_with_a_dependent_kernel_between_do_not_fuse_across_it() -> None
     program = CatalogProgram("fusion.reduction_between", (comp,), ((x, _uniform(-1, 1, (n,))),), (y, s, z),
                              rtol=1e-5, atol=1e-5)
     for backend in BACKENDS:
-        _check(program, backend)
+        check_program(program, backend)
 
 
 def test_independent_kernels_between_are_passed() -> None:
@@ -154,7 +142,7 @@ def test_independent_kernels_between_are_passed() -> None:
     program = CatalogProgram("fusion.passed", (comp,), ((x, _uniform(-1, 1, (n,))), (c, _uniform(0, 1, ()))),
                              (y, c, z), runs=({}, {}), rtol=1e-6, atol=1e-6)
     for backend in BACKENDS:
-        _check(program, backend)
+        check_program(program, backend)
 
 
 # ---------------------------------------------------------------------------
@@ -168,7 +156,7 @@ def test_a_reversed_read_of_an_earlier_output_is_not_fused() -> None:
     assert len(_kernels([comp])) == 2
     program = CatalogProgram("fusion.reversed", (comp,), ((x, _uniform(-1, 1, (n,))),), (y, z))
     for backend in BACKENDS:
-        _check(program, backend)
+        check_program(program, backend)
 
 
 def test_a_write_over_what_an_earlier_kernel_reads_elsewhere_is_not_fused() -> None:
@@ -180,7 +168,7 @@ def test_a_write_over_what_an_earlier_kernel_reads_elsewhere_is_not_fused() -> N
     assert len(_kernels([comp])) == 2
     program = CatalogProgram("fusion.war", (comp,), ((x, _uniform(-1, 1, (n,))),), (x, z), runs=({}, {}))
     for backend in BACKENDS:
-        _check(program, backend)
+        check_program(program, backend)
 
 
 def test_a_transposed_read_of_an_earlier_output_is_not_fused() -> None:
@@ -193,7 +181,7 @@ def test_a_transposed_read_of_an_earlier_output_is_not_fused() -> None:
         assert written in ({"y"}, {"z"})
     program = CatalogProgram("fusion.transposed", (comp,), ((x, _uniform(-1, 1, (8, 8))),), (y, z))
     for backend in BACKENDS:
-        _check(program, backend)
+        check_program(program, backend)
 
 
 def test_reductions_and_scratch_chains_are_not_fused() -> None:
@@ -252,14 +240,14 @@ def pointwise_state_programs(draw: st.DrawFn) -> CatalogProgram:
 def test_random_pointwise_state_programs_match_the_reference(backend: str, program: CatalogProgram) -> None:
     fused = _kernels(program.comps)
     assert len(fused) <= len(_kernels(program.comps, horizontal=False))
-    _check(program, backend)
+    check_program(program, backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(program=elementwise_programs())
 def test_random_elementwise_programs_match_the_reference(backend: str, program: CatalogProgram) -> None:
-    _check(program, backend)
+    check_program(program, backend)
 
 
 def test_fusion_never_groups_kernels_of_different_spaces_or_beyond_the_cap() -> None:

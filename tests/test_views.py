@@ -9,25 +9,17 @@ from typing import Any
 
 import numpy as np
 import pytest
+from catalog_check import check_program
 
-from polyjit.backends import get_backend
 from polyjit.core import ir
 from polyjit.core.ir import MemoryMode, Node, Op
 from polyjit.core.loops import Kernel, Load, walk_exprs
 from polyjit.core.lower import infer_modes, lower
-from polyjit.core.runtime import Backend
-from polyjit.testing.harness import run_programs
 from polyjit.testing.programs import CatalogProgram
 
 Array = np.ndarray[Any, Any]
 BACKENDS = ("cpu", "opencl")
 
-
-def _backend(name: str) -> Backend:
-    be = get_backend(name)
-    if be.num_devices() == 0:
-        pytest.skip(f"no {name} device")
-    return be
 
 
 def _uniform(shape: tuple[int, ...]) -> Callable[..., Array]:
@@ -37,10 +29,6 @@ def _uniform(shape: tuple[int, ...]) -> Callable[..., Array]:
 def _kernels(comp: ir.Comp) -> list[Kernel]:
     return list(lower([comp], ["c0"]).kernels)
 
-
-def _check(program: CatalogProgram, backend: str) -> None:
-    failures = run_programs(_backend(backend), [program])
-    assert not failures, "\n".join(f"{f.program}: {f.message}" for f in failures)
 
 
 def _copies(kernels: list[Kernel]) -> list[Kernel]:
@@ -59,7 +47,7 @@ def test_a_reshape_read_twice_is_a_view(backend: str) -> None:
     assert not _copies(kernels)
     loaded = {e.node for k in kernels for e in walk_exprs(k.body) if isinstance(e, Load)}
     assert loaded == {x}
-    _check(CatalogProgram("views.twice", (comp,), ((x, _uniform((24,))),), (y, s)), backend)
+    check_program(CatalogProgram("views.twice", (comp,), ((x, _uniform((24,))),), (y, s)), backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -75,7 +63,7 @@ def test_a_reshape_of_a_reshape_is_a_view_of_the_first_source(backend: str) -> N
     kernels = _kernels(comp)
     assert not _copies(kernels)
     inputs = ((a, _uniform((8, 3))), (b, _uniform((3, 4))), (w, _uniform((16, 5))))
-    _check(CatalogProgram("views.chain", (comp,), inputs, (out, z), rtol=1e-5, atol=1e-5), backend)
+    check_program(CatalogProgram("views.chain", (comp,), inputs, (out, z), rtol=1e-5, atol=1e-5), backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -91,7 +79,7 @@ def test_a_reshape_whose_source_changes_before_a_read_stays_a_copy(backend: str)
     assert "changes before a read" in inference.why_not[r]
     assert _copies(_kernels(comp))
     program = CatalogProgram("views.changed", (comp,), ((x, _uniform((12,))),), (x, y, z), runs=({}, {}))
-    _check(program, backend)
+    check_program(program, backend)
 
 
 def test_a_reshape_read_by_another_computation_stays_a_buffer() -> None:
@@ -141,4 +129,4 @@ def test_inlined_chains_see_the_values_of_their_sources_at_their_writer(case: st
     comp = ir.Comp.of(*leaves, embedded=list(dict.fromkeys(results)))
     program = CatalogProgram(f"views.{case}", (comp,), ((x, _uniform((n, n))),), tuple(dict.fromkeys(results)),
                              runs=({}, {}))
-    _check(program, backend)
+    check_program(program, backend)

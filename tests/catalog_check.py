@@ -1,0 +1,24 @@
+"""Running hand-built catalog programs on a named backend against the reference (shared by
+the lowering tests: test_horizontal_fusion.py, test_views.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from polyjit.backends import get_backend
+from polyjit.core.runtime import Backend
+from polyjit.testing.harness import run_programs
+from polyjit.testing.programs import CatalogProgram
+
+
+def backend_or_skip(name: str) -> Backend:
+    be = get_backend(name)
+    if be.num_devices() == 0:
+        pytest.skip(f"no {name} device")
+    return be
+
+
+def check_program(program: CatalogProgram, backend: str) -> None:
+    """The program on ``backend`` equals the reference interpreter's result."""
+    failures = run_programs(backend_or_skip(backend), [program])
+    assert not failures, "\n".join(f"{f.program}: {f.message}" for f in failures)
