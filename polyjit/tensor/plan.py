@@ -81,7 +81,7 @@ class _Linked:
         self.routines = routines
         self.context = context
         self.replay: Replay | None = None
-        fused = kind == "compiled" and len(routines) == 1 and loss is not None
+        fused = kind == "compiled" and len(routines) == 1
         self.parts = routines[0].split_after(loss) if fused and loss is not None else None
         self.part_replays: tuple[Replay, Replay] | None = None
 

@@ -150,7 +150,7 @@ typedef struct pj_stream {
      * by the thread holding `consuming`). */
     int teams[PJ_MAX_TEAMS];
     int nteams;
-    int copy_team; /* all its threads: large copies and fills, kernels without a range */
+    int all_threads; /* the stream's threads: large copies and fills, kernels without a range */
     _Atomic int adaptive; /* 0: always the full team (pj_stream_set_adaptive) */
     pj_tune tune[PJ_TUNE_SLOTS];
     /* The range of the kernel running now (run_chunks), shared by the threads that run it:
@@ -604,7 +604,7 @@ static void call_kernel(pj_stream* s, const pj_task* t, int team, int picked) {
     if (t->u.launch.chunks > 1) {
         run_chunks(s, t, team);
     } else {
-        omp_set_num_threads(picked && s->helpable && s->copy_team > 1 ? team + 1 : team);
+        omp_set_num_threads(picked && s->helpable && s->all_threads > 1 ? team + 1 : team);
         t->u.launch.fn(t->u.launch.bufs, t->statics, 0, 1);
     }
 }
@@ -643,11 +643,11 @@ static int consume(pj_stream* s, uint64_t until, int helper) {
                 run_launch(s, t);
                 break;
             case PJ_MEMCPY:
-                omp_set_num_threads(s->copy_team);
+                omp_set_num_threads(s->all_threads);
                 parallel_bytes(t->u.copy.dst, t->u.copy.src, 0, t->u.copy.n);
                 break;
             case PJ_MEMSET:
-                omp_set_num_threads(s->copy_team);
+                omp_set_num_threads(s->all_threads);
                 parallel_bytes(t->u.copy.dst, NULL, t->value, t->u.copy.n);
                 break;
             case PJ_WAIT:
@@ -745,7 +745,7 @@ PJ_EXPORT void* pj_stream_create(int num_threads, const int* cpus, int ncpus) {
      * so their teams leave it a core (else the tuner's full team would be one thread too
      * many, and three threads on two cores are a preempted team); copies take them all. */
     const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
-    s->copy_team = threads;
+    s->all_threads = threads;
     init_teams(s, s->helpable && threads > 1 ? threads - 1 : threads);
     pthread_mutex_init(&s->prod_mu, NULL);
 
