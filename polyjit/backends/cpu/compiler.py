@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import platform
 import shlex
 import shutil
 import subprocess
@@ -31,6 +32,13 @@ __all__ = [
     "compiler_identity",
 ]
 
+# GCC 12 (Debian's 12.2) miscompiles some leaf kernels for AVX-512 hosts: it zeroes a local
+# accumulator array placed in the red zone with an aligned 16-byte store at an address that
+# is 8 mod 16, and the kernel segfaults every time it runs (a batched half-precision matmul
+# with 20 columns did; tests/cpu/test_cpu_backend.py keeps it). Without a red zone the
+# locals live in an allocated frame, which GCC aligns correctly; it costs one ``sub`` per call.
+_NO_RED_ZONE: tuple[str, ...] = ("-mno-red-zone",) if platform.machine().lower() in ("x86_64", "amd64") else ()
+
 CPU_FLAGS: tuple[str, ...] = (
     "-O3",
     "-march=native",
@@ -39,6 +47,7 @@ CPU_FLAGS: tuple[str, ...] = (
     "-shared",
     "-std=gnu11",
     "-fno-math-errno",
+    *_NO_RED_ZONE,
 )
 
 # Default cache for every shared library built here (kernels and the stream runtime).
