@@ -315,11 +315,6 @@ class Stream:
         return f"Stream({self.device.device_id}, #{self.index})"
 
 
-def _wait_unless_done(stream: Stream, event: Event | None) -> None:
-    if event is not None and event.stream is not stream and not event.is_done():
-        stream._wait(event)
-
-
 class NodeEvents:
     """The last writer of one buffer and its readers since (the latest per stream)."""
 
@@ -328,14 +323,6 @@ class NodeEvents:
     def __init__(self) -> None:
         self.writer: Event | None = None
         self.readers: dict[Stream, Event] = {}
-
-    def wait_for_write(self, stream: Stream) -> None:
-        """Before ``stream`` writes: the last writer and every reader since must be done."""
-        _wait_unless_done(stream, self.writer)
-        if self.readers:
-            for s, ev in list(self.readers.items()):
-                if s is not stream:
-                    _wait_unless_done(stream, ev)
 
     def events(self) -> list[Event]:
         return ([self.writer] if self.writer else []) + list(self.readers.values())
@@ -387,8 +374,14 @@ def enqueue(stream: Stream, reads: Sequence[NodeEvents], writes: Sequence[NodeEv
             w = st.writer
             if w is not None and w.stream is not stream and not w.is_done():
                 stream._wait(w)
-        for st in writes:
-            st.wait_for_write(stream)
+        for st in writes:  # the last writer and every reader since (the hottest loop of a launch)
+            w = st.writer
+            if w is not None and w.stream is not stream and not w.is_done():
+                stream._wait(w)
+            if st.readers:
+                for s, ev in list(st.readers.items()):
+                    if s is not stream and not ev.is_done():
+                        stream._wait(ev)
         try:
             token = fn(*args)
             handle = stream.driver.record(stream.handle)

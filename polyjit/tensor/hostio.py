@@ -164,9 +164,10 @@ class Feed:
         return arr
 
     def _check_indices(self, arr: Array, what: str, row0: int) -> None:
-        lo, hi = int(arr.min()), int(arr.max())
-        if lo >= 0 and hi < self.depth:
+        # One pass: seen as unsigned, a negative index is larger than any depth.
+        if int(arr.view(arr.dtype.str.replace("i", "u")).max()) < self.depth:
             return
+        lo, hi = int(arr.min()), int(arr.max())
         at = int(np.argmin(arr)) if lo < 0 else int(np.argmax(arr))
         bound = self.bounds[0] if lo < 0 else next(b for b in self.bounds if hi >= b.depth)
         raise IndexOutOfRangeError(

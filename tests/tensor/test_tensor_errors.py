@@ -81,6 +81,23 @@ def test_cross_entropy_labels_out_of_range_are_refused_before_the_step(mode: str
     plan.close()
 
 
+@pytest.mark.parametrize("dtype", ["int32", "int64", "uint8"])
+def test_index_extremes_are_refused_and_edges_accepted(dtype: str) -> None:
+    """The check reads the indices once, as unsigned: the most negative value of the dtype,
+    -1, the depth and the largest value are refused (those the dtype has); 0 and depth - 1
+    pass."""
+    idx = pt.input("idx", (4,), dtype)
+    plan = pt.compile({"hot": pt.one_hot(idx, 5)})
+    info = np.iinfo(dtype)
+    for value in sorted({v for v in (info.min, -1, 5, info.max) if info.min <= v and not 0 <= v < 5}):
+        arr = np.array([0, 4, value, 1], dtype)
+        with pytest.raises(IndexOutOfRangeError, match=rf"value {value} at index \(2,\).*one_hot of depth 5"):
+            plan.run(idx=arr)
+    out = plan.run(idx=np.array([0, 4, 4, 0], dtype))
+    np.testing.assert_array_equal(out["hot"], np.eye(5, dtype=np.float32)[[0, 4, 4, 0]])
+    plan.close()
+
+
 def test_one_hot_and_embedding_indices_out_of_range() -> None:
     idx = pt.input("idx", (2, 3), "int64")
     tokens = pt.input("tokens", (2, 3), "int32")
