@@ -34,8 +34,8 @@ __all__ = [
 
 # GCC 12 (Debian's 12.2) miscompiles some leaf kernels for AVX-512 hosts: it zeroes a local
 # accumulator array placed in the red zone with an aligned 16-byte store at an address that
-# is 8 mod 16, and the kernel segfaults every time it runs (a batched half-precision matmul
-# with 20 columns did; tests/cpu/test_cpu_backend.py keeps it). Without a red zone the
+# is 8 mod 16, and the kernel segfaults every time it runs (a float16 matmul with 20
+# columns did; the catalog keeps it: matmul.float16.53x38x20). Without a red zone the
 # locals live in an allocated frame, which GCC aligns correctly; it costs one ``sub`` per call.
 _NO_RED_ZONE: tuple[str, ...] = ("-mno-red-zone",) if platform.machine().lower() in ("x86_64", "amd64") else ()
 
