@@ -39,6 +39,7 @@ from polyjit.core.loops import (
     Loop,
     LoweredBatch,
     Reduce,
+    Row,
     Seq,
     Stmt,
     Store,
@@ -300,6 +301,15 @@ class Emitter:
             parts.append(str(a.const))
         return " + ".join(parts).replace("+ -", "- ")
 
+    def element(self, base: str, index: Affine, r: Row | None) -> str:
+        """An element of a buffer; with a row picked by data, of that row, whose value is
+        clamped into the rows (no read or write leaves the buffer, whatever the data). The
+        row's start is a pointer of its own: GCC then copies a row as whole vectors."""
+        if r is None:
+            return f"{base}[{self.index(index)}]"
+        v = self.d.index_value.format(self.expr(r.value))
+        return f"({base} + ({v} < 0 ? 0 : {v} > {r.rows - 1} ? {r.rows - 1} : {v}) * {r.size})[{self.index(index)}]"
+
     def ctype(self, dt: DType) -> str:
         """The type kernels compute values of ``dt`` in (float for the half types)."""
         return self.d.type_name(dt.compute)
@@ -329,10 +339,10 @@ class Emitter:
 
     def expr(self, e: Expr) -> str:
         if isinstance(e, Load):
-            if not e.index.terms and (e.node, e.index.const) in self.hoisted and not e.merge:
+            if not e.index.terms and e.row is None and (e.node, e.index.const) in self.hoisted and not e.merge:
                 return self.hoisted[(e.node, e.index.const)]
             base = self.names.merge if e.merge else self.names.buffer(e.node)
-            return self.load(e.node, f"{base}[{self.index(e.index)}]")
+            return self.load(e.node, self.element(base, e.index, e.row))
         if isinstance(e, Const):
             return self.literal(e.value, e.dtype)
         if isinstance(e, IndexValue):
@@ -402,7 +412,7 @@ class Emitter:
     def stmt(self, s: Stmt, indent: int) -> list[str]:
         pad = "  " * indent
         if isinstance(s, Store):
-            target = f"{self.names.buffer(s.node)}[{self.index(s.index)}]"
+            target = self.element(self.names.buffer(s.node), s.index, s.row)
             if s.accum is None:
                 value = self.stored_value(s.value) if s.value.dtype is s.node.dtype else self.expr(s.value)
             else:
@@ -514,7 +524,7 @@ def _hoist_invariant_loads(em: Emitter, kernel: Kernel, indent: int) -> list[str
     written = {st.node for st in walk_stmts(kernel.body) if isinstance(st, (Store, Reduce))}
     lines = []
     for e in walk_exprs(kernel.body):
-        if isinstance(e, Load) and not e.merge and not e.index.terms and e.node not in written:
+        if isinstance(e, Load) and not e.merge and e.row is None and not e.index.terms and e.node not in written:
             key = (e.node, e.index.const)
             if key not in em.hoisted:
                 name = f"pj_inv{len(em.hoisted)}"

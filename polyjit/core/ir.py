@@ -202,7 +202,26 @@ class Reshape:
     source: Node
 
 
-FetchValue = Union[Fill, Range, Constant, Slice, Reshape]
+@attrs.frozen
+class Gather:
+    """``node[i..., j...] = table[clamp(indices[i...]), j...]``: rows of ``table`` picked by the
+    integer values of ``indices``, each clamped to ``0 .. rows - 1`` (an index is data: clamping
+    keeps every read inside the table; the tensor front end refuses bad indices on the host)."""
+
+    table: Node
+    indices: Node
+
+
+@attrs.frozen
+class ScatterAdd:
+    """``node = 0``, then for every ``i`` in row-major order ``node[clamp(indices[i...]), j...]
+    += values[i..., j...]`` (the gradient of :class:`Gather`; rows picked twice add up, in order)."""
+
+    indices: Node
+    values: Node
+
+
+FetchValue = Union[Fill, Range, Constant, Slice, Reshape, Gather, ScatterAdd]
 
 
 @attrs.frozen
@@ -250,6 +269,10 @@ def reads(a: Accum | Fetch) -> tuple[Node | MergeRead, ...]:
         return a.tensor_operands
     if isinstance(a.value, (Slice, Reshape)):
         return (a.value.source,)
+    if isinstance(a.value, Gather):
+        return (a.value.table, a.value.indices)
+    if isinstance(a.value, ScatterAdd):
+        return (a.value.indices, a.value.values)
     return ()
 
 
@@ -374,6 +397,8 @@ def _check_fetch(f: Fetch) -> None:
             raise DTypeMismatchError(
                 f"reshape of {v.source.label} ({v.source.dtype}) into {f.node.label} ({f.node.dtype})"
             )
+    elif isinstance(v, (Gather, ScatterAdd)):
+        _check_row_pick(f.node, v)
     elif isinstance(v, Slice):
         if v.source.shape[1:] != f.node.shape:
             raise ShapeMismatchError(
@@ -386,6 +411,28 @@ def _check_fetch(f: Fetch) -> None:
             )
         _check_index_bounds(v.source, (v.index,) + tuple(fixed(0) for _ in f.node.shape), {},
                             f"slice of {v.source.label}")
+
+
+def _check_row_pick(node: Node, v: Gather | ScatterAdd) -> None:
+    """Shapes and dtypes of a gather (``node`` = rows of ``table``) or a scatter-add (rows
+    of ``node`` += ``values``): ``indices`` integer, the picked rows' shape after its own."""
+    what = "gather" if isinstance(v, Gather) else "scatter_add"
+    # table: whose rows are picked; picked: the rows laid out by index; source: what is read
+    table, picked, source = (v.table, node, v.table) if isinstance(v, Gather) else (node, v.values, v.values)
+    if v.indices.dtype.is_float or v.indices.dtype.is_bool:
+        raise DTypeMismatchError(f"{what} into {node.label}: indices {v.indices.label} are "
+                                 f"{v.indices.dtype}, not integers")
+    if not table.shape or table.shape[0] == 0:
+        raise ShapeMismatchError(f"{what} into {node.label}: {table.label} {table.shape} has no rows")
+    if picked.shape != v.indices.shape + table.shape[1:]:
+        raise ShapeMismatchError(
+            f"{what} into {node.label}: {picked.label} has shape {picked.shape}, expected "
+            f"{v.indices.shape + table.shape[1:]} (the indices' {v.indices.shape}, then a row of "
+            f"{table.label}: {table.shape[1:]})")
+    if source.dtype != node.dtype:
+        raise DTypeMismatchError(f"{what} into {node.label} ({node.dtype}) from {source.label} ({source.dtype})")
+    if node in (v.indices, source):
+        raise InvalidProgramError(f"{what} into {node.label} reads {node.label}: write a new node")
 
 
 # ---------------------------------------------------------------------------
@@ -511,3 +558,13 @@ def reshape(node: Node, source: Node) -> Fetch:
 
 def slice_at(node: Node, source: Node, index: Index) -> Fetch:
     return Fetch(node, Slice(source, as_affine(index)))
+
+
+def gather(table: Node, indices: Node, into: Node) -> Fetch:
+    """``into[i..., j...] = table[clamp(indices[i...]), j...]`` (:class:`Gather`)."""
+    return Fetch(into, Gather(table, indices))
+
+
+def scatter_add(indices: Node, values: Node, into: Node) -> Fetch:
+    """``into = 0; into[clamp(indices[i...]), j...] += values[i..., j...]`` (:class:`ScatterAdd`)."""
+    return Fetch(into, ScatterAdd(indices, values))

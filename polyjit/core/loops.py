@@ -26,10 +26,21 @@ from polyjit.core.ir import Affine, MemoryMode, Node, Symbol
 
 
 @attrs.frozen
+class Row:
+    """A row picked by data (a gather's load, a scatter's store): ``clamp(value, 0, rows - 1)
+    * size`` elements, added to the access's affine index (the column within the row)."""
+
+    value: Expr  # an integer
+    rows: int
+    size: int
+
+
+@attrs.frozen
 class Load:
     node: Node
     index: Affine  # flat, row-major, in elements
     merge: bool = False  # read from the device's merge buffer
+    row: Row | None = None  # plus a row picked by data
 
     @property
     def dtype(self) -> DType:
@@ -71,6 +82,7 @@ class Store:
     index: Affine
     value: Expr
     accum: ir.AccumOp | None = None
+    row: Row | None = None  # plus a row picked by data (a scatter's updates: always serial)
 
 
 @attrs.frozen
@@ -192,11 +204,15 @@ def walk_expr(e: Expr) -> Iterator[Expr]:
     if isinstance(e, Call):
         for c in e.args:
             yield from walk_expr(c)
+    elif isinstance(e, Load) and e.row is not None:
+        yield from walk_expr(e.row.value)
 
 
 def walk_exprs(s: Stmt) -> Iterator[Expr]:
     for st in walk_stmts(s):
         if isinstance(st, Store):
+            if st.row is not None:
+                yield from walk_expr(st.row.value)
             yield from walk_expr(st.value)
         elif isinstance(st, Reduce):
             if st.init is not None:
@@ -213,9 +229,15 @@ def affines_of(k: Kernel) -> Iterator[Affine]:
             yield e.index
 
 
+def _map_row(r: Row | None, f: Callable[[Affine], Affine]) -> Row | None:
+    return None if r is None else attrs.evolve(r, value=map_expr(r.value, f))
+
+
 def map_expr(e: Expr, f: Callable[[Affine], Affine]) -> Expr:
     """``e`` with ``f`` applied to every index in it."""
-    if isinstance(e, (Load, IndexValue)):
+    if isinstance(e, Load):
+        return attrs.evolve(e, index=f(e.index), row=_map_row(e.row, f))
+    if isinstance(e, IndexValue):
         return attrs.evolve(e, index=f(e.index))
     if isinstance(e, Call):
         return attrs.evolve(e, args=tuple(map_expr(a, f) for a in e.args))
@@ -226,7 +248,7 @@ def map_stmt(s: Stmt, f: Callable[[Affine], Affine],
              loops: Callable[[Symbol, int], tuple[Symbol, int]] | None = None) -> Stmt:
     """``s`` with ``f`` applied to every index, and ``loops`` to every loop (symbol, extent)."""
     if isinstance(s, Store):
-        return attrs.evolve(s, index=f(s.index), value=map_expr(s.value, f))
+        return attrs.evolve(s, index=f(s.index), value=map_expr(s.value, f), row=_map_row(s.row, f))
     if isinstance(s, Reduce):
         init = None if s.init is None else map_expr(s.init, f)
         new_loops = tuple(loops(*lp) for lp in s.loops) if loops else s.loops

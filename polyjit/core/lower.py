@@ -42,6 +42,7 @@ from polyjit.core.loops import (
     LoweredBatch,
     LoweredComp,
     Reduce,
+    Row,
     Seq,
     Stmt,
     Store,
@@ -80,8 +81,8 @@ def _is_bijective_write(a: ir.Accum) -> bool:
 
 
 def _is_elementwise_writer(leaf: ir.Accum | ir.Fetch) -> bool:
-    if isinstance(leaf, ir.Fetch):
-        return not isinstance(leaf.value, ir.Constant)
+    if isinstance(leaf, ir.Fetch):  # rows picked by data are stored: their readers stay plain loads
+        return not isinstance(leaf.value, (ir.Constant, ir.Gather, ir.ScatterAdd))
     return leaf.accum is None and _is_bijective_write(leaf)
 
 
@@ -217,6 +218,8 @@ def _why_not_inlinable(
         return "it is read before it is written"
     if isinstance(reader, ir.Fetch) and isinstance(reader.value, ir.Reshape):
         return "it is read through a reshape (a flat index)"
+    if _reads_by_row(reader, node):
+        return "a gather or scatter-add reads it at rows picked by data, or once per element of a row"
     if rcomp != comp:
         return "its reader is in another computation of the batch"
     if isinstance(reader, ir.Accum) and isinstance(writer, ir.Accum) and not _read_covers_space(reader, node):
@@ -230,16 +233,28 @@ def _why_not_inlinable(
     return None
 
 
+def _reads_by_row(reader: ir.Accum | ir.Fetch, node: Node) -> bool:
+    """Whether ``reader`` is a gather or a scatter-add that reads ``node`` other than once per
+    element at an affine index: a gather's table and indices, a scatter-add's indices (only a
+    scatter-add's values may be inlined)."""
+    if not isinstance(reader, ir.Fetch):
+        return False
+    v = reader.value
+    return isinstance(v, ir.Gather) or (isinstance(v, ir.ScatterAdd) and node is not v.values)
+
+
 def _why_not_view(
     source: Node, w: int, rpos: list[int], leaves: list[tuple[int, ir.Accum | ir.Fetch]]
 ) -> str | None:
     """A reshape only renames indices (row-major order keeps the flat index): every reader,
     however many, loads the source instead, unless the source changes before a read."""
-    comp = leaves[w][0]
+    comp, view = leaves[w][0], ir.writes(leaves[w][1])
     for r in rpos:
-        rcomp = leaves[r][0]
+        rcomp, reader = leaves[r]
         if r <= w:
             return "it is read before it is written"
+        if isinstance(reader, ir.Fetch) and isinstance(reader.value, ir.Gather) and reader.value.table is view:
+            return "a gather reads it at rows picked by data"
         if rcomp != comp:
             return "its reader is in another computation of the batch"
     for _, between in leaves[w + 1 : max(rpos, default=w) + 1]:
@@ -365,7 +380,14 @@ class _Lowerer:
             return self.read(v.source, (v.index, *cell))
         if isinstance(v, ir.Reshape):  # same row-major order: the flat index carries over
             return self.load_flat(v.source, flat_index(f.node, cell))
-        raise InvalidProgramError(f"a constant cannot be inlined: {f.node.label}")
+        if isinstance(v, ir.Gather):
+            k = len(v.indices.shape)
+            return Load(v.table, flat_index(v.table, (ir.as_affine(0), *cell[k:])),
+                        row=self.picked_row(v.indices, cell[:k], v.table))
+        raise InvalidProgramError(f"{f.node.label} cannot be inlined")
+
+    def picked_row(self, indices: Node, at: Sequence[Affine], table: Node) -> Row:
+        return Row(self.read(indices, at), table.shape[0], math.prod(table.shape[1:]))
 
     # -- kernels -------------------------------------------------------------
 
@@ -380,9 +402,24 @@ class _Lowerer:
     def lower_fetch(self, name: str, f: ir.Fetch) -> list[Kernel]:
         if isinstance(f.value, ir.Constant):
             return []  # constants are uploaded at link time, not computed
+        if isinstance(f.value, ir.ScatterAdd):
+            return self.lower_scatter_add(name, f.node, f.value)
         nest, cell = self.cell_nest(f.node)
         body = Store(f.node, flat_index(f.node, cell), self.fetch_value(f, cell))
         return [Kernel(name, nest, body, f"fetch {type(f.value).__name__.lower()} {f.node.label}")]
+
+    def lower_scatter_add(self, name: str, node: Node, v: ir.ScatterAdd) -> list[Kernel]:
+        """Zeros, then one serial kernel: for each index in row-major order, its row of values
+        added to the row it picks (rows picked twice add up in that order, on every target)."""
+        zero = self.fill_kernel(f"{name}_init", node, Const(0, node.dtype), f"{node.label} = 0")
+        at = self.fresh_symbols(len(v.indices.shape))
+        col = self.fresh_symbols(len(node.shape) - 1)
+        r, j = [ir.as_affine(s) for s in at], [ir.as_affine(s) for s in col]
+        body: Stmt = Store(node, flat_index(node, (ir.as_affine(0), *j)), self.read(v.values, (*r, *j)),
+                           ir.AccumOp.ADD, row=self.picked_row(v.indices, r, node))
+        for sym, n in reversed([*zip(at, v.indices.shape), *zip(col, node.shape[1:])]):
+            body = Loop(sym, n, body)
+        return [zero, Kernel(name, (), body, f"{node.label} += rows of {v.values.label} at {v.indices.label}")]
 
     def lower_accum(self, name: str, a: ir.Accum) -> list[Kernel]:
         pr = a.projections

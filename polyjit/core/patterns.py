@@ -228,7 +228,10 @@ def _has_float_serial_accumulation(kernel: Kernel) -> bool:
     if any(isinstance(s, Reduce) and s.node.dtype.is_float and not s.reassociable for s in stmts):
         return True
     serial = any(isinstance(s, Loop) for s in stmts)
-    return serial and any(isinstance(s, Store) and s.accum is not None and s.node.dtype.is_float for s in stmts)
+    # A scatter's updates (a row picked by data) fold nothing into one accumulator: each
+    # inner iteration updates its own cell, and vectorizing the row keeps each cell's order.
+    return serial and any(isinstance(s, Store) and s.accum is not None and s.node.dtype.is_float
+                          and s.row is None for s in stmts)
 
 
 def _contraction(kernel: Kernel, d: Dialect) -> Contraction | None:

@@ -370,6 +370,16 @@ def _run_fetch(f: ir.Fetch, env: dict[Node, Array], bindings: Mapping[StaticSymb
     elif isinstance(v, ir.Reshape):
         src = _lookup(v.source, env, f"reshape into {node.label}")
         out = np.array(src, dtype=dt.np, copy=True).reshape(node.shape)
+    elif isinstance(v, ir.Gather):
+        table = _lookup(v.table, env, f"gather into {node.label}")
+        rows = np.clip(_lookup(v.indices, env, f"gather into {node.label}").astype(np.int64), 0, table.shape[0] - 1)
+        out = np.array(table[rows], dtype=dt.np, copy=True)
+    elif isinstance(v, ir.ScatterAdd):
+        values = _lookup(v.values, env, f"scatter_add into {node.label}")
+        rows = np.clip(_lookup(v.indices, env, f"scatter_add into {node.label}").astype(np.int64), 0, node.shape[0] - 1)
+        out = np.zeros(node.shape, dtype=dt.np)
+        # one update at a time, in row-major order of the indices (a half type rounds at each)
+        _UFUNC_AT[ir.AccumOp.ADD].at(out, rows.reshape(-1), values.reshape(rows.size, *node.shape[1:]))
     elif isinstance(v, ir.Slice):
         src = _lookup(v.source, env, f"slice into {node.label}")
         k = int(_eval_affine(v.index, {}, bindings))

@@ -60,11 +60,14 @@ def _one_hot(indices: Tensor, depth: int, dtype: DTypeLike, what: str) -> Tensor
 
 
 def embedding(indices: Tensor, table: Tensor) -> Tensor:
-    """Rows of ``table`` (vocab x dim) picked by integer ``indices``: one_hot(indices) @ table."""
+    """Rows of ``table`` (vocab x dim) picked by integer ``indices`` (``take``: a gather; the
+    gradient adds each row of the incoming gradient into the row it came from)."""
     if table.ndim != 2:
         raise ShapeMismatchError(f"an embedding table is 2-D (vocab, dim), got {table.shape}")
     vocab = table.shape[0]
-    return ops.matmul(_one_hot(indices, vocab, table.dtype, f"embedding of a vocabulary of {vocab}"), table)
+    out = ops.take(table, indices, name="embedding")
+    out.index_bounds = (IndexBound(indices, vocab, f"embedding of a vocabulary of {vocab}"),)
+    return out
 
 
 def cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:

@@ -201,8 +201,8 @@ def _elementwise_leaf(t: Tensor) -> ir.Accum | ir.Fetch | None:
     if len(leaves) != 1:
         return None
     leaf = leaves[0]
-    if isinstance(leaf, ir.Fetch):
-        return None if isinstance(leaf.value, ir.Constant) else leaf
+    if isinstance(leaf, ir.Fetch):  # lowering stores constants and rows picked by data
+        return None if isinstance(leaf.value, (ir.Constant, ir.Gather, ir.ScatterAdd)) else leaf
     pr = leaf.projections
     if leaf.accum is not None or len(set(pr.lhs)) != len(pr.lhs) or len(pr.lhs) != len(pr.product_space):
         return None

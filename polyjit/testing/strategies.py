@@ -39,6 +39,7 @@ __all__ = [
     "describe",
     "einsum_programs",
     "elementwise_programs",
+    "gather_programs",
     "matmul_programs",
     "programs",
     "shapes",
@@ -547,6 +548,41 @@ def affine_programs(draw: st.DrawFn) -> CatalogProgram:
     return attrs.evolve(p, description=describe(p.comps))
 
 
+@st.composite
+def gather_programs(draw: st.DrawFn) -> CatalogProgram:
+    """Rows picked by data: a gather of a random table by random indices (any integer dtype,
+    repeated, some out of range: clamped), its scatter-add back, and a value computed from
+    the gathered rows (an elementwise reader of a stored gather)."""
+    rows = draw(st.integers(1, 9))
+    row_shape = draw(shapes(max_rank=2, max_side=5))
+    idx_shape = draw(shapes(max_rank=3, max_side=5))
+    dt = draw(st.sampled_from([dtypes.float32, dtypes.float64, dtypes.int32, dtypes.int64, *dtypes.HALF]))
+    idt = draw(st.sampled_from([dtypes.int32, dtypes.int64, dtypes.uint8]))
+    table, idx = Node("table", (rows, *row_shape), dt), Node("idx", idx_shape, idt)
+    picked, summed = Node("picked", (*idx_shape, *row_shape), dt), Node("summed", table.shape, dt)
+    doubled = Node("doubled", picked.shape, dt)
+    lo = 0 if idt is dtypes.uint8 else -3
+    source = draw(st.sampled_from(["input", "computed", "view"]))  # where the table comes from
+    made: list[ir.Assignment]
+    given, made = table, []
+    if source == "computed":  # in the same computation: stored for the gather, never inlined
+        given = Node("given", table.shape, dt)
+        made = [ir.apply(Op.NEG, given, into=table)]
+    elif source == "view":  # a reshape of a flat input: the gather reads its source
+        given = Node("given", (table.size,), dt)
+        made = [ir.reshape(table, given)]
+    comps = (ir.Comp.of(*made, ir.gather(table, idx, picked), ir.apply(Op.ADD, picked, picked, into=doubled),
+                        embedded=(picked, doubled)),
+             ir.Comp.of(ir.scatter_add(idx, picked, summed)))
+    inputs: list[tuple[Node, Gen]] = [
+        (given, _small_ints(dt, given.shape)),  # sums exact in any order
+        (idx, lambda rng: rng.integers(lo, rows + 3, idx_shape).astype(idt.np))]
+    p = CatalogProgram("hypothesis.gather", comps, tuple(inputs), (picked, doubled, summed), rtol=0.0, atol=0.0)
+    return attrs.evolve(p, description=f"  table {table.shape} {dt} ({source}), indices {idx_shape} {idt}\n"
+                                       + describe(p.comps))
+
+
 def programs() -> st.SearchStrategy[CatalogProgram]:
     """Any of the random program strategies."""
-    return st.one_of(elementwise_programs(), einsum_programs(), matmul_programs(), affine_programs())
+    return st.one_of(elementwise_programs(), einsum_programs(), matmul_programs(), affine_programs(),
+                     gather_programs())

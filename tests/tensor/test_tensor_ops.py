@@ -12,6 +12,7 @@ import pytest
 from polyjit import tensor as pt
 from polyjit.core.errors import DTypeMismatchError, ShapeMismatchError, UnsupportedError
 from polyjit.core.ir import MemoryMode
+from polyjit.tensor import ops
 from polyjit.tensor.reference import evaluate
 
 Array = np.ndarray[Any, Any]
@@ -64,6 +65,8 @@ CASES: list[tuple[str, Build, list[tuple[int, ...]], bool]] = [
     ("log_softmax", pt.log_softmax, [(3, 5)], False),
     ("cross_entropy", lambda a: pt.cross_entropy(a, pt.constant(LABELS)), [(3, 4)], False),
     ("embedding", lambda t: pt.embedding(pt.constant(INDICES), t), [(3, 4)], False),
+    ("take_rows_of_a_3d_table", lambda t: ops.take(t, pt.constant(INDICES)), [(3, 2, 2)], False),
+    ("add_rows", lambda v: ops.add_rows(pt.constant(INDICES), v, 4), [(3, 2, 3)], False),
     ("used_twice", lambda a: a * a + pt.exp(a), [(3, 4)], False),
 ]
 

@@ -4,8 +4,9 @@ backward rule (which builds more tensors: gradients are graphs too).
 The building blocks are few: ``elementwise`` (``ir.apply``, numpy broadcasting),
 ``gather`` (an Accum that reads each output cell at an affine index: transpose,
 broadcast, slicing), its adjoint ``scatter_add`` (sums and the gradients of
-gathers), ``einsum`` (matmul), ``reshape`` (a Reshape fetch) and ``concat``
-(several writes into slices of one node).
+gathers), ``take`` (rows picked by data: an embedding) and its adjoint ``add_rows``,
+``einsum`` (matmul), ``reshape`` (a Reshape fetch) and ``concat`` (several writes into
+slices of one node).
 """
 
 from polyjit.tensor.ops.contractions import einsum, matmul
@@ -39,6 +40,7 @@ from polyjit.tensor.ops.elementwise import (
 )
 from polyjit.tensor.ops.indexing import (
     IndexMap,
+    add_rows,
     broadcast_to,
     flat_view,
     gather,
@@ -46,6 +48,7 @@ from polyjit.tensor.ops.indexing import (
     indexed,
     scatter_add,
     sum_to,
+    take,
     transpose,
 )
 from polyjit.tensor.ops.reductions import max, mean, min, sum
@@ -56,6 +59,7 @@ __all__ = [
     "Operand",
     "abs",
     "add",
+    "add_rows",
     "broadcast_to",
     "cast",
     "concat",
@@ -92,6 +96,7 @@ __all__ = [
     "sub",
     "sum",
     "sum_to",
+    "take",
     "tanh",
     "transpose",
     "where",

@@ -1,5 +1,6 @@
 """Affine reads: ``gather`` (an Accum reading each output cell at an affine index of its input:
-transposes, broadcasts, slices) and its adjoint ``scatter_add`` (sums, and the gradients of gathers)."""
+transposes, broadcasts, slices) and its adjoint ``scatter_add`` (sums, and the gradients of gathers);
+rows picked by data: ``take`` (``ir.Gather``) and its adjoint ``add_rows`` (``ir.ScatterAdd``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from polyjit.core import ir
-from polyjit.core.errors import InvalidProgramError, ShapeMismatchError, UnsupportedError
+from polyjit.core.errors import (
+    DTypeMismatchError,
+    InvalidProgramError,
+    ShapeMismatchError,
+    UnsupportedError,
+)
 from polyjit.core.ir import AccumOp, Affine, Op, Symbol
 from polyjit.tensor.tensor import Tensor
 
@@ -44,6 +50,33 @@ def scatter_add(x: Tensor, shape: tuple[int, ...], index: IndexMap, name: str = 
         return [gather(g, x.shape, index, name=f"d_{name}")]
 
     return Tensor(node, (assign,), (x,), backward if x.dtype.is_float else None)
+
+
+def take(table: Tensor, indices: Tensor, name: str = "take") -> Tensor:
+    """``out[i..., j...] = table[indices[i...], j...]``: rows picked by data (``ir.Gather``). An
+    index outside the rows reads the nearest one; a plan refuses such inputs on the host when
+    the indices come from one (``IndexBound``)."""
+    if indices.dtype.is_float or indices.dtype.is_bool:
+        raise DTypeMismatchError(f"take needs integer indices, got {indices.dtype}")
+    node = ir.Node(name, indices.shape + table.shape[1:], table.dtype)
+
+    def backward(g: Tensor, needs: Sequence[bool]) -> list[Tensor | None]:
+        return [add_rows(indices, g, table.shape[0], name=f"d_{name}"), None]
+
+    return Tensor(node, (ir.gather(table.node, indices.node, node),), (table, indices),
+                  backward if table.dtype.is_float else None)
+
+
+def add_rows(indices: Tensor, values: Tensor, rows: int, name: str = "add_rows") -> Tensor:
+    """``out = 0; out[indices[i...], j...] += values[i..., j...]`` in row-major order of the
+    indices (``ir.ScatterAdd``): the adjoint of :func:`take`, ``rows`` rows long."""
+    node = ir.Node(name, (rows, *values.shape[indices.ndim:]), values.dtype)
+
+    def backward(g: Tensor, needs: Sequence[bool]) -> list[Tensor | None]:
+        return [None, take(g, indices, name=f"d_{name}")]
+
+    return Tensor(node, (ir.scatter_add(indices.node, values.node, node),), (indices, values),
+                  backward if values.dtype.is_float else None)
 
 
 def _broadcast_map(src: tuple[int, ...], dst: tuple[int, ...]) -> IndexMap:

@@ -129,6 +129,11 @@ def check_random_matmul_programs(backend: Backend) -> None:
     _hypothesis_check(backend, "matmul_programs")
 
 
+def check_random_gather_programs(backend: Backend) -> None:
+    """Hypothesis: gathers and scatter-adds (rows picked by data, some out of range) match the reference."""
+    _hypothesis_check(backend, "gather_programs")
+
+
 def check_random_affine_programs(backend: Backend) -> None:
     """Hypothesis: random affine projections (strides, offsets, repeated writes) match the reference."""
     _hypothesis_check(backend, "affine_programs")

@@ -7,7 +7,7 @@ import numpy as np
 
 from polyjit.core import dtypes, ir
 from polyjit.core.ir import AccumOp, MemoryMode, Node, Op, StaticSymbol, Symbol
-from polyjit.testing.programs.base import CatalogProgram, f32, program, values
+from polyjit.testing.programs.base import Array, CatalogProgram, Gen, f32, program, values
 
 
 def fetches() -> list[CatalogProgram]:
@@ -55,6 +55,45 @@ def fetches() -> list[CatalogProgram]:
     out.append(program("static.lhs_row_accumulate", wr,
                        inputs=[(v, values(dtypes.int64, v.shape)), (mat, values(dtypes.int64, mat.shape))],
                        outputs=[mat], runs=({rb: 1}, {rb: 1}, {rb: 2}, {rb: 0})))
+    return out
+
+
+def _hostile_indices(rows: int, shape: tuple[int, ...]) -> Gen:
+    """Indices into ``rows`` rows, repeats, and a few outside them (-1, rows, and int32's
+    extremes): a gather clamps them to the nearest row, and nothing reads or writes outside."""
+    def gen(rng: np.random.Generator) -> Array:
+        idx = rng.integers(0, rows, shape).astype(np.int32)
+        flat = idx.reshape(-1)
+        for k, bad in enumerate((-1, rows, np.iinfo(np.int32).min, np.iinfo(np.int32).max)):
+            if 3 * k + 1 < flat.size:
+                flat[3 * k + 1] = bad
+        return idx
+    return gen
+
+
+def rows_by_data() -> list[CatalogProgram]:
+    """Rows picked by data: a gather (an embedding) and its adjoint scatter-add, whose rows
+    picked twice add up in order; indices repeated and out of range (clamped)."""
+    out = []
+    for dt in (dtypes.float32, dtypes.float64, dtypes.float16, dtypes.bfloat16, dtypes.int32):
+        table, idx = Node("table", (7, 2, 3), dt), Node("idx", (5, 4), dtypes.int32)
+        picked, summed = Node("picked", (5, 4, 2, 3), dt), Node("summed", (7, 2, 3), dt)
+        kind = "quarter" if dt.is_float else "small"  # sums exact in any order
+        out.append(program(
+            f"rows.gather_scatter_add.{dt}",
+            comps=[ir.Comp.of(ir.gather(table, idx, picked)), ir.Comp.of(ir.scatter_add(idx, picked, summed))],
+            inputs=[(table, values(dt, table.shape, kind)), (idx, _hostile_indices(7, idx.shape))],
+            outputs=[picked, summed]))
+    # a gather read by a contraction (the embedding of a language model), and an int64 index
+    # into a table of vectors, its result reshaped
+    emb, tok = f32("emb", (27, 16)), Node("tok", (12, 8), dtypes.int64)
+    e, feats, w, h = f32("e", (12, 8, 16)), f32("feats", (12, 128)), f32("w", (128, 10)), f32("h", (12, 10))
+    out.append(program(
+        "rows.embedding_into_matmul",
+        ir.gather(emb, tok, e), ir.reshape(feats, e), ir.einsum("ik,kj->ij", feats, w, into=h),
+        inputs=[(emb, values(dtypes.float32, emb.shape, "quarter")),
+                (tok, lambda rng: rng.integers(0, 27, tok.shape)), (w, values(dtypes.float32, w.shape, "quarter"))],
+        outputs=[h], rtol=1e-5, atol=1e-5))
     return out
 
 
