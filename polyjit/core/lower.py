@@ -248,13 +248,11 @@ def _why_not_view(
 ) -> str | None:
     """A reshape only renames indices (row-major order keeps the flat index): every reader,
     however many, loads the source instead, unless the source changes before a read."""
-    comp, view = leaves[w][0], ir.writes(leaves[w][1])
+    comp = leaves[w][0]
     for r in rpos:
-        rcomp, reader = leaves[r]
+        rcomp = leaves[r][0]
         if r <= w:
             return "it is read before it is written"
-        if isinstance(reader, ir.Fetch) and isinstance(reader.value, ir.Gather) and reader.value.table is view:
-            return "a gather reads it at rows picked by data"
         if rcomp != comp:
             return "its reader is in another computation of the batch"
     for _, between in leaves[w + 1 : max(rpos, default=w) + 1]:
@@ -380,11 +378,21 @@ class _Lowerer:
             return self.read(v.source, (v.index, *cell))
         if isinstance(v, ir.Reshape):  # same row-major order: the flat index carries over
             return self.load_flat(v.source, flat_index(f.node, cell))
-        if isinstance(v, ir.Gather):
+        if isinstance(v, ir.Gather):  # a view's rows are its source's at the same flat index
             k = len(v.indices.shape)
-            return Load(v.table, flat_index(v.table, (ir.as_affine(0), *cell[k:])),
+            return Load(self.stored(v.table), flat_index(v.table, (ir.as_affine(0), *cell[k:])),
                         row=self.picked_row(v.indices, cell[:k], v.table))
         raise InvalidProgramError(f"{f.node.label} cannot be inlined")
+
+    def stored(self, node: Node) -> Node:
+        """The node whose buffer holds ``node``'s elements in its row-major order: itself, or
+        for an inlined reshape, its source (through any chain of them)."""
+        while self.inference.modes.get(node) is MemoryMode.VIRTUAL:
+            writer = self.inference.writer[node]
+            if not (isinstance(writer, ir.Fetch) and isinstance(writer.value, ir.Reshape)):
+                raise InvalidProgramError(f"{node.label} is inlined but read at rows picked by data")
+            node = writer.value.source
+        return node
 
     def picked_row(self, indices: Node, at: Sequence[Affine], table: Node) -> Row:
         return Row(self.read(indices, at), table.shape[0], math.prod(table.shape[1:]))

@@ -77,9 +77,15 @@ def cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
     z = logits - ops.detach(ops.max(logits, -1, keepdims=True))
     lse = ops.log(ops.sum(ops.exp(z), -1, keepdims=True))
     n = logits.shape[-1]
-    hot = _one_hot(labels, n, logits.dtype, f"cross_entropy labels over {n} classes")
-    scale = 1.0 / max(math.prod(labels.shape), 1)
-    loss = ops.elementwise(Op.MUL, ops.sum(hot * (lse - z)), scale, name="cross_entropy")
+    hot = _one_hot(labels, n, logits.dtype, f"cross_entropy labels over {n} classes")  # for the gradient
+    rows = math.prod(labels.shape)
+    scale = 1.0 / max(rows, 1)
+    # z at each label, picked by a gather from z's flat view (one logit a row): rows terms to
+    # sum, not rows * n products with a one-hot
+    at_dtype = dtypes.int32 if rows * n < 2**31 else dtypes.int64
+    at = ops.cast(labels.reshape(rows), at_dtype) + arange(rows, at_dtype) * n
+    picked = ops.take(z.reshape(rows * n, 1), at, name="label_logit")
+    loss = ops.elementwise(Op.MUL, ops.sum(lse.reshape(rows, 1) - picked), scale, name="cross_entropy")
 
     def backward(g: Tensor, needs: Sequence[bool]) -> list[Tensor | None]:
         # d loss / d logits = (softmax - one_hot) / n: one fused kernel instead of the chain
