@@ -173,3 +173,19 @@ def test_source_of_a_batch_is_one_file_with_every_kernel() -> None:
     src = codegen.generate(batch, codegen.Dialect())
     assert src.text.count("void chain_3(") == 1 and src.text.count("void mm_0(") == 1
     assert [len(k) for k in src.kernels] == [1, 1]
+
+
+def test_gather_and_scatter_add_refuse_bad_programs_naming_the_nodes() -> None:
+    t, i = ir.Node("table", (5, 3)), ir.Node("idx", (4,), "int32")
+    with pytest.raises(ShapeMismatchError, match=r"gather into out#\d+: out#\d+ has shape \(4, 2\), expected \(4, 3\)"):
+        ir.gather(t, i, ir.Node("out", (4, 2)))
+    with pytest.raises(DTypeMismatchError, match=r"indices f#\d+ are float32, not integers"):
+        ir.gather(t, ir.Node("f", (4,)), ir.Node("out", (4, 3)))
+    with pytest.raises(DTypeMismatchError, match=r"scatter_add into d#\d+ \(float64\) from v#\d+ \(float32\)"):
+        ir.scatter_add(i, ir.Node("v", (4, 3)), ir.Node("d", (5, 3), "float64"))
+    with pytest.raises(ShapeMismatchError, match="has no rows to pick"):
+        ir.gather(ir.Node("empty", (0, 3)), i, ir.Node("out", (4, 3)))
+    v = ir.Node("v", (4, 3))
+    with pytest.raises(InvalidProgramError, match=r"scatter_add into v#\d+ reads v#\d+"):
+        ir.scatter_add(i, v, v)
+    ir.gather(ir.Node("empty", (0, 3)), ir.Node("none", (0,), "int32"), ir.Node("out", (0, 3)))  # nothing to pick

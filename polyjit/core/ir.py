@@ -422,8 +422,8 @@ def _check_row_pick(node: Node, v: Gather | ScatterAdd) -> None:
     if v.indices.dtype.is_float or v.indices.dtype.is_bool:
         raise DTypeMismatchError(f"{what} into {node.label}: indices {v.indices.label} are "
                                  f"{v.indices.dtype}, not integers")
-    if not table.shape or table.shape[0] == 0:
-        raise ShapeMismatchError(f"{what} into {node.label}: {table.label} {table.shape} has no rows")
+    if not table.shape or (table.shape[0] == 0 and v.indices.size > 0):
+        raise ShapeMismatchError(f"{what} into {node.label}: {table.label} {table.shape} has no rows to pick")
     if picked.shape != v.indices.shape + table.shape[1:]:
         raise ShapeMismatchError(
             f"{what} into {node.label}: {picked.label} has shape {picked.shape}, expected "

@@ -234,3 +234,16 @@ def test_compiled_forward_and_gradients_match_the_reference() -> None:
     modes = plan.memory_modes()
     assert MemoryMode.VIRTUAL in modes.values()  # elementwise chains were fused
     plan.close()
+
+
+def test_cross_entropy_of_an_empty_batch_and_of_one_row() -> None:
+    """The loss picks each row's logit by a gather: an empty batch (nothing to pick) sums to
+    zero, and one row of logits with a 0-d label is -log softmax at the label."""
+    x, y = pt.input("x", (0, 4)), pt.input("y", (0,), "int32")
+    plan = pt.compile({"l": pt.cross_entropy(x, y)})
+    assert plan.run(x=np.zeros((0, 4), np.float32), y=np.zeros((0,), np.int32))["l"] == 0.0
+    x1, y1 = pt.input("x1", (4,)), pt.input("y1", (), "int32")
+    plan = pt.compile({"l": pt.cross_entropy(x1, y1)})
+    xv = np.array([1.0, 2.0, 0.5, -1.0], np.float32)
+    got = plan.run(x1=xv, y1=np.array(2, np.int32))["l"]
+    np.testing.assert_allclose(got, np.log(np.exp(xv.astype(np.float64)).sum()) - xv[2], rtol=1e-6)
