@@ -30,6 +30,7 @@ __all__ = [
     "build_shared",
     "c_compiler",
     "compiler_identity",
+    "default_flags",
 ]
 
 # GCC 12 (Debian's 12.2) miscompiles some leaf kernels for AVX-512 hosts: it zeroes a local
@@ -49,6 +50,36 @@ CPU_FLAGS: tuple[str, ...] = (
     "-fno-math-errno",
     *_NO_RED_ZONE,
 )
+
+# Hosts with AVX512-FP16 (Intel Sapphire Rapids and later): ``-march=native`` lets GCC compute
+# in _Float16 natively, and it then narrows a float32 op whose result is rounded to float16
+# back into a float16 op and contracts a product and a sum into one float16 FMA, skipping the
+# product's rounding (half.fused_chain.float16 read 4 ulps off). Kernels compute the half types
+# in float32 and round after each op (core/codegen.py); this keeps GCC to that, with the
+# conversions still in hardware (F16C). Older compilers do not know the flag, and need none.
+_NO_NATIVE_HALF = "-mno-avx512fp16"
+
+
+@functools.cache
+def _accepts(cc: str, flag: str) -> bool:
+    """Whether the compiler ``cc`` accepts ``flag`` (it compiles an empty unit with it)."""
+    argv = _argv(cc)
+    if not argv or shutil.which(argv[0]) is None:
+        return False
+    try:
+        proc = subprocess.run([*argv, flag, "-x", "c", "-c", "-o", os.devnull, "-"], input="",
+                              capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return proc.returncode == 0
+
+
+def default_flags() -> tuple[str, ...]:
+    """The flags kernels are built with by the compiler ``$CC`` names now: :data:`CPU_FLAGS`,
+    and on x86 ``-mno-avx512fp16`` where that compiler knows it."""
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    return CPU_FLAGS + ((_NO_NATIVE_HALF,) if x86 and _accepts(c_compiler(), _NO_NATIVE_HALF) else ())
+
 
 # Default cache for every shared library built here (kernels and the stream runtime).
 SHARED_CACHE = BinaryCache("cpu", ".so")
@@ -95,11 +126,16 @@ class CCompiler(CachingCompiler):
     namespace = "cpu"
     suffix = ".so"
 
-    def __init__(self, flags: Sequence[str] = CPU_FLAGS, extra_libs: Sequence[str] = ("-lm",),
+    def __init__(self, flags: Sequence[str] | None = None, extra_libs: Sequence[str] = ("-lm",),
                  cache: BinaryCache | None = None) -> None:
         super().__init__(SHARED_CACHE if cache is None else cache)
-        self.flags = tuple(flags)
+        self._flags = None if flags is None else tuple(flags)
         self.extra_libs = tuple(extra_libs)
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        """The flags given, else those of the compiler ``$CC`` names now (:func:`default_flags`)."""
+        return default_flags() if self._flags is None else self._flags
 
     def identity(self) -> tuple[str, ...]:
         return (compiler_identity(), " ".join(self.flags), " ".join(self.extra_libs))
@@ -133,7 +169,7 @@ class CCompiler(CachingCompiler):
 def build_shared(
     source: str,
     *,
-    flags: Sequence[str] = CPU_FLAGS,
+    flags: Sequence[str] | None = None,
     extra_libs: Sequence[str] = ("-lm",),
     cache: BinaryCache | None = None,
     target: Target = (),
