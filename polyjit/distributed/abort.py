@@ -3,7 +3,8 @@
 Without this, a rank that raises exits while the others wait in their next collective
 until its timeout (or for ever, in plain MPI). ``import polyjit.distributed`` installs a
 ``sys.excepthook`` that, in a job of more than one rank, prints the traceback with every
-line tagged ``[rank R]`` to stderr, flushes it, and calls ``MPI_Abort`` on COMM_WORLD, so
+line tagged ``[rank R]`` to stderr, flushes it, gives the launcher 0.1 s to forward it, and
+calls ``MPI_Abort`` on COMM_WORLD, so
 ``mpiexec`` kills every rank and exits non-zero at once.
 
 Opt out with ``POLYJIT_MPI_ABORT=0`` in the environment (read at import), or
@@ -15,12 +16,17 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 from types import TracebackType
 from typing import Any
 
 ENV = "POLYJIT_MPI_ABORT"
 ABORT_CODE = 1
+# MPI_Abort kills the ranks at once, and the launcher forwards a rank's stderr on its own
+# time: a line written just before the abort was lost once in a loaded test run. The abort
+# waits this long after the flush, for the launcher to read it.
+FORWARD_PAUSE_S = 0.1
 
 _previous: Any = None
 
@@ -52,11 +58,12 @@ def _hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType |
         previous(exc_type, exc, tb)
         return
     try:
-        sys.stderr.write(tagged_traceback(rank, exc_type, exc, tb))
-        sys.stderr.write(f"[rank {rank}] polyjit.distributed: an uncaught exception on rank {rank} of {size}: "
+        sys.stderr.write(tagged_traceback(rank, exc_type, exc, tb)
+                         + f"[rank {rank}] polyjit.distributed: an uncaught exception on rank {rank} of {size}: "
                          f"aborting the job (MPI_Abort; {ENV}=0 turns this off)\n")
         sys.stderr.flush()
         sys.stdout.flush()
+        time.sleep(FORWARD_PAUSE_S)
     finally:
         world.Abort(ABORT_CODE)
 
