@@ -123,6 +123,37 @@ def test_streaming_store_kernels_match_numpy_including_the_tail() -> None:
     routine.context.finalize()
 
 
+@pytest.mark.parametrize(("spec", "a_shape", "b_shape", "packed"), [
+    ("ik,kj->ij", (64, 256), (256, 1024), True),  # rows of y a power of two apart
+    ("bik,bkj->bij", (3, 20, 70), (3, 70, 96), True),  # a panel per batch index and column block
+    ("ki,kj->ij", (50, 30), (50, 72), True),  # x transposed; 72 columns: 2 full blocks and an edge
+    ("ik,kj->ij", (13, 40), (40, 64), True),  # an edge tile of one row reads the panel too
+    ("ik,kj->ij", (6, 100), (100, 64), False),  # one row tile: a panel would be read once
+    ("ik,kj->ij", (12, 2000), (2000, 32), False),  # a panel over PACK_MAX_BYTES: read in place
+])
+def test_register_tiles_pack_panels_of_y(spec: str, a_shape: tuple[int, ...], b_shape: tuple[int, ...],
+                                         packed: bool) -> None:
+    """Full-width tiles read y from a panel packed once per (batch, column block) where one
+    panel serves several row tiles and fits PACK_MAX_BYTES; products match numpy either way,
+    whichever threads share the range."""
+    from polyjit.backends.cpu.tiles import PACK_MAX_BYTES
+    backend = get_backend("cpu")
+    a, b = ir.Node("a", a_shape), ir.Node("b", b_shape)
+    rng = np.random.default_rng(11)
+    av, bv = rng.standard_normal(a_shape).astype(np.float32), rng.standard_normal(b_shape).astype(np.float32)
+    want = np.einsum(spec, av, bv)
+    out = ir.Node("out", want.shape)
+    code = backend.compile(ir.Comp.of(ir.einsum(spec, a, b, into=out)), name="packed")
+    assert ("pj_panel" in code.source) == packed, code.source
+    assert PACK_MAX_BYTES < 2000 * 2 * 64  # the last case is over the bound on every vector width
+    ctx = backend.get_device(0).make_context().init_from_host(a, av).init_from_host(b, bv)
+    routine = ctx.link(code)
+    for _ in range(3):  # the range shared differently each run (the host thread may join)
+        routine.run()
+        np.testing.assert_allclose(routine.context.read(out), want, rtol=1e-4, atol=1e-4)
+    ctx.finalize()
+
+
 def test_narrow_matmuls_and_column_sums_stay_vectorized() -> None:
     """A 256x10 head is all edge tiles: they run masked vectors, not scalar loops; a column sum
     accumulates rows into a block of outputs. Both match numpy."""
