@@ -125,6 +125,9 @@ class Dialect:
     # A kernel of less work than this (innermost iterations) runs on one thread: a team
     # costs microseconds.
     omp_min_work = 32768
+    # A tiled contraction of fewer multiply-adds than this runs on one thread (its operands
+    # would move between cores for little compute).
+    shared_matmul_min_work = 32768
     work_group = 256  # work-items of a generic work-group (GPU mappings)
     max_work_group = 256  # of a group reduction's few, very long cells
     group_reductions = False  # a work-group per cell for few, long reductions

@@ -270,7 +270,7 @@ def _loops_plan(kernel: Kernel, d: Dialect) -> KernelPlan:
         lanes = d.vector_bytes // c.reduce.node.dtype.itemsize
         bn = REGISTER_VECTORS * lanes
         tiles = Tiles(REGISTER_ROWS, bn, 1, REGISTER_ROWS, bn, lanes)
-        team = len(c.batch) + 2 if kernel.total_work >= d.omp_min_work else 0
+        team = len(c.batch) + 2 if kernel.total_work >= d.shared_matmul_min_work else 0
         tiles_ij = -(-c.m // tiles.tm) * -(-c.n // tiles.tn)
         return KernelPlan(CONTRACTION, launch, REGISTER_TILES, team, c.batch_size * tiles_ij if team else 1,
                           contraction=c, tiles=tiles)

@@ -24,10 +24,12 @@ class CpuDialect(Dialect):
     matmul_rows = True  # they load rows of y and the output as vectors
     shape_emitters = tiles.SHAPES
     ranged = True  # the runtime shares each kernel's range among threads (runtime.c, run_chunks)
-    # Share the range from 8192 iterations (the base: 32768): a grain is handed out by one
-    # atomic add, and the host thread waiting for a step's loss takes grains of the forward
-    # pass's mid-sized kernels (char_lm's tanh, exp-sums, one-hots): 55.0 -> 54.0 µs a step.
-    omp_min_work = 8192
+    # Ranges are shared from the base's 32768 iterations, and matmuls from 2M multiply-adds
+    # (about 20 us on one core): a kernel shared between two cores moves its operands and its
+    # output between their caches. On the 2-core Intel VM of session 7 char_lm stepped in
+    # 88 us sharing from 8192 iterations and every matmul, in 70 us with these; the MLP's
+    # 51M-multiply-add matmuls still run on both cores (docs/benchmarks.md, session 7).
+    shared_matmul_min_work = 1 << 21
 
     def __init__(self, vector_bytes: int | None = None) -> None:
         self.vector_bytes = vector_bytes or host_cpu().vector_bytes
