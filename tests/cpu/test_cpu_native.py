@@ -23,6 +23,7 @@ from polyjit.backends.cpu.native import (
     TEAM_ADAPT,
     TEAM_NONE,
     NativeRuntime,
+    _apply_contention_mode,
     load_runtime,
 )
 from polyjit.core.cache import BinaryCache
@@ -387,6 +388,37 @@ def test_sync_sleeps_past_the_spin(rt: NativeRuntime, kernels: Kernels, stream: 
     rt.sync(stream, t)
     assert flag[0] == 1
     assert time.perf_counter() - t0 >= 0.29
+
+
+def test_parked_waiters_on_different_tickets_each_wake_at_theirs(
+    rt: NativeRuntime, kernels: Kernels, stream: int
+) -> None:
+    """Waiters park for tickets spread over a queue of tasks longer than any spin budget;
+    the worker wakes them only once the smallest ticket asked for is done, and each asks
+    again after a wake-up that is not its own: every one returns, none before its task."""
+    flags = np.zeros(24, dtype=np.int64)
+    tickets = [kernels.launch(stream, "slow_write", [ptr(flags[k:])], [2_000, k + 1]) for k in range(24)]
+    order = [tickets[k] for k in (23, 0, 11, 5, 17, 2, 20, 8, 14, 5, 23)]  # two wait for the same
+    seen: dict[int, list[int]] = {}
+
+    def wait(n: int, ticket: int) -> None:
+        rt.sync(stream, ticket)
+        seen[n] = flags.tolist()
+
+    threads = [threading.Thread(target=wait, args=(n, t), daemon=True) for n, t in enumerate(order)]
+    rt.set_contention(*CONTENTION_MODES["off"])  # sensed contention would let waiters run the tasks
+    try:
+        for th in threads:
+            th.start()
+        deadline = time.monotonic() + 20
+        for th in threads:
+            th.join(timeout=max(0.0, deadline - time.monotonic()))
+    finally:
+        _apply_contention_mode(rt)
+    assert not any(th.is_alive() for th in threads), "a waiter was never woken"
+    for n, ticket in enumerate(order):
+        k = tickets.index(ticket)
+        assert all(seen[n][: k + 1]), f"waiter {n} returned before task {k} was done: {seen[n]}"
 
 
 def test_worker_wakes_after_sleeping(rt: NativeRuntime, kernels: Kernels, stream: int) -> None:

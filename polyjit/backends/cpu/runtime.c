@@ -17,7 +17,8 @@
  * Wake-ups: an idle worker spins for a short while (new work usually
  * arrives within microseconds), then parks (a futex on Linux); producers
  * wake it only when it parks. Host waits do the same on `done`, and the
- * worker wakes them only when someone parks. The flag/counter handshakes
+ * worker wakes them only when someone parks and `done` reaches the smallest
+ * ticket a parked waiter asked for (wake_at). The flag/counter handshakes
  * use seq_cst atomics on both sides (a Dekker pattern), so a wake-up is
  * never lost: either the sleeper sees the new value, or the waker sees the
  * sleeper. Spinners yield the CPU after a few microseconds, in case the
@@ -137,7 +138,11 @@ typedef struct pj_stream {
     pthread_mutex_t prod_mu;                      /* serializes producers */
     /* Consumer side (the worker). */
     _Alignas(PJ_CACHELINE) _Atomic uint64_t done; /* tasks completed */
-    _Atomic uint32_t done_seq; /* bumped when done changes while someone parks on it */
+    _Atomic uint32_t done_seq; /* bumped when done reaches wake_at while someone parks on it */
+    /* The smallest ticket a parked waiter waits for (UINT64_MAX: none asked): a task done
+     * before it wakes nobody (a host waiting for a step's last task was woken, and the worker
+     * paid a futex call, for every task of the step). */
+    _Atomic uint64_t wake_at;
     /* 1 while a thread runs the ring's tasks: the worker, or a host thread that waits for
      * them while the machine is contended (see wait_done_host). */
     _Atomic int consuming;
@@ -451,6 +456,12 @@ static void wait_done(pj_stream* s, uint64_t ticket) {
     if (!atomic_load_explicit(&s->consuming, memory_order_seq_cst)) wake_worker(s);
     for (;;) {
         uint32_t seq = atomic_load_explicit(&s->done_seq, memory_order_seq_cst);
+        /* Ask for ticket after reading the sequence: a reset of wake_at that drops this
+         * request bumps the sequence after it, so the park below returns and asks again. */
+        uint64_t asked = atomic_load_explicit(&s->wake_at, memory_order_seq_cst);
+        while (ticket < asked && !atomic_compare_exchange_weak_explicit(&s->wake_at, &asked, ticket,
+                                                                        memory_order_seq_cst, memory_order_seq_cst)) {
+        }
         if (atomic_load_explicit(&s->done, memory_order_seq_cst) >= ticket) break;
         park(&s->done_seq, seq);
     }
@@ -663,7 +674,10 @@ static int consume(pj_stream* s, uint64_t until, int helper) {
         head++;
         /* Publishing `done` frees the slot; t must not be touched after this. */
         atomic_store_explicit(&s->done, head, memory_order_seq_cst);
-        if (atomic_load_explicit(&s->waiters, memory_order_seq_cst) > 0) {
+        if (atomic_load_explicit(&s->waiters, memory_order_seq_cst) > 0 &&
+            head >= atomic_load_explicit(&s->wake_at, memory_order_seq_cst)) {
+            /* every waiter wakes, and those still short of their ticket ask again */
+            atomic_store_explicit(&s->wake_at, UINT64_MAX, memory_order_seq_cst);
             atomic_fetch_add_explicit(&s->done_seq, 1, memory_order_seq_cst);
             unpark_all(&s->done_seq);
         }
@@ -735,6 +749,7 @@ PJ_EXPORT void* pj_stream_create(int num_threads, const int* cpus, int ncpus) {
     memset(s, 0, sizeof(*s));
     atomic_store(&s->refs, 1);
     atomic_store(&s->adaptive, 1);
+    atomic_store(&s->wake_at, UINT64_MAX);
 #ifdef __linux__
     s->helpable = cpus == NULL || ncpus <= 0;
 #else
