@@ -22,16 +22,19 @@ Kernels merge when, and only when:
 
 Anything else stays as it was. Fusion never changes a value: each store computes the same
 expression from the same values as before.
+
+:func:`fuse_epilogues` (at the end) merges an elementwise kernel into the tiled contraction
+right before it, as the epilogue its tiles run (docs/architecture.md, "Epilogues").
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence, Set
+from collections.abc import Callable, Sequence, Set
 
 import attrs
 
 from polyjit.core import ir
-from polyjit.core.ir import Affine, Node
+from polyjit.core.ir import Affine, Node, Symbol
 from polyjit.core.loops import Kernel, Load, Reduce, Seq, Store, map_stmt, walk_exprs, walk_stmts
 from polyjit.core.patterns import fusable
 
@@ -149,3 +152,68 @@ def _join(schedule: list[_Entry], kernel: Kernel, scratch: Set[Node]) -> bool:
             return True
     return False
 
+
+
+# ---------------------------------------------------------------------------
+# Epilogues: an elementwise kernel run on each output tile of the contraction before it
+
+
+def fuse_epilogues(kernels: Sequence[Kernel], tiled: Callable[[Kernel], bool]) -> list[Kernel]:
+    """The kernels of one computation, in order, with each elementwise kernel that reads the
+    output of the tiled contraction right before it (``tiled``: the dialect tiles this
+    kernel, with epilogues) merged into it as the contraction's epilogue (a ``Seq``: the sum,
+    then the elementwise stores; see :func:`_epilogue`)."""
+    out: list[Kernel] = []
+    for k in kernels:
+        fused = _epilogue(out[-1], k) if out and tiled(out[-1]) else None
+        if fused is not None:
+            out[-1] = fused
+        else:
+            out.append(k)
+    return out
+
+
+def _epilogue(p: Kernel, e: Kernel) -> Kernel | None:
+    """``p`` (a contraction: a fresh sum per output cell) with ``e`` run on each of its cells
+    right after the cell's sum is stored, when that computes what ``p`` then ``e`` did:
+
+    - ``e`` is elementwise (stores only, no row picked by data) over the same parallel
+      space (its symbols written in ``p``'s, see :func:`_onto`), and reads ``p``'s output only at the cell
+      that iteration of ``p`` writes: the cell's final sum;
+    - ``e`` writes nothing ``p`` reads or writes: ``p``'s later cells read what they did."""
+    r = p.body
+    if not isinstance(r, Reduce) or r.init is None:
+        return None
+    stmts = e.body.body if isinstance(e.body, Seq) else (e.body,)
+    if not all(isinstance(st, Store) and st.row is None for st in stmts):
+        return None
+    env = _onto(e.parallel, p.parallel)
+    if env is None:
+        return None
+    renamed = [map_stmt(st, lambda a: a.substitute(env)) for st in stmts]
+    c = r.node
+    reads = [x for st in renamed for x in walk_exprs(st) if isinstance(x, Load) and x.node is c]
+    if not reads or any(x.merge or x.row is not None or x.index != r.index for x in reads):
+        return None
+    if {st.node for st in renamed if isinstance(st, Store)} & (set(p.inputs) | {c}):
+        return None
+    comment = f"{p.comment}; {e.comment}" if e.comment else p.comment
+    return Kernel(p.name, p.parallel, Seq((r, *renamed)), comment)
+
+
+def _onto(nest: tuple[tuple[Symbol, int], ...], onto: tuple[tuple[Symbol, int], ...]) -> dict[ir.Var, Affine] | None:
+    """Each symbol of ``nest`` as an index over ``onto``'s symbols, when ``nest`` is ``onto``
+    with runs of adjacent loops merged into one (lowering merges an elementwise kernel's
+    contiguous loops): a merged loop's symbol is its run's row-major flat index. None if it
+    is not."""
+    env: dict[ir.Var, Affine] = {}
+    pos = 0
+    for sym, extent in nest:
+        flat, size = ir.as_affine(0), 1
+        while size < extent and pos < len(onto):
+            s, n = onto[pos]
+            flat, size, pos = flat.scale(n) + ir.as_affine(s), size * n, pos + 1
+        if size != extent:
+            return None
+        env[sym] = flat
+    return env if pos == len(onto) else None

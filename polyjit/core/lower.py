@@ -29,7 +29,7 @@ import numpy as np
 
 from polyjit.core import ir
 from polyjit.core.errors import InvalidProgramError
-from polyjit.core.fusion import fuse_horizontal
+from polyjit.core.fusion import fuse_epilogues, fuse_horizontal
 from polyjit.core.ir import Affine, MemoryMode, Node, Symbol
 from polyjit.core.loops import (
     Call,
@@ -594,9 +594,12 @@ def split_long_reduction(k: Kernel) -> tuple[list[Kernel], Node | None]:
 # The batch
 
 
-def lower(comps: Sequence[ir.Comp], names: Sequence[str], horizontal: bool = True) -> LoweredBatch:
+def lower(comps: Sequence[ir.Comp], names: Sequence[str], horizontal: bool = True,
+          epilogues: Callable[[Kernel], bool] | None = None) -> LoweredBatch:
     """Lower a batch of computations into kernels (the names must be C identifiers);
-    ``horizontal``: merge elementwise kernels of one iteration space (core/fusion.py)."""
+    ``horizontal``: merge elementwise kernels of one iteration space; ``epilogues``: the
+    contractions the target tiles with an epilogue, each merged with the elementwise kernel
+    after it that reads it (core/fusion.py)."""
     inference = infer_modes(comps)
     lowerer = _Lowerer(inference)
     out: list[LoweredComp] = []
@@ -636,6 +639,8 @@ def lower(comps: Sequence[ir.Comp], names: Sequence[str], horizontal: bool = Tru
         if horizontal:
             local = {n for n, m in inference.modes.items() if m is MemoryMode.LOCAL}
             kernels = fuse_horizontal(kernels, local)
+        if epilogues is not None:
+            kernels = fuse_epilogues(kernels, epilogues)
         if len(merges) > 1:
             labels = ", ".join(sorted(m.label for m in merges))
             raise InvalidProgramError(f"computation {name} reads several merge-buffer nodes: {labels}")

@@ -40,6 +40,8 @@ from polyjit.core.loops import (
     Load,
     Loop,
     Reduce,
+    Seq,
+    Stmt,
     Store,
     walk_exprs,
     walk_stmts,
@@ -120,6 +122,9 @@ class Contraction:
     n: int
     k: Symbol
     kk: int
+    # Elementwise stores run on each output cell once its sum is stored (they read it back at
+    # its own index: core/fusion.py's fuse_epilogues); () for a plain contraction.
+    epilogue: tuple[Stmt, ...] = ()
 
     @property
     def row_major(self) -> bool:
@@ -136,8 +141,13 @@ class Contraction:
 
 def match_contraction(k: Kernel) -> Contraction | None:
     """The kernel as a :class:`Contraction` (a float sum of products of two loads over one
-    loop), if it is one: the one matcher every dialect's plan starts from."""
-    r = k.body
+    loop), if it is one: the one matcher every dialect's plan starts from. A ``Seq`` whose
+    first statement is such a sum and the rest elementwise stores is one with an epilogue."""
+    body = k.body
+    stmts = body.body if isinstance(body, Seq) else (body,)
+    r, epilogue = stmts[0], stmts[1:]
+    if any(not isinstance(st, Store) for st in epilogue):
+        return None
     if not isinstance(r, Reduce) or r.accum is not ir.AccumOp.ADD or len(r.loops) != 1:
         return None
     if len(k.parallel) < 2 or not r.node.dtype.is_float or not (r.init is None or isinstance(r.init, Const)):
@@ -157,7 +167,7 @@ def match_contraction(k: Kernel) -> Contraction | None:
         return None
     extent = dict(k.parallel)
     batch = tuple((s, n) for s, n in k.parallel if s not in (i, j))
-    return Contraction(k, r, x, y, batch, i, extent[i], j, extent[j], ks, kk)
+    return Contraction(k, r, x, y, batch, i, extent[i], j, extent[j], ks, kk, epilogue)
 
 
 def _roles(k: Kernel, a: Load, b: Load) -> tuple[Load, Load, Symbol, Symbol] | None:
@@ -239,6 +249,8 @@ def _contraction(kernel: Kernel, d: Dialect) -> Contraction | None:
     if not d.matmul:
         return None
     c = match_contraction(kernel)
+    if c is not None and c.epilogue and not d.matmul_epilogues:
+        return None
     if c is None or c.reduce.node.dtype not in d.matmul_dtypes or (d.matmul_rows and not c.row_major):
         return None
     if c.reduce.node.dtype.is_half:  # the tiles hold and load the stored type: no half conversions

@@ -22,6 +22,7 @@ class CpuDialect(Dialect):
     name = "c"
     matmul = True  # register tiles, whatever the size: they never lose to the plain loop
     matmul_rows = True  # they load rows of y and the output as vectors
+    matmul_epilogues = True  # and run the elementwise kernel after them on each tile
     shape_emitters = tiles.SHAPES
     ranged = True  # the runtime shares each kernel's range among threads (runtime.c, run_chunks)
     # Ranges are shared from the base's 32768 iterations, and matmuls from 2M multiply-adds

@@ -27,8 +27,15 @@ from __future__ import annotations
 import re
 
 from polyjit.core import dtypes
-from polyjit.core.codegen import Emitter, Names, ShapeEmitter, emit_loops, range_loops
-from polyjit.core.loops import Kernel, Reduce, Store
+from polyjit.core.codegen import (
+    Emitter,
+    Names,
+    ShapeEmitter,
+    emit_loops,
+    hoist_invariant_loads,
+    range_loops,
+)
+from polyjit.core.loops import Kernel, Reduce, Seq, Store
 from polyjit.core.patterns import (
     COLUMN,
     COLUMN_BLOCK,
@@ -157,6 +164,8 @@ def register_tiles(em: Emitter, kernel: Kernel, plan: KernelPlan, names: Names) 
     loops = [(names.var(s), n) for s, n in c.batch] + [("pj_tj", tiles_j), ("pj_ti", tiles_i)]
     nest, depth = _open_nest(loops, plan.team > 0)
     lines = [f"  typedef {em.d.type_name(dt)} pj_vec __attribute__((vector_size({em.d.vector_bytes})));"]
+    if c.epilogue:  # an optimizer's learning rate and bias corrections, read once
+        lines += hoist_invariant_loads(em, kernel, 1)
     packs = full_j > 0 and tiles_i > 1 and PACK_MIN_BYTES <= c.kk * nv * em.d.vector_bytes <= PACK_MAX_BYTES \
         and c.y.node is not c.reduce.node
     if packs:  # the panel of y that full-width tiles read, packed once per panel (see _pack)
@@ -187,6 +196,7 @@ def register_tiles(em: Emitter, kernel: Kernel, plan: KernelPlan, names: Names) 
             lines += [f"{p}  {ln}" for ln in _pack(em, plan, names, key)]
         lines += [f"{p}  {ln}" for ln in _tile(em, plan, names, rows, vecs, tail, packed)]
     lines.append(f"{p}}}")
+    em.hoisted.clear()
     return lines + _close_nest(depth)
 
 
@@ -260,6 +270,12 @@ def _tile(em: Emitter, plan: KernelPlan, names: Names, rows: int, vecs: int, tai
         for v in range(nvt):
             lines += ["{", f"  const int64_t {i} = pj_i0 + {r}, {j} = pj_j0 + {v * lanes};",
                       f"  {store(out, f'acc[{r}][{v}]', v)}", "}"]
+    if c.epilogue:  # each cell of the tile, its sum just stored (in the L1 cache): j innermost
+        lines += [f"for (int64_t pj_er = 0; pj_er < {rows}; ++pj_er) {{",
+                  f"  const int64_t {i} = pj_i0 + pj_er;",
+                  f"  for (int64_t pj_ec = 0; pj_ec < {vecs * lanes + tail}; ++pj_ec) {{",
+                  f"    const int64_t {j} = pj_j0 + pj_ec;",
+                  *em.stmt(Seq(c.epilogue), 2), "  }", "}"]
     return lines
 
 

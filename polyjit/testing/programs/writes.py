@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 
 from polyjit.core import dtypes, ir
-from polyjit.core.ir import AccumOp, Node, Op, Symbol
+from polyjit.core.ir import AccumOp, MemoryMode, Node, Op, Symbol
 from polyjit.testing.programs.base import CatalogProgram, f32, program, values
 
 
@@ -114,6 +114,67 @@ def writes() -> list[CatalogProgram]:
     diag_read = ir.Accum(dvec, None, Op.ID, (dread,), ir.projections([(i, 6)], [i], [i, i]))
     out.append(program("read.diagonal", diag_read,
                        inputs=[(dread, values(dtypes.float64, dread.shape))], outputs=[dvec]))
+    return out
+
+
+def epilogues() -> list[CatalogProgram]:
+    """A contraction and the elementwise kernel after it that reads it (merged into its
+    epilogue where the dialect tiles contractions with one), and the cases that must stay
+    apart: the consumer writes an operand, or reads the product at another cell. Sizes cut
+    full and edge tiles of rows and columns."""
+    out = []
+    ON = MemoryMode.ON_DEVICE  # a product read by one consumer is scratch unless kept
+    for dt in (dtypes.float32, dtypes.float64):
+        q = functools.partial(values, dt, kind="quarter")
+        x, w, bias = Node("x", (20, 33), dt), Node("w", (33, 40), dt), Node("bias", (40,), dt)
+        h, biased, act = Node("h", (20, 40), dt, ON), Node("biased", (20, 40), dt), Node("act", (20, 40), dt)
+        out.append(program(  # bias and activation on each tile; the product is kept as well
+            f"epilogue.bias_relu.{dt}", ir.einsum("ik,kj->ij", x, w, into=h),
+            ir.apply(Op.ADD, h, bias, into=biased), ir.apply(Op.RELU, biased, into=act),
+            inputs=[(x, q(x.shape)), (w, q(w.shape)), (bias, q(bias.shape))], outputs=[h, act],
+            virtual=(biased,),
+        ))
+        # an optimizer's update of a weight from its gradient, in place (momentum, then the weight)
+        a, d = Node("a", (30, 14), dt), Node("d", (30, 50), dt)
+        g, mom, wt = Node("g", (14, 50), dt), Node("mom", (14, 50), dt), Node("wt", (14, 50), dt)
+        out.append(program(
+            f"epilogue.update_in_place.{dt}", ir.einsum("ki,kj->ij", a, d, into=g),
+            ir.apply(Op.ADD, mom, g, into=mom), ir.apply(Op.SUB, wt, mom, into=wt),
+            inputs=[(a, q(a.shape)), (d, q(d.shape)), (mom, q(mom.shape)), (wt, q(wt.shape))], outputs=[mom, wt],
+        ))
+        # the consumer writes an operand of the product: later tiles must read the old values
+        sa, sw, sc = Node("sa", (24, 24), dt), Node("sw", (24, 40), dt), Node("sc", (24, 40), dt, ON)
+        out.append(program(
+            f"epilogue.consumer_writes_operand.{dt}", ir.einsum("ik,kj->ij", sa, sw, into=sc),
+            ir.apply(Op.ADD, sw, sc, into=sw),
+            inputs=[(sa, q(sa.shape)), (sw, q(sw.shape))], outputs=[sc, sw],
+        ))
+        # the consumer reads the product transposed: the cell it reads is another tile's
+        ta, tb, td = (Node(nm, (40, 40), dt) for nm in ("ta", "tb", "td"))
+        tc = Node("tc", (40, 40), dt, ON)
+        out.append(program(
+            f"epilogue.transposed_read.{dt}", ir.einsum("ik,kj->ij", ta, tb, into=tc),
+            ir.einsum("ji->ij", tc, into=td),
+            inputs=[(ta, q(ta.shape)), (tb, q(tb.shape))], outputs=[tc, td],
+        ))
+        # a relu's backward mask on the product: where(h > 0, product, 0), 16 columns (GCC 12.2
+        # at -O3 loaded each vector of the product under the previous vector's mask, when
+        # kernels spelled where as c ? x : y)
+        ma, mb, mh = Node("ma", (24, 3), dt), Node("mb", (3, 16), dt), Node("mh", (24, 16), dt)
+        mc, mp, mo = Node("mc", (24, 16), dt), Node("mp", (24, 16), dtypes.bool_), Node("mo", (24, 16), dt)
+        out.append(program(
+            f"epilogue.relu_mask.{dt}", ir.einsum("ik,kj->ij", ma, mb, into=mc),
+            ir.apply(Op.GT, mh, 0.0, into=mp), ir.apply(Op.WHERE, mp, mc, 0.0, into=mo),
+            inputs=[(ma, q(ma.shape)), (mb, q(mb.shape)), (mh, q(mh.shape))], outputs=[mo], virtual=(mp,),
+        ))
+        # batched, the bias broadcast over the batch and the rows
+        ba, bb, bbias = Node("ba", (3, 13, 9), dt), Node("bb", (3, 9, 36), dt), Node("bbias", (36,), dt)
+        bc, bo = Node("bc", (3, 13, 36), dt, ON), Node("bo", (3, 13, 36), dt)
+        out.append(program(
+            f"epilogue.batched_bias.{dt}", ir.einsum("bik,bkj->bij", ba, bb, into=bc),
+            ir.apply(Op.MUL, bc, bbias, into=bo),
+            inputs=[(ba, q(ba.shape)), (bb, q(bb.shape)), (bbias, q(bbias.shape))], outputs=[bc, bo],
+        ))
     return out
 
 
