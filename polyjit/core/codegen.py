@@ -43,6 +43,7 @@ from polyjit.core.loops import (
     Seq,
     Stmt,
     Store,
+    walk_expr,
     walk_exprs,
     walk_stmts,
 )
@@ -288,6 +289,13 @@ _MATH = {ir.Op.EXP: "exp", ir.Op.LOG: "log", ir.Op.SQRT: "sqrt", ir.Op.TANH: "ta
 _EXACT_ON_HALF = frozenset({ir.Op.ID, ir.Op.NEG, ir.Op.ABS, ir.Op.RELU, ir.Op.MAX, ir.Op.MIN, ir.Op.WHERE})
 
 
+def _traps(e: Expr) -> bool:
+    """``e`` divides integers (a zero divisor traps): a ``where`` that guards it must not
+    evaluate it on the side not chosen. (Integer division does not vectorize on x86, so the
+    GCC bug that ``pj_where`` avoids does not arise there.)"""
+    return any(isinstance(x, Call) and x.op is ir.Op.DIV and not x.dtype.is_float for x in walk_expr(e))
+
+
 def _rounds(e: Call) -> bool:
     """The call's float32 result must be rounded to its half type."""
     if not e.dtype.is_half or e.op in _EXACT_ON_HALF:
@@ -403,6 +411,8 @@ class Emitter:
                 return f"{half.F64_TO_F32_ODD}({args[0]})"
             return f"(({t})({args[0]}))"
         if op is ir.Op.WHERE:
+            if any(_traps(a) for a in e.args[1:]):  # only the value chosen may run (C's ?:)
+                return f"(({args[0]}) ? ({args[1]}) : ({args[2]}))"
             return f"pj_where_{dt.name}({args[0]}, {args[1]}, {args[2]})"
         if op is ir.Op.ID:
             return args[0]

@@ -305,3 +305,16 @@ def test_long_full_reductions_split_and_vectorize_even_reading_backwards() -> No
     exact = float(xv.astype(np.float64).sum())
     assert float(r_fwd.context.read(fwd)) == exact and float(r_bwd.context.read(bwd)) == exact
     ctx.finalize()
+
+
+def test_where_runs_both_values_but_only_the_chosen_integer_division() -> None:
+    """A where computes both of its values (GCC 12.2 miscompiled C's ?: with a load on one
+    side in a vectorized nest: epilogue.relu_mask in the catalog), except an integer division,
+    which a zero divisor makes trap: that side runs only where chosen."""
+    from polyjit.testing.programs import by_name
+
+    backend = get_backend("cpu")
+    guarded = backend.compile(by_name("elementwise.where_guards_division.int32.16").comps[0], name="g").source
+    assert "pj_where_" not in guarded.split("void g_")[-1] and " ? " in guarded
+    masked = backend.compile(by_name("epilogue.relu_mask.float32").comps[0], name="m").source
+    assert "pj_where_float32(" in masked.split("void m_")[-1]

@@ -142,6 +142,29 @@ def _cast_source(src: DType, dst: DType, shape: tuple[int, ...]) -> Gen:
     return gen
 
 
+def guarded_division() -> list[CatalogProgram]:
+    """``where(b != 0, a / b, 0)`` on integers with zero divisors: the division must not run
+    where the guard is false (it would trap), although a ``where`` otherwise computes both
+    of its values (core/codegen.py)."""
+    out = []
+    for dt in (dtypes.int32, dtypes.int64, dtypes.uint8):
+        for n in (16, 4096):
+            a, b = Node("a", (n,), dt), Node("b", (n,), dt)
+            nz, q, r = Node("nz", (n,), dtypes.bool_), Node("q", (n,), dt), Node("r", (n,), dt)
+
+            def divisors(rng: np.random.Generator, n: int = n, dt: DType = dt) -> Array:
+                x = rng.integers(0, 4, n).astype(dt.np)
+                x[::3] = 0
+                return x
+
+            out.append(program(
+                f"elementwise.where_guards_division.{dt}.{n}", ir.apply(Op.NE, b, 0, into=nz),
+                ir.apply(Op.DIV, a, b, into=q), ir.apply(Op.WHERE, nz, q, 0, into=r),
+                inputs=[(a, values(dt, (n,))), (b, divisors)], outputs=[r], virtual=(nz, q),
+            ))
+    return out
+
+
 def casts() -> list[CatalogProgram]:
     out = []
     for src in dtypes.ALL:
