@@ -80,6 +80,34 @@ def _is_bijective_write(a: ir.Accum) -> bool:
     return True
 
 
+def _reads_own_target_elsewhere(a: ir.Accum) -> bool:
+    """The Accum reads its target at other cells than each iteration writes (or accumulates
+    several iterations into one cell it also reads): in place, iterations would read cells
+    others already wrote, where the program means the values from before the write."""
+    pointwise = _is_bijective_write(a)
+    return any(x is a.lhs and (not pointwise or tuple(idx) != tuple(a.projections.lhs))
+               for x, idx in zip(a.tensor_operands, a.projections.rhs))
+
+
+def _read_own_target_first(comp: ir.Comp) -> ir.Comp:
+    """``comp`` with each Accum that reads its own target at other cells reading a copy of it
+    taken just before (``<target>_before``), as the reference reads the target's values
+    from before the write (``o[i, j] = a[i, j] + o[i, n - 1 - j]``). The copy is an
+    intermediate like any other: a kernel of its own, never inlined back (its source is the
+    target, see _inlined_reads_of_own_target)."""
+    leaves = comp.leaves()
+    if not any(isinstance(a, ir.Accum) and _reads_own_target_elsewhere(a) for a in leaves):
+        return comp
+    out: list[ir.Assignment] = []
+    for a in leaves:
+        if isinstance(a, ir.Accum) and _reads_own_target_elsewhere(a):
+            before = Node(f"{a.lhs.name}_before", a.lhs.shape, a.lhs.dtype)
+            out.append(ir.apply(ir.Op.ID, a.lhs, into=before))
+            a = attrs.evolve(a, rhs=tuple(before if x is a.lhs else x for x in a.rhs))
+        out.append(a)
+    return ir.Comp(tuple(out), comp.embedded)
+
+
 def _is_elementwise_writer(leaf: ir.Accum | ir.Fetch) -> bool:
     if isinstance(leaf, ir.Fetch):  # rows picked by data are stored: their readers stay plain loads
         return not isinstance(leaf.value, (ir.Constant, ir.Gather, ir.ScatterAdd))
@@ -600,6 +628,7 @@ def lower(comps: Sequence[ir.Comp], names: Sequence[str], horizontal: bool = Tru
     ``horizontal``: merge elementwise kernels of one iteration space; ``epilogues``: the
     contractions the target tiles with an epilogue, each merged with the elementwise kernel
     after it that reads it (core/fusion.py)."""
+    comps = [_read_own_target_first(c) for c in comps]
     inference = infer_modes(comps)
     lowerer = _Lowerer(inference)
     out: list[LoweredComp] = []

@@ -117,6 +117,29 @@ def writes() -> list[CatalogProgram]:
     return out
 
 
+def own_target() -> list[CatalogProgram]:
+    """Writes that read their own target at other cells: every cell gets the value computed
+    from the target as it was before the write (the reference's order), not from cells the
+    same kernel already overwrote."""
+    out = []
+    for n, (m, w) in enumerate(((2, 8), (200, 200))):  # the second shares its range among threads
+        i, j = Symbol("i"), Symbol("j")
+        a, o = f32(f"a{n}", (m, w)), f32(f"o{n}", (m, w))
+        mirror = ir.projections([(i, m), (j, w)], [i, j], [i, j], [i, ir.affine((-1, j), const=w - 1)])
+        out.append(program(
+            f"own_target.mirror.{m}x{w}", ir.Accum(o, None, Op.ADD, (a, o), mirror),
+            inputs=[(a, values(dtypes.float32, a.shape)), (o, values(dtypes.float32, o.shape))], outputs=[o],
+        ))
+    x = f32("x", (33, 33))
+    out.append(program("own_target.transpose_in_place", ir.einsum("ji->ij", x, into=x),
+                       inputs=[(x, values(dtypes.float32, x.shape))], outputs=[x]))
+    v, mat = f32("v", (24,)), f32("mat", (24, 24))
+    q = functools.partial(values, dtypes.float32, kind="quarter")
+    out.append(program("own_target.matvec_in_place", ir.einsum("j,ij->i", v, mat, into=v),
+                       inputs=[(v, q(v.shape)), (mat, q(mat.shape))], outputs=[v]))
+    return out
+
+
 def epilogues() -> list[CatalogProgram]:
     """A contraction and the elementwise kernel after it that reads it (merged into its
     epilogue where the dialect tiles contractions with one), and the cases that must stay
