@@ -153,7 +153,6 @@ def _join(schedule: list[_Entry], kernel: Kernel, scratch: Set[Node]) -> bool:
     return False
 
 
-
 # ---------------------------------------------------------------------------
 # Epilogues: an elementwise kernel run on each output tile of the contraction before it
 
@@ -178,8 +177,8 @@ def _epilogue(p: Kernel, e: Kernel) -> Kernel | None:
     right after the cell's sum is stored, when that computes what ``p`` then ``e`` did:
 
     - ``e`` is elementwise (stores only, no row picked by data) over the same parallel
-      space (its symbols written in ``p``'s, see :func:`_onto`), and reads ``p``'s output only at the cell
-      that iteration of ``p`` writes: the cell's final sum;
+      space (its symbols written in ``p``'s, see :func:`_onto`), and reads ``p``'s output
+      only at the cell that iteration of ``p`` writes: the cell's final sum;
     - ``e`` writes nothing ``p`` reads or writes: ``p``'s later cells read what they did."""
     r = p.body
     if not isinstance(r, Reduce) or r.init is None:
