@@ -89,6 +89,13 @@ def _reads_own_target_elsewhere(a: ir.Accum) -> bool:
                for x, idx in zip(a.tensor_operands, a.projections.rhs))
 
 
+@functools.lru_cache(maxsize=4096)
+def _copy_before(target: Node) -> Node:
+    """The one copy node of ``target`` (so that lowering a computation again writes the same
+    source, and the compile cache finds it)."""
+    return Node(f"{target.name}_before", target.shape, target.dtype)
+
+
 def _read_own_target_first(comp: ir.Comp) -> ir.Comp:
     """``comp`` with each Accum that reads its own target at other cells reading a copy of it
     taken just before (``<target>_before``), as the reference reads the target's values
@@ -101,7 +108,7 @@ def _read_own_target_first(comp: ir.Comp) -> ir.Comp:
     out: list[ir.Assignment] = []
     for a in leaves:
         if isinstance(a, ir.Accum) and _reads_own_target_elsewhere(a):
-            before = Node(f"{a.lhs.name}_before", a.lhs.shape, a.lhs.dtype)
+            before = _copy_before(a.lhs)
             out.append(ir.apply(ir.Op.ID, a.lhs, into=before))
             a = attrs.evolve(a, rhs=tuple(before if x is a.lhs else x for x in a.rhs))
         out.append(a)

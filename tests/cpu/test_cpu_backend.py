@@ -318,3 +318,14 @@ def test_where_runs_both_values_but_only_the_chosen_integer_division() -> None:
     assert "pj_where_" not in guarded.split("void g_")[-1] and " ? " in guarded
     masked = backend.compile(by_name("epilogue.relu_mask.float32").comps[0], name="m").source
     assert "pj_where_float32(" in masked.split("void m_")[-1]
+
+
+def test_a_write_reading_its_own_target_compiles_to_the_same_source_again() -> None:
+    """The copy a self-reading write reads (lower.py, _read_own_target_first) is one node per
+    target: compiling the program again gives the same source, so the compile cache finds it."""
+    from polyjit.testing.programs import by_name
+
+    comp = by_name("own_target.transpose_in_place").comps[0]
+    backend = get_backend("cpu")
+    first = backend.compile(comp, name="t").source
+    assert "x_before" in first and backend.compile(comp, name="t").source == first
