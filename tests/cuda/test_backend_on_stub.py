@@ -68,6 +68,42 @@ def test_host_copies_through_the_staging_ring(backend: Any, schedule: str) -> No
     assert dev.used_memory() < before
 
 
+def test_a_blocking_read_lands_while_another_thread_polls(backend: Any, schedule: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read returns only once its bytes are in the user's array, although another thread
+    polls the same device meanwhile. Two bugs once let it return early (about 1 read in 10
+    here): the ring kept only the raw event of a segment, whose handle went back to the free
+    list at once, so a recording thread reused the event and it reported another point's
+    completion; and a thread copying a segment out lowered ``pending`` before the copy, so the
+    reader's poll saw nothing left. The copy-out is slowed to widen both windows."""
+    import threading
+    import time
+
+    from polyjit.backends.cuda import staging
+
+    drain = staging._drain
+    monkeypatch.setattr(staging, "_drain", lambda part, view: (time.sleep(0.001), drain(part, view)))
+    dev = backend.get_device(0)
+    x = f32("x", (4096,))
+    want = np.arange(4096, dtype=np.float32)
+    ctx = dev.make_context().init_from_host(x, want)
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            dev.default_stream.record().is_done()
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    try:
+        bad = sum(not np.array_equal(ctx.read(x), want) for _ in range(100))
+    finally:
+        stop.set()
+        poller.join()
+    ctx.finalize()
+    assert bad == 0, f"{bad} of 100 reads returned before their bytes landed"
+
+
 def test_statics_and_graph_replay(backend: Any, schedule: str, stub_driver: stub.Driver) -> None:
     rows = StaticSymbol("row", 4)
     i = Symbol("i")

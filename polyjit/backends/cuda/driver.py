@@ -293,11 +293,8 @@ class CudaDriver(DriverDefaults):
                     self.make_current(ordinal)  # the ring belongs to this device's context
                     buf = PinnedMemoryResource().allocate(self.staging_bytes, stream=stream)
                     stream.sync()
-                    ring = self._staging[ordinal] = Staging(buf, self._raw_record, self._copy)
+                    ring = self._staging[ordinal] = Staging(buf, self.record, self._copy)
         return ring
-
-    def _raw_record(self, stream: StreamHandle) -> Any:
-        return self.record(stream).core
 
     def memset_zero(self, stream: StreamHandle, pool: Pool, offset: int, nbytes: int) -> None:
         if nbytes > 0:

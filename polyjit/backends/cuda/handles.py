@@ -55,7 +55,9 @@ class StreamHandle:
 
 
 class EventHandle:
-    """A recorded cuda.core Event; it goes back to its device's free list when dropped."""
+    """A recorded cuda.core Event; it goes back to its device's free list when dropped, so
+    whoever waits on it must hold the handle, not only ``core`` (a recycled event is recorded
+    again elsewhere, and would report that record's completion)."""
 
     __slots__ = ("core", "free", "ordinal")
 
@@ -63,6 +65,13 @@ class EventHandle:
         self.ordinal = ordinal
         self.core = core
         self.free = free
+
+    @property
+    def is_done(self) -> bool:
+        return bool(self.core.is_done)
+
+    def sync(self) -> None:
+        self.core.sync()
 
     def __del__(self) -> None:
         self.free.append(self.core)

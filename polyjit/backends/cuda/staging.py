@@ -58,8 +58,9 @@ def _drain(part: np.ndarray, view: np.ndarray) -> None:
 
 class Staging:
     """The ring of one device. ``record(stream)`` returns an event object with ``is_done``
-    and ``sync()`` (a cuda.core Event); ``copy(dst, src, n, stream)`` enqueues a DMA between
-    two addresses."""
+    and ``sync()`` (the driver's ``EventHandle``: the ring holds it until the segment is
+    reused, so the event is not recycled under it); ``copy(dst, src, n, stream)`` enqueues a
+    DMA between two addresses."""
 
     def __init__(self, buffer: Any, record: Callable[[Any], Any],
                  copy: Callable[[int, int, int, Any], None]) -> None:
@@ -78,11 +79,15 @@ class Staging:
         return max(1 << 20, self.nbytes // 4)
 
     def _complete(self, seg: list[Any]) -> None:
+        # ``pending`` drops only after the bytes are out: a thread that finds it 0 without the
+        # lock (``poll``) may return to a caller that reads them.
         done = seg[3]
         if done is not None:
             seg[3] = None
-            self.pending -= 1
-            done()
+            try:
+                done()
+            finally:
+                self.pending -= 1
 
     def _reclaim_done(self) -> None:
         while self.segments and self.segments[0][2].is_done:
