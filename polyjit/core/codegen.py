@@ -138,6 +138,11 @@ class Dialect:
     # the tiles run an elementwise epilogue on each output tile (Contraction.epilogue): lowering
     # then merges a contraction with the elementwise kernel right after it that reads it
     matmul_epilogues = False
+    # Kernels over rows of at most this many iterations each (per iteration of their outer
+    # loop) join a row group with their neighbours (core/fusion.py, ``fuse_rows``): softmax's
+    # four kernels become one. On a GPU a row group runs a row per thread, so rows stay short;
+    # 0 turns row groups off.
+    row_group_max_row = 64
     matmul_min_side = 0  # tiles for contractions with both output sides at least this long...
     matmul_min_work = 0  # ... and at least this many multiply-adds
     matmul_tiles: tuple[Tiles, ...] = ()  # GPU tiles, biggest first
@@ -516,6 +521,10 @@ def emit_loops(em: Emitter, kernel: Kernel, plan: KernelPlan, indent: int) -> li
     lines: list[str] = []
     if isinstance(kernel.body, Seq) and nest:
         lines += hoist_invariant_loads(em, kernel, indent)
+    if row_group(kernel) and len(nest) == 1:
+        lines += _row_blocks(em, kernel, plan, indent)
+        em.hoisted.clear()
+        return lines
     depth = indent
     if plan.team and nest and d.ranged:
         opened, depth = range_loops([(em.names.var(s), n) for s, n in nest[:plan.team]], indent)
@@ -535,6 +544,34 @@ def emit_loops(em: Emitter, kernel: Kernel, plan: KernelPlan, indent: int) -> li
     for dd in range(depth - 1, indent - 1, -1):
         lines.append(f"{'  ' * dd}}}")
     return lines
+
+
+# Rows of a row group each statement runs before the next statement starts (on loops): the
+# rows' reductions then overlap, where one row at a time would wait on each fold's latency.
+ROW_BLOCK = 8
+
+
+def row_group(kernel: Kernel) -> bool:
+    """A row group (core/fusion.py, ``fuse_rows``): a Seq that holds more than stores."""
+    return isinstance(kernel.body, Seq) and any(not isinstance(st, Store) for st in kernel.body.body)
+
+
+def _row_blocks(em: Emitter, kernel: Kernel, plan: KernelPlan, indent: int) -> list[str]:
+    """A row group's loop in blocks of ROW_BLOCK rows, each statement over the block's rows in
+    turn (as valid as one row at a time: a statement reads only its own row of what the
+    earlier ones wrote); threads share the blocks (the range's rows, or an OpenMP team)."""
+    assert isinstance(kernel.body, Seq)
+    ((sym, n),) = kernel.parallel
+    d, v, p = em.d, em.names.var(sym), "  " * indent
+    ranged = bool(plan.team and d.ranged)
+    lo, hi = ("pj_lo", "pj_hi") if ranged else ("0", str(n))
+    pragma = d.pragma(d.parallel_for_pragma, 1) if plan.team and not ranged else None
+    lines = [f"{p}{pragma}"] if pragma else []
+    lines += [f"{p}for (int64_t pj_rb = {lo}; pj_rb < {hi}; pj_rb += {ROW_BLOCK}) {{",
+             f"{p}  const int64_t pj_re = pj_rb + {ROW_BLOCK} < {hi} ? pj_rb + {ROW_BLOCK} : {hi};"]
+    for st in kernel.body.body:
+        lines += [f"{p}  for (int64_t {v} = pj_rb; {v} < pj_re; ++{v}) {{", *em.stmt(st, indent + 2), f"{p}  }}"]
+    return [*lines, f"{p}}}"]
 
 
 def hoist_invariant_loads(em: Emitter, kernel: Kernel, indent: int) -> list[str]:

@@ -29,13 +29,25 @@ right before it, as the epilogue its tiles run (docs/architecture.md, "Epilogues
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence, Set
 
 import attrs
 
 from polyjit.core import ir
 from polyjit.core.ir import Affine, Node, Symbol
-from polyjit.core.loops import Kernel, Load, Reduce, Seq, Store, map_stmt, walk_exprs, walk_stmts
+from polyjit.core.loops import (
+    Kernel,
+    Load,
+    Loop,
+    Reduce,
+    Seq,
+    Stmt,
+    Store,
+    map_stmt,
+    walk_exprs,
+    walk_stmts,
+)
 from polyjit.core.patterns import fusable
 
 WINDOW = 16  # entries of the schedule a kernel looks back over for a group to join
@@ -216,3 +228,129 @@ def _onto(nest: tuple[tuple[Symbol, int], ...], onto: tuple[tuple[Symbol, int], 
             return None
         env[sym] = flat
     return env if pos == len(onto) else None
+
+
+# ---------------------------------------------------------------------------
+# Row groups: kernels over the rows of one outer loop, each row's statements run in turn
+
+
+def fuse_rows(kernels: Sequence[Kernel], joins: Callable[[Kernel], bool]) -> list[Kernel]:
+    """The kernels of one computation, in order, with runs of adjacent kernels that share their
+    outermost parallel loop merged into one kernel over that loop (a *row group*): each
+    iteration runs every member's statements for its row in turn, the rest of a member's
+    parallel nest as serial loops. Softmax's max, shift, sum of exponentials and log become one
+    kernel; a reduction joins its producers and consumers (docs/architecture.md, "Row groups").
+
+    ``joins``: the kernels the target runs well one row per iteration (the dialect's choice,
+    ``patterns.row_fusable``). A kernel joins the group before it when every node written by
+    one of them and touched by both is only ever accessed within the iteration's own row (its
+    outer-loop coefficient is the node's row size, the rest of the index stays inside the
+    row, no row picked by data, no merge buffer): an iteration then reads only what earlier
+    members wrote for its row, and overwrites nothing another iteration reads."""
+    out: list[Kernel | _RowGroup] = []
+    group: _RowGroup | None = None
+    for k in kernels:
+        if not joins(k):
+            group = None
+            out.append(k)
+        elif group is not None and group.accepts(k):
+            group.add(k)
+        else:
+            group = _RowGroup(k)
+            out.append(group)
+    return [m for x in out for m in (x.kernels() if isinstance(x, _RowGroup) else (x,))]
+
+
+class _RowGroup:
+    """Row-group members over the first member's outer symbol, and what they access."""
+
+    def __init__(self, first: Kernel) -> None:
+        (self.sym, self.rows), *_ = first.parallel
+        self.first = first
+        self.members: list[Kernel] = []
+        self.stmts: list[Stmt] = []
+        self.comments: list[str] = []
+        self.access: dict[Node, list[tuple[Affine, bool, bool]]] = {}  # (index, in row, write)
+        self.add(first)
+
+    def _rowwise(self, k: Kernel) -> tuple[Stmt, dict[Node, list[tuple[Affine, bool, bool]]]]:
+        """``k``'s body over the group's row symbol, the rest of its parallel nest serial loops
+        (a loop of its own named like the row symbol is renamed apart)."""
+        (s0, _), *inner = k.parallel
+        env: dict[ir.Var, Affine] = {s0: ir.as_affine(self.sym)}
+        apart = Symbol(f"{self.sym.name}_own")
+        if s0 != self.sym:
+            env[self.sym] = ir.as_affine(apart)
+        body = k.body
+        for sym, n in reversed(inner):
+            body = Loop(sym, n, body)
+        stmt = map_stmt(body, lambda a: a.substitute(env),
+                        lambda sym, n: (apart if sym == self.sym else sym, n))
+        return stmt, _row_accesses(stmt, self.sym, self.rows)
+
+    def accepts(self, k: Kernel) -> bool:
+        if not k.parallel or k.parallel[0][1] != self.rows or len(self.stmts) >= MAX_STATEMENTS:
+            return False
+        _, access = self._rowwise(k)
+        for node in self.access.keys() & access.keys():
+            both = self.access[node] + access[node]
+            if any(w for _, _, w in both) and not all(inside for _, inside, _ in both):
+                return False
+        return True
+
+    def add(self, k: Kernel) -> None:
+        self.members.append(k)
+        stmt, access = self._rowwise(k)
+        self.stmts += stmt.body if isinstance(stmt, Seq) else (stmt,)  # a fused member's stores, flat
+        self.comments.append(k.comment)
+        for node, acc in access.items():
+            self.access.setdefault(node, []).extend(acc)
+
+    def kernels(self) -> list[Kernel]:
+        """One kernel; or the members as they were when none has more than one cell per row
+        (elementwise kernels over one space: horizontal fusion's to merge, which keeps
+        scratch apart so that its space is reused)."""
+        if len(self.members) == 1 or all(k.total_work == self.rows for k in self.members):
+            return self.members
+        return [Kernel(self.first.name, ((self.sym, self.rows),), Seq(tuple(self.stmts)),
+                       "; ".join(c for c in self.comments if c))]
+
+
+def _extents(s: Stmt) -> dict[ir.Var, int]:
+    out: dict[ir.Var, int] = {}
+    for st in walk_stmts(s):
+        if isinstance(st, Loop):
+            out[st.sym] = st.extent
+        elif isinstance(st, Reduce):
+            out.update(st.loops)
+    return out
+
+
+def _row_accesses(s: Stmt, row: Symbol, rows: int) -> dict[Node, list[tuple[Affine, bool, bool]]]:
+    """Each node ``s`` touches: (index, whether the access stays in the ``row``-th row of the
+    node, whether it writes), with ``s``'s loop extents bounding its other symbols."""
+    extents = _extents(s)
+
+    def inside(node: Node, index: Affine, picked: bool, merge: bool) -> bool:
+        size = math.prod(node.shape)
+        if picked or merge or size % rows or index.coeff(row) != size // rows:
+            return False
+        lo = hi = index.const
+        for v, c in index.terms:
+            if v == row:
+                continue
+            n = extents.get(v)
+            if n is None:  # a static symbol, or one bound outside the statement
+                return False
+            lo, hi = lo + min(0, c * (n - 1)), hi + max(0, c * (n - 1))
+        return lo >= 0 and hi < size // rows
+
+    out: dict[Node, list[tuple[Affine, bool, bool]]] = {}
+    for st in walk_stmts(s):
+        if isinstance(st, (Store, Reduce)):
+            picked = isinstance(st, Store) and st.row is not None
+            out.setdefault(st.node, []).append((st.index, inside(st.node, st.index, picked, False), True))
+    for e in walk_exprs(s):
+        if isinstance(e, Load):
+            out.setdefault(e.node, []).append((e.index, inside(e.node, e.index, e.row is not None, e.merge), False))
+    return out

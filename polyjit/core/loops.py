@@ -176,14 +176,17 @@ class Kernel:
 
     @property
     def total_work(self) -> int:
-        """Iterations of the innermost statement: the parallel nest times the loops inside it."""
-        inner = 1
-        for st in walk_stmts(self.body):
-            if isinstance(st, Reduce):
-                inner *= st.length
-            elif isinstance(st, Loop):
-                inner *= st.extent
-        return self.work * inner
+        """Iterations of the innermost statement: the parallel nest times the loops inside it
+        (of a ``Seq``'s statements, the longest: what a fused kernel's thresholds compare)."""
+        return self.work * _inner_work(self.body)
+
+
+def _inner_work(s: Stmt) -> int:
+    if isinstance(s, Seq):
+        return max((_inner_work(st) for st in s.body), default=1)
+    if isinstance(s, Loop):
+        return s.extent * _inner_work(s.body)
+    return s.length if isinstance(s, Reduce) else 1
 
 
 # ---------------------------------------------------------------------------

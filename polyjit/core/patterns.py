@@ -292,7 +292,7 @@ def _loops_plan(kernel: Kernel, d: Dialect) -> KernelPlan:
         big = kernel.total_work >= d.omp_min_work * 8 and math.prod(loops) > 1
         return KernelPlan(REDUCTION, launch, COLUMN, len(loops) if big else 0, math.prod(loops) if big else 1)
     shape = ""
-    if STAGED in shapes and staged_reduction(kernel) is not None:
+    if STAGED in shapes and staged_reduction(kernel):
         shape = STAGED
     elif STREAMING in shapes and streams(kernel, d.vector_bytes):
         shape = STREAMING
@@ -322,18 +322,37 @@ def column_reduction(kernel: Kernel) -> Reduce | None:
     return r if any(ld.index.coeff(j) == 1 and any(ld.index.coeff(s) for s in reduced) for ld in loads) else None
 
 
-def staged_reduction(kernel: Kernel) -> Reduce | None:
+def staged_reduction(kernel: Kernel) -> bool:
     """A float reduction along one short loop whose value costs more than its loads
     (``sum_j exp(x[i, j] - m[i])``): staged as a vectorized map into a local array, then an
     in-order fold. The fold reads the staged values forwards, so GCC may vectorize it in
-    order without the miscompile the C dialect's GCC workaround guards against."""
-    r = kernel.body
-    if not isinstance(r, Reduce) or not r.node.dtype.is_float or len(r.loops) != 1:
-        return None
-    if not 8 <= r.loops[0][1] <= STAGED_MAX_LENGTH:
-        return None
-    costly = any(isinstance(e, Call) and e.op in STAGED_OPS for e in walk_exprs(r))
-    return r if costly else None
+    order without the miscompile the C dialect's GCC workaround guards against. A row group
+    (core/fusion.py) is staged when one of its reductions is worth it and all its float
+    reductions can be (each is then staged: none is left to that miscompile)."""
+    floats = [st for st in walk_stmts(kernel.body) if isinstance(st, Reduce) and st.node.dtype.is_float]
+    if not isinstance(kernel.body, (Reduce, Seq)) or not floats or not all(stageable(r) for r in floats):
+        return False
+    return any(isinstance(e, Call) and e.op in STAGED_OPS for r in floats for e in walk_exprs(r))
+
+
+def stageable(r: Reduce) -> bool:
+    """The reduction's values fit the staged shape's local array."""
+    return len(r.loops) == 1 and 8 <= r.loops[0][1] <= STAGED_MAX_LENGTH
+
+
+def row_fusable(kernel: Kernel, d: Dialect) -> bool:
+    """Whether ``kernel`` may join a row group on ``d`` (core/fusion.py, ``fuse_rows``): a
+    parallel nest whose rows (its iterations per outer iteration) are at most the dialect's
+    ``row_group_max_row``, no merge buffer, no scatter, and no shape that needs the kernel
+    alone (tiles, column blocks, streaming stores, group reductions)."""
+    if not kernel.parallel or kernel.work == 0 or kernel.merge_input is not None or d.row_group_max_row <= 0:
+        return False
+    if kernel.total_work // kernel.parallel[0][1] > d.row_group_max_row:
+        return False
+    if any(isinstance(st, Store) and st.row is not None for st in walk_stmts(kernel.body)):
+        return False
+    plan = plan_kernel(kernel, d)
+    return plan.contraction is None and plan.shape in ("", STAGED) and plan.kind != GROUP_REDUCTION
 
 
 def streams(kernel: Kernel, vector_bytes: int) -> bool:

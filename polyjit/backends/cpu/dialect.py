@@ -11,7 +11,7 @@ from polyjit.backends.cpu import tiles
 from polyjit.backends.cpu.host import host_cpu
 from polyjit.core import dtypes
 from polyjit.core.codegen import Dialect
-from polyjit.core.patterns import STREAMING_MIN_BYTES
+from polyjit.core.patterns import STAGED_MAX_LENGTH, STREAMING_MIN_BYTES
 
 __all__ = ["STREAMING_MIN_BYTES", "CpuDialect"]
 
@@ -31,6 +31,8 @@ class CpuDialect(Dialect):
     # 88 us sharing from 8192 iterations and every matmul, in 70 us with these; the MLP's
     # 51M-multiply-add matmuls still run on both cores (docs/benchmarks.md, session 7).
     shared_matmul_min_work = 1 << 21
+    # A row group's rows run on one core each; their staged reductions fit a local array.
+    row_group_max_row = STAGED_MAX_LENGTH
 
     def __init__(self, vector_bytes: int | None = None) -> None:
         self.vector_bytes = vector_bytes or host_cpu().vector_bytes

@@ -43,6 +43,7 @@ from polyjit.core.patterns import (
     STAGED,
     STREAMING,
     KernelPlan,
+    stageable,
 )
 
 # float32 exp and tanh that GCC vectorizes (libm's expf/tanhf are calls, one lane at a time:
@@ -318,10 +319,11 @@ def column(em: Emitter, kernel: Kernel, plan: KernelPlan, names: Names) -> list[
 
 class _StagingEmitter(Emitter):
     """Emits a row reduction as map, then fold: the values (with their exp or tanh) go to a
-    local array in a loop that vectorizes, then a plain loop sums them in order."""
+    local array in a loop that vectorizes, then a plain loop sums them in order (each float
+    reduction of a row group: patterns.staged_reduction)."""
 
     def reduce(self, r: Reduce, indent: int, pragma: str | None = None) -> list[str]:
-        if pragma is not None:
+        if pragma is not None or not (r.node.dtype.is_float and stageable(r)):
             return super().reduce(r, indent, pragma)
         (sym, n), = r.loops
         pad, t, k = "  " * indent, self.ctype(r.node.dtype), self.names.var(sym)

@@ -250,3 +250,49 @@ def fusion() -> list[CatalogProgram]:
         inputs=[], outputs=[rgf], virtual=(rg,),
     ))
     return out
+
+
+def _row_reduce(x: Node, into: Node, accum: AccumOp, op: Op = Op.ID) -> ir.Accum:
+    """``into[i, 0] = accum_j op(x[i, j])`` (a reduction along rows, the reduced axis kept)."""
+    i, j = Symbol("i"), Symbol("j")
+    pr = ir.Projections(((i, x.shape[0]), (j, x.shape[1])), (ir.as_affine(i), ir.fixed(0)),
+                        ((ir.as_affine(i), ir.as_affine(j)),))
+    return ir.Accum(into, accum, op, (x,), pr, init_neutral=True)
+
+
+def rows() -> list[CatalogProgram]:
+    """Reductions with their producers and consumers over the rows of one loop (merged into a
+    row group where the dialect runs them: core/fusion.py ``fuse_rows``), and the cases that
+    must stay apart: a consumer that reads another row, a later kernel that overwrites what an
+    earlier one reads in other rows. 13 rows: a full block of the CPU's row blocks and a tail."""
+    out = []
+    for dt in (dtypes.float32, dtypes.float64):
+        q = functools.partial(values, dt, kind="quarter")
+        x = Node("x", (13, 27), dt)
+        on = MemoryMode.ON_DEVICE  # kept, though later kernels read them
+        m, s, z = Node("m", (13, 1), dt, on), Node("s", (13, 27), dt), Node("z", (13, 1), dt)
+        lse, e, p = Node("lse", (13, 1), dt), Node("e", (13, 27), dt), Node("p", (13, 27), dt)
+        out.append(program(  # softmax and log-sum-exp: max, shift, sum of exp, log, divide
+            f"rows.softmax.{dt}", _row_reduce(x, m, AccumOp.MAX), ir.apply(Op.SUB, x, m, into=s),
+            _row_reduce(s, z, AccumOp.ADD, Op.EXP), ir.apply(Op.LOG, z, into=lse),
+            ir.apply(Op.EXP, s, into=e), ir.apply(Op.DIV, e, z, into=p),
+            inputs=[(x, q(x.shape))], outputs=[m, lse, p],
+        ))
+        # the consumer sums a column of the shifted rows: row i reads every row's cell i
+        sx, sm, ss, col = Node("sx", (16, 16), dt), Node("sm", (16, 1), dt, on), Node("ss", (16, 16), dt), Node("col", (16,), dt)
+        out.append(program(
+            f"rows.reads_other_rows.{dt}", _row_reduce(sx, sm, AccumOp.MAX), ir.apply(Op.SUB, sx, sm, into=ss),
+            ir.einsum("ki->i", ss, into=col),
+            inputs=[(sx, q(sx.shape))], outputs=[sm, col],
+        ))
+        # each row's sum reads the mirrored row of w; the scaling after it overwrites w row by
+        # row (by a per-row factor, so that its nest stays two loops over the rows)
+        w, c, g = Node("w", (16, 16), dt), Node("c", (16, 1), dt), Node("g", (16,), dt)
+        i, j = Symbol("i"), Symbol("j")
+        mirror = ir.projections([(i, 16), (j, 16)], [i], [ir.affine((-1, i), const=15), j])
+        out.append(program(
+            f"rows.overwrites_what_others_read.{dt}", ir.Accum(g, AccumOp.ADD, Op.ID, (w,), mirror),
+            ir.apply(Op.MUL, w, c, into=w),
+            inputs=[(w, q(w.shape)), (c, q(c.shape))], outputs=[g, w],
+        ))
+    return out

@@ -1,0 +1,86 @@
+"""Row groups (core/fusion.py ``fuse_rows``): adjacent kernels over the rows of one outer loop
+run as one kernel, each row's statements in turn, when every node one writes and another
+touches is accessed only within the iteration's own row. The values of every case are
+checked against the reference by the catalog (``rows.*``) on every backend; here, which
+kernels merge, how the CPU writes them, and the renaming that keeps a member's loops apart."""
+
+from __future__ import annotations
+
+import pytest
+from catalog_check import backend_or_skip
+
+from polyjit.core import ir
+from polyjit.core.fusion import fuse_rows
+from polyjit.core.ir import AccumOp, Node, Symbol
+from polyjit.core.loops import Kernel, Load, Loop, Reduce, Seq, Store
+from polyjit.testing.programs import by_name
+
+
+def _comments(backend: str, program: str) -> list[str]:
+    p = by_name(program)
+    batch = backend_or_skip(backend).compile_batch(list(p.comps), names=[f"c{k}" for k in range(len(p.comps))])
+    return [k.comment for k in batch.lowered.kernels]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "opencl"])
+@pytest.mark.parametrize(("program", "kernels"), [
+    ("rows.softmax", 1),  # max, shift, sum of exp, log, divide: one kernel
+    ("rows.reads_other_rows", 2),  # the column sum reads every row: apart
+    ("rows.overwrites_what_others_read", 2),  # the scaling overwrites rows the sum still reads
+])
+def test_which_kernels_share_their_rows(backend: str, program: str, kernels: int) -> None:
+    for dt in ("float32", "float64"):
+        assert len(_comments(backend, f"{program}.{dt}")) == kernels
+
+
+def test_the_cpu_runs_a_row_group_in_blocks_of_rows() -> None:
+    """Each statement runs over a block of rows before the next starts: one row at a time,
+    each row would wait on its max's and its sum's fold before the next statement."""
+    text = backend_or_skip("cpu").compile(by_name("rows.softmax.float32").comps[0], name="sm").source
+    assert text.count("void sm_") == 1 and "pj_rb += 8" in text
+    assert text.count("for (int64_t i0 = pj_rb; i0 < pj_re; ++i0)") == 5
+    assert "no-tree-loop-vectorize" not in text  # its float folds are staged, read forwards
+
+
+def test_gpus_keep_long_rows_apart() -> None:
+    """A GPU runs a row group one row per work-item: rows longer than its limit stay apart."""
+    from polyjit.backends.opencl import OpenCLDialect
+
+    x, m, s = Node("x", (8, 1000)), Node("m", (8, 1)), Node("s", (8, 1000))
+    i, j = Symbol("i"), Symbol("j")
+    pr = ir.Projections(((i, 8), (j, 1000)), (ir.as_affine(i), ir.fixed(0)), ((ir.as_affine(i), ir.as_affine(j)),))
+    comp = ir.Comp.of(ir.Accum(m, AccumOp.MAX, ir.Op.ID, (x,), pr, init_neutral=True),
+                      ir.apply(ir.Op.SUB, x, m, into=s))
+    assert OpenCLDialect.row_group_max_row < 1000
+    assert len(backend_or_skip("opencl").compile_batch([comp]).lowered.kernels) == 2
+    assert len(backend_or_skip("cpu").compile_batch([comp]).lowered.kernels) == 1
+
+
+def test_a_member_loop_named_like_the_row_symbol_is_renamed_apart() -> None:
+    """The second kernel's outer loop is ``j`` and its inner one ``i``, the group's row symbol:
+    its ``i`` becomes a loop of its own, and its rows read the first kernel's row ``j``."""
+    i, j, k = Symbol("i"), Symbol("j"), Symbol("k")
+    x, r, y = Node("x", (4, 3)), Node("r", (4,)), Node("y", (4, 3))
+    first = Kernel("a", ((i, 4),), Reduce(r, ir.as_affine(i), AccumOp.ADD, None, ((k, 3),),
+                                          Load(x, ir.affine((3, i), (1, k)))))
+    second = Kernel("b", ((j, 4), (i, 3)), Store(y, ir.affine((3, j), (1, i)), Load(r, ir.as_affine(j))))
+    (fused,) = fuse_rows([first, second], lambda _: True)
+    assert fused.parallel == ((i, 4),) and isinstance(fused.body, Seq)
+    loop = fused.body.body[1]
+    assert isinstance(loop, Loop) and loop.sym == Symbol("i_own") and loop.extent == 3
+    assert isinstance(loop.body, Store)
+    assert loop.body.index == ir.affine((3, i), (1, Symbol("i_own")))
+    assert loop.body.value == Load(r, ir.as_affine(i))
+
+
+def test_an_access_outside_the_row_keeps_kernels_apart() -> None:
+    """The consumer reads the producer's mirrored row (``r[3 - i]``): not its own, so they
+    stay two kernels; reading ``r[i]`` they merge."""
+    i, k = Symbol("i"), Symbol("k")
+    x, r, y = Node("x", (4, 3)), Node("r", (4,)), Node("y", (4,))
+    first = Kernel("a", ((i, 4),), Reduce(r, ir.as_affine(i), AccumOp.ADD, None, ((k, 3),),
+                                          Load(x, ir.affine((3, i), (1, k)))))
+    second = Kernel("b", ((i, 4),), Store(y, ir.as_affine(i), Load(r, ir.affine((-1, i), const=3))))
+    assert len(fuse_rows([first, second], lambda _: True)) == 2
+    own = Kernel("b", ((i, 4),), Store(y, ir.as_affine(i), Load(r, ir.as_affine(i))))
+    assert len(fuse_rows([first, own], lambda _: True)) == 1
