@@ -40,6 +40,7 @@ from polyjit.core.loops import (
     LoweredBatch,
     Reduce,
     Row,
+    Segment,
     Seq,
     Stmt,
     Store,
@@ -143,6 +144,9 @@ class Dialect:
     # four kernels become one. On a GPU a row group runs a row per thread, so rows stay short;
     # 0 turns row groups off.
     row_group_max_row = 64
+    # Independent elementwise kernels run as segments of one launch (core/fusion.py,
+    # ``fuse_segments``): an optimizer's updates of every parameter become one kernel.
+    batch_segments = True
     matmul_min_side = 0  # tiles for contractions with both output sides at least this long...
     matmul_min_work = 0  # ... and at least this many multiply-adds
     matmul_tiles: tuple[Tiles, ...] = ()  # GPU tiles, biggest first
@@ -449,6 +453,9 @@ class Emitter:
                     *self.stmt(s.body, indent + 1), f"{pad}}}"]
         if isinstance(s, Seq):  # a fused kernel's statements, in order, in each iteration
             return [line for st in s.body for line in self.stmt(st, indent)]
+        if isinstance(s, Segment):  # one member of a batch, on its iterations only
+            v = self.names.var(s.sym)
+            return [f"{pad}if ({v} >= {s.lo} && {v} < {s.hi}) {{", *self.stmt(s.body, indent + 1), f"{pad}}}"]
         return self.reduce(s, indent)
 
     def reduce_cell(self, r: Reduce) -> tuple[str, str]:
@@ -525,6 +532,10 @@ def emit_loops(em: Emitter, kernel: Kernel, plan: KernelPlan, indent: int) -> li
         lines += _row_blocks(em, kernel, plan, indent)
         em.hoisted.clear()
         return lines
+    if segments(kernel) and (d.ranged or not plan.team):
+        lines += _segment_loops(em, kernel, plan, indent)
+        em.hoisted.clear()
+        return lines
     depth = indent
     if plan.team and nest and d.ranged:
         opened, depth = range_loops([(em.names.var(s), n) for s, n in nest[:plan.team]], indent)
@@ -552,8 +563,29 @@ ROW_BLOCK = 8
 
 
 def row_group(kernel: Kernel) -> bool:
-    """A row group (core/fusion.py, ``fuse_rows``): a Seq that holds more than stores."""
-    return isinstance(kernel.body, Seq) and any(not isinstance(st, Store) for st in kernel.body.body)
+    """A row group (core/fusion.py, ``fuse_rows``): a Seq that holds reductions or loops."""
+    return isinstance(kernel.body, Seq) and any(isinstance(st, (Reduce, Loop)) for st in kernel.body.body)
+
+
+def segments(kernel: Kernel) -> bool:
+    """A batch of independent kernels (core/fusion.py, ``fuse_segments``): a Seq of Segments."""
+    return isinstance(kernel.body, Seq) and all(isinstance(st, Segment) for st in kernel.body.body)
+
+
+def _segment_loops(em: Emitter, kernel: Kernel, plan: KernelPlan, indent: int) -> list[str]:
+    """A batch on loops: each member's own loop over its segment (clipped to this call's
+    range when threads share it), so that each vectorizes like the kernel it was."""
+    assert isinstance(kernel.body, Seq)
+    ((sym, n),) = kernel.parallel
+    v, p = em.names.var(sym), "  " * indent
+    lo, hi = ("pj_lo", "pj_hi") if plan.team else ("0", str(n))
+    lines = []
+    for seg in kernel.body.body:
+        assert isinstance(seg, Segment)
+        start = f"({seg.lo} > {lo} ? {seg.lo} : {lo})" if plan.team else str(seg.lo)
+        stop = f"({seg.hi} < {hi} ? {seg.hi} : {hi})" if plan.team else str(seg.hi)
+        lines += [f"{p}for (int64_t {v} = {start}; {v} < {stop}; ++{v}) {{", *em.stmt(seg.body, indent + 1), f"{p}}}"]
+    return lines
 
 
 def _row_blocks(em: Emitter, kernel: Kernel, plan: KernelPlan, indent: int) -> list[str]:

@@ -29,6 +29,7 @@ right before it, as the epilogue its tiles run (docs/architecture.md, "Epilogues
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence, Set
 
@@ -41,6 +42,7 @@ from polyjit.core.loops import (
     Load,
     Loop,
     Reduce,
+    Segment,
     Seq,
     Stmt,
     Store,
@@ -354,3 +356,66 @@ def _row_accesses(s: Stmt, row: Symbol, rows: int) -> dict[Node, list[tuple[Affi
         if isinstance(e, Load):
             out.setdefault(e.node, []).append((e.index, inside(e.node, e.index, e.row is not None, e.merge), False))
     return out
+
+
+# ---------------------------------------------------------------------------
+# Batches: independent elementwise kernels as segments of one range, in one launch
+
+
+def fuse_segments(kernels: Sequence[Kernel], joins: Callable[[Kernel], bool]) -> list[Kernel]:
+    """The kernels of one computation, in order, with independent elementwise kernels merged
+    into *batches*: one kernel over the sum of their ranges, each member on its own segment of
+    it (``Segment``). An optimizer's updates of every parameter become one launch (what other
+    frameworks call a multi-tensor apply); on loops each member keeps its own loop.
+
+    ``joins``: the kernels that may be members (``patterns.segmentable``: one parallel loop
+    around stores). A kernel joins a batch of the last WINDOW entries when it is independent
+    of every member (neither writes a node the other touches: segments run at once, in any
+    order) and can move up to it past the entries between (independent of it), or the batch
+    can move down to it (the entries between independent of the batch)."""
+    schedule: list[_Entry] = []
+    for k in kernels:
+        entry = _Entry.of(k)
+        entry.space = (0,) if joins(k) else None  # a batch member, or a kernel to move past
+        if entry.space is None or not _join_batch(schedule, entry):
+            schedule.append(entry)
+    return [_batch(e.members) for e in schedule]
+
+
+def _join_batch(schedule: list[_Entry], new: _Entry) -> bool:
+    # the oldest batch first: an optimizer's first moments gather in one batch, the weights
+    # that read them in the next, where the newest-first order would pair each weight with
+    # the next moment
+    for pos in range(max(0, len(schedule) - WINDOW), len(schedule)):
+        batch = schedule[pos]
+        if batch.space is None or len(batch.members) >= MAX_STATEMENTS or not batch.independent(new):
+            continue
+        after = schedule[pos + 1:]
+        if all(x.independent(new) for x in after):
+            batch.add(new.members[0])
+            return True
+        if all(x.independent(batch) for x in after):
+            del schedule[pos]
+            batch.add(new.members[0])
+            schedule.append(batch)
+            return True
+    return False
+
+
+def _substitute(a: Affine, env: dict[ir.Var, Affine]) -> Affine:
+    return a.substitute(env)
+
+
+def _batch(members: list[Kernel]) -> Kernel:
+    """One kernel over the members' ranges end to end, over the first member's symbol."""
+    if len(members) == 1:
+        return members[0]
+    ((sym, _),) = members[0].parallel
+    segments: list[Stmt] = []
+    lo = 0
+    for k in members:
+        ((own, n),) = k.parallel
+        env: dict[ir.Var, Affine] = {own: ir.as_affine(sym) + ir.as_affine(-lo)}
+        segments.append(Segment(sym, lo, lo + n, map_stmt(k.body, functools.partial(_substitute, env=env))))
+        lo += n
+    return Kernel(members[0].name, ((sym, lo),), Seq(tuple(segments)), "; ".join(k.comment for k in members if k.comment))

@@ -3,7 +3,9 @@
 A batch lowers to computations (``LoweredComp``), each a list of ``Kernel``s. A kernel is
 a nest of parallel loops (distinct iterations write distinct cells) around one statement:
 a ``Store``, a ``Reduce`` (a per-cell accumulator over reduction loops) or serial
-``Loop``s around either, or a ``Seq`` of stores (a horizontally fused kernel: core/fusion.py).
+``Loop``s around either, or a ``Seq`` of statements (core/fusion.py: the stores of a
+horizontally fused kernel, a contraction and its epilogue, a row group's statements, or a
+batch's ``Segment``s).
 Expressions (``Load``, ``Const``, ``IndexValue``, ``Call``) carry their dtype; indices are
 flat ``Affine`` forms, in elements.
 """
@@ -122,7 +124,20 @@ class Seq:
     body: tuple[Stmt, ...]
 
 
-Stmt = Union[Store, Reduce, Loop, Seq]
+@attrs.frozen
+class Segment:
+    """``body`` for the iterations ``lo <= sym < hi`` of the kernel's one parallel loop ``sym``
+    (a batch of independent elementwise kernels, each over its own segment of one range:
+    core/fusion.py ``fuse_segments``). ``body`` is written in ``sym`` (a member's own loop
+    symbol is ``sym - lo``)."""
+
+    sym: Symbol
+    lo: int
+    hi: int
+    body: Stmt
+
+
+Stmt = Union[Store, Reduce, Loop, Seq, Segment]
 
 
 @attrs.frozen
@@ -182,6 +197,8 @@ class Kernel:
 
 
 def _inner_work(s: Stmt) -> int:
+    if isinstance(s, Segment):
+        return _inner_work(s.body)
     if isinstance(s, Seq):
         return max((_inner_work(st) for st in s.body), default=1)
     if isinstance(s, Loop):
@@ -195,7 +212,7 @@ def _inner_work(s: Stmt) -> int:
 
 def walk_stmts(s: Stmt) -> Iterator[Stmt]:
     yield s
-    if isinstance(s, Loop):
+    if isinstance(s, (Loop, Segment)):
         yield from walk_stmts(s.body)
     elif isinstance(s, Seq):
         for st in s.body:
@@ -258,6 +275,8 @@ def map_stmt(s: Stmt, f: Callable[[Affine], Affine],
         return attrs.evolve(s, index=f(s.index), init=init, loops=new_loops, value=map_expr(s.value, f))
     if isinstance(s, Seq):
         return Seq(tuple(map_stmt(st, f, loops) for st in s.body))
+    if isinstance(s, Segment):
+        return attrs.evolve(s, body=map_stmt(s.body, f, loops))
     sym, ext = loops(s.sym, s.extent) if loops else (s.sym, s.extent)
     return Loop(sym, ext, map_stmt(s.body, f, loops))
 

@@ -13,8 +13,9 @@ Steps, for a batch of computations:
 5. a long full reduction splits into partial results and their reduction;
 6. horizontal fusion: elementwise kernels of one iteration space merge into one kernel
    when every value one reads of another's is its own iteration's (core/fusion.py);
-7. epilogues (a tiled contraction and the elementwise kernel after it) and row groups
-   (adjacent kernels over the rows of one outer loop), as the target asks.
+7. epilogues (a tiled contraction and the elementwise kernel after it), row groups
+   (adjacent kernels over the rows of one outer loop) and batches (independent elementwise
+   kernels as segments of one launch), as the target asks.
 
 Each kernel reports its inputs and outputs *after* inlining. How each kernel then
 runs on a target (its kind, tiles, launch shape) is core/patterns.py's to decide.
@@ -31,7 +32,7 @@ import numpy as np
 
 from polyjit.core import ir
 from polyjit.core.errors import InvalidProgramError
-from polyjit.core.fusion import fuse_epilogues, fuse_horizontal, fuse_rows
+from polyjit.core.fusion import fuse_epilogues, fuse_horizontal, fuse_rows, fuse_segments
 from polyjit.core.ir import Affine, MemoryMode, Node, Symbol
 from polyjit.core.loops import (
     Call,
@@ -633,12 +634,14 @@ def split_long_reduction(k: Kernel) -> tuple[list[Kernel], Node | None]:
 
 def lower(comps: Sequence[ir.Comp], names: Sequence[str], horizontal: bool = True,
           epilogues: Callable[[Kernel], bool] | None = None,
-          rows: Callable[[Kernel], bool] | None = None) -> LoweredBatch:
+          rows: Callable[[Kernel], bool] | None = None,
+          segments: Callable[[Kernel], bool] | None = None) -> LoweredBatch:
     """Lower a batch of computations into kernels (the names must be C identifiers);
     ``horizontal``: merge elementwise kernels of one iteration space; ``epilogues``: the
     contractions the target tiles with an epilogue, each merged with the elementwise kernel
     after it that reads it; ``rows``: the kernels the target runs in row groups, adjacent ones
-    over one outer loop merged (core/fusion.py)."""
+    over one outer loop merged; ``segments``: the kernels the target batches, independent ones
+    run as segments of one launch (core/fusion.py)."""
     comps = [_read_own_target_first(c) for c in comps]
     inference = infer_modes(comps)
     lowerer = _Lowerer(inference)
@@ -683,6 +686,8 @@ def lower(comps: Sequence[ir.Comp], names: Sequence[str], horizontal: bool = Tru
             kernels = fuse_epilogues(kernels, epilogues)
         if rows is not None:
             kernels = fuse_rows(kernels, rows)
+        if segments is not None:
+            kernels = fuse_segments(kernels, segments)
         if len(merges) > 1:
             labels = ", ".join(sorted(m.label for m in merges))
             raise InvalidProgramError(f"computation {name} reads several merge-buffer nodes: {labels}")

@@ -340,6 +340,19 @@ def stageable(r: Reduce) -> bool:
     return len(r.loops) == 1 and 8 <= r.loops[0][1] <= STAGED_MAX_LENGTH
 
 
+def segmentable(kernel: Kernel, d: Dialect) -> bool:
+    """Whether ``kernel`` may join a batch on ``d`` (core/fusion.py, ``fuse_segments``): one
+    parallel loop around stores (an elementwise kernel, or several that horizontal fusion
+    merged), no merge buffer, no scatter, and no shape of its own on ``d``."""
+    if not d.batch_segments or len(kernel.parallel) != 1 or kernel.work == 0 or kernel.merge_input is not None:
+        return False
+    stmts = kernel.body.body if isinstance(kernel.body, Seq) else (kernel.body,)
+    if not all(isinstance(st, Store) and st.row is None for st in stmts):
+        return False
+    plan = plan_kernel(kernel, d)
+    return plan.shape == "" and plan.contraction is None
+
+
 def row_fusable(kernel: Kernel, d: Dialect) -> bool:
     """Whether ``kernel`` may join a row group on ``d`` (core/fusion.py, ``fuse_rows``): a
     parallel nest whose rows (its iterations per outer iteration) are at most the dialect's

@@ -29,7 +29,7 @@ from polyjit.core.errors import InvalidArgumentError, InvalidProgramError, Unkno
 from polyjit.core.ir import StaticSymbol
 from polyjit.core.log import log_source
 from polyjit.core.lower import lower
-from polyjit.core.patterns import plan_kernel, row_fusable
+from polyjit.core.patterns import plan_kernel, row_fusable, segmentable
 from polyjit.core.protocol import Driver
 from polyjit.core.raw import Param, raw_code
 from polyjit.core.routine import (
@@ -184,7 +184,8 @@ class Backend:
         dialect = self.driver.dialect
         tiled = (lambda k: plan_kernel(k, dialect).contraction is not None) if dialect.matmul_epilogues else None
         rows = (lambda k: row_fusable(k, dialect)) if dialect.row_group_max_row > 0 else None
-        lowered = lower([comp_list[k] for k in keep], c_names, epilogues=tiled, rows=rows)
+        batches = (lambda k: segmentable(k, dialect)) if dialect.batch_segments else None
+        lowered = lower([comp_list[k] for k in keep], c_names, epilogues=tiled, rows=rows, segments=batches)
         source = generate(lowered, dialect)
         log_source(f"{self.name} batch {', '.join(c_names[:3])}{'...' if len(c_names) > 3 else ''}", source.text,
                    {"c": ".c", "opencl": ".cl", "cuda": ".cu"}.get(source.dialect, ".txt"))

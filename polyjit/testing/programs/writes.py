@@ -296,3 +296,36 @@ def rows() -> list[CatalogProgram]:
             inputs=[(w, q(w.shape)), (c, q(c.shape))], outputs=[g, w],
         ))
     return out
+
+
+def batches() -> list[CatalogProgram]:
+    """Independent elementwise kernels of different sizes (batched into one launch, each on its
+    own segment, where the dialect batches: core/fusion.py ``fuse_segments``): an optimizer's
+    momentum updates of three parameters, in place, small and large enough for the CPU's
+    threads to share the range (their ranges then cut segments); and a chain whose second
+    kernel reads the first's output, which must stay apart."""
+    out = []
+    for dt in (dtypes.float32, dtypes.float64):
+        q = functools.partial(values, dt, kind="quarter")
+        for label, sizes in (("small", (432, 64, 27)), ("large", (30_000, 50_001, 7))):
+            on = MemoryMode.ON_DEVICE  # parameters and moments persist, as an optimizer's do
+            params = [(Node(f"w{k}", (n,), dt, on), Node(f"m{k}", (n,), dt, on), Node(f"g{k}", (n,), dt))
+                      for k, n in enumerate(sizes)]
+            assigns = []
+            for w, m, g in params:
+                decay = Node(f"{m.name}_decay", m.shape, dt)
+                assigns += [ir.apply(Op.MUL, m, 0.9, into=decay), ir.apply(Op.ADD, decay, g, into=m),
+                            ir.apply(Op.SUB, w, m, into=w)]
+            out.append(program(
+                f"batch.updates_{label}.{dt}", *assigns,
+                inputs=[(n, q(n.shape)) for p in params for n in p], outputs=[n for w, m, _ in params for n in (w, m)],
+            ))
+        # the second kernel reads every other cell of what the first writes: apart
+        a, b, d = Node("a", (40,), dt), Node("b", (40,), dt, MemoryMode.ON_DEVICE), Node("d", (20,), dt)
+        i = Symbol("i")
+        every_other = ir.projections([(i, 20)], [i], [ir.affine((2, i))])
+        out.append(program(
+            f"batch.dependent.{dt}", ir.apply(Op.EXP, a, into=b), ir.Accum(d, None, Op.ID, (b,), every_other),
+            inputs=[(a, q(a.shape))], outputs=[b, d],
+        ))
+    return out
