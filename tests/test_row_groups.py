@@ -25,6 +25,7 @@ def _comments(backend: str, program: str) -> list[str]:
 @pytest.mark.parametrize("backend", ["cpu", "opencl"])
 @pytest.mark.parametrize(("program", "kernels"), [
     ("rows.softmax", 1),  # max, shift, sum of exp, log, divide: one kernel
+    ("rows.loop_names_taken", 1),  # its loops renamed apart from the row loop
     ("rows.reads_other_rows", 2),  # the column sum reads every row: apart
     ("rows.overwrites_what_others_read", 2),  # the scaling overwrites rows the sum still reads
 ])

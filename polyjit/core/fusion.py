@@ -280,7 +280,7 @@ class _RowGroup:
         (a loop of its own named like the row symbol is renamed apart)."""
         (s0, _), *inner = k.parallel
         env: dict[ir.Var, Affine] = {s0: ir.as_affine(self.sym)}
-        apart = Symbol(f"{self.sym.name}_own")
+        apart = _fresh(self.sym, _symbols(k))
         if s0 != self.sym:
             env[self.sym] = ir.as_affine(apart)
         body = k.body
@@ -316,6 +316,26 @@ class _RowGroup:
             return self.members
         return [Kernel(self.first.name, ((self.sym, self.rows),), Seq(tuple(self.stmts)),
                        "; ".join(c for c in self.comments if c))]
+
+
+def _symbols(k: Kernel) -> set[ir.Var]:
+    """Every loop symbol of ``k`` and every symbol its indices name."""
+    out: set[ir.Var] = {sym for sym, _ in k.parallel}
+    out.update(_extents(k.body))
+    for st in walk_stmts(k.body):
+        if isinstance(st, (Store, Reduce)):
+            out.update(st.index.vars)
+    out.update(v for e in walk_exprs(k.body) if isinstance(e, Load) for v in e.index.vars)
+    return out
+
+
+def _fresh(sym: Symbol, taken: set[ir.Var]) -> Symbol:
+    """``<sym>_own``, or ``<sym>_own2``, ``_own3``... : a name none of ``taken`` has."""
+    k, name = 1, f"{sym.name}_own"
+    while Symbol(name) in taken:
+        k += 1
+        name = f"{sym.name}_own{k}"
+    return Symbol(name)
 
 
 def _extents(s: Stmt) -> dict[ir.Var, int]:

@@ -285,6 +285,17 @@ def rows() -> list[CatalogProgram]:
             ir.einsum("ki->i", ss, into=col),
             inputs=[(sx, q(sx.shape))], outputs=[sm, col],
         ))
+        # the second kernel's loops are named like the row symbol ("i") and like the name a
+        # row group first gives such a loop ("i_own"): both stay apart from the row loop
+        rx, rm = Node("rx", (6, 5), dt), Node("rm", (6, 1), dt, on)
+        ry, rz = Node("ry", (6, 4, 3), dt), Node("rz", (6, 3), dt)
+        i, j, a, own = Symbol("i"), Symbol("j"), Symbol("a"), Symbol("i_own")
+        out.append(program(
+            f"rows.loop_names_taken.{dt}",
+            ir.Accum(rm, AccumOp.MAX, Op.ID, (rx,), ir.projections([(i, 6), (j, 5)], [i, 0], [i, j])),
+            ir.Accum(rz, AccumOp.ADD, Op.ID, (ry,), ir.projections([(a, 6), (own, 3), (i, 4)], [a, own], [a, i, own])),
+            inputs=[(rx, q(rx.shape)), (ry, q(ry.shape))], outputs=[rm, rz],
+        ))
         # each row's sum reads the mirrored row of w; the scaling after it overwrites w row by
         # row (by a per-row factor, so that its nest stays two loops over the rows)
         w, c, g = Node("w", (16, 16), dt), Node("c", (16, 1), dt), Node("g", (16,), dt)
