@@ -16,6 +16,7 @@ from polyjit.backends import (
 )
 from polyjit.core import ir
 from polyjit.core.errors import (
+    AliasedMemoryError,
     BackendUnavailableError,
     BindingError,
     CollectiveMismatchError,
@@ -45,6 +46,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AccumOp",
+    "AliasedMemoryError",
     "BackendUnavailableError",
     "BindingError",
     "CollectiveMismatchError",

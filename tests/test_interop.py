@@ -18,6 +18,7 @@ import polyjit
 from polyjit import get_backend, ir
 from polyjit.core import dtypes
 from polyjit.core.errors import (
+    AliasedMemoryError,
     DTypeMismatchError,
     InvalidArgumentError,
     ShapeMismatchError,
@@ -145,6 +146,32 @@ def test_an_aligned_numpy_array_is_taken_without_a_copy() -> None:
     np.testing.assert_array_equal(r.context.read(y), 2 * host)
     r.context.finalize()
     ctx.finalize()
+
+
+def test_memory_another_node_uses_is_refused() -> None:
+    """Two nodes on one memory would break the kernels' no-alias assumption (restrict
+    pointers; fusion merges and reorders work on distinct nodes, and once moved a sum read
+    its input before the increment the program put first): importing an array a node of the
+    context already uses, or part of it, or a polyjit export of that node, is refused and
+    names both nodes; the context stays usable, and the same node may take it again."""
+    backend = get_backend("cpu")
+    dev = backend.get_device(0)
+    raw = np.zeros(64 + 16, np.float32)
+    start = (-raw.ctypes.data % 64) // 4
+    host = raw[start : start + 64]
+    x, y, z = Node("x", (64,)), Node("y", (64,)), Node("z", (16,))
+    ctx = dev.make_context().init_from_dlpack(x, host)
+    with pytest.raises(AliasedMemoryError, match=r"y#\d+.*overlaps x#\d+"):
+        ctx.init_from_dlpack(y, host)
+    with pytest.raises(AliasedMemoryError, match="overlaps x"):
+        ctx.init_from_dlpack(z, host[16:32])  # a part of it
+    with pytest.raises(AliasedMemoryError, match="overlaps x"):
+        ctx.init_from_dlpack(y, ctx.export(x))  # polyjit's own export of x
+    again = ctx.init_from_dlpack(x, host)  # the same node, the same memory: fine
+    other = ctx.init_from_dlpack(y, np.ones(64, np.float32))  # other memory: fine
+    np.testing.assert_array_equal(other.read(y), np.ones(64, np.float32))
+    for c in (other, again, ctx):
+        c.finalize()
 
 
 @pytest.mark.parametrize("shift", [0, 1, 3, 4, 15])

@@ -101,6 +101,13 @@ class IndexOutOfRangeError(PolyjitError, IndexError):
     number of classes (the vocabulary size). Checked on the host before the copy to the device."""
 
 
+class AliasedMemoryError(PolyjitError, ValueError):
+    """``init_from_dlpack`` would give a node memory that another node of the context already
+    uses (the same tensor imported twice, or a polyjit export taken back in as another node).
+    Kernels assume distinct nodes never overlap (their pointers are ``restrict``, and fusion
+    reorders and merges work on distinct nodes): use the one node."""
+
+
 class ValueRangeError(PolyjitError, ValueError):
     """A value does not fit the dtype it is given to: an integer outside the dtype's range, a
     non-integral (or NaN, or infinite) float for an integer tensor."""

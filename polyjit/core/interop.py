@@ -22,7 +22,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from polyjit.core import dlpack
-from polyjit.core.errors import DTypeMismatchError, ShapeMismatchError, UnsupportedError
+from polyjit.core.errors import (
+    AliasedMemoryError,
+    DTypeMismatchError,
+    ShapeMismatchError,
+    UnsupportedError,
+)
 from polyjit.core.ir import Node
 from polyjit.core.slab import BufferLoc
 
@@ -149,6 +154,7 @@ def init_from_dlpack(ctx: Context, node: Node, obj: Any) -> Context:
         need = max(device.info.import_alignment or device.info.base_alignment, node.dtype.itemsize)
         aligned = taken.address % need == 0
         if here is not None and taken.device == tuple(here) and aligned and taken.nbytes:
+            _refuse_overlap(ctx, node, taken.address, taken.nbytes)
             handle = device.driver.wrap_address(device.ordinal, taken.address, taken.nbytes)  # type: ignore[attr-defined]
             pid = device.adopt_pool(handle, taken.nbytes, taken.release)
             taken = None  # the pool gives it back now
@@ -163,6 +169,19 @@ def init_from_dlpack(ctx: Context, node: Node, obj: Any) -> Context:
     finally:
         if taken is not None:
             taken.release()
+
+
+def _refuse_overlap(ctx: Context, node: Node, address: int, nbytes: int) -> None:
+    """Raise when ``[address, address + nbytes)`` overlaps the buffer of another node of
+    ``ctx``: two nodes on one memory would break every kernel's no-alias assumption."""
+    device = ctx.device
+    for other, loc in ctx.buffers.items():
+        if other is node or not other.nbytes:
+            continue
+        start = device.driver.address(device.pool_handle(loc.pool_id), loc.offset)  # type: ignore[attr-defined]
+        if start < address + nbytes and address < start + other.nbytes:
+            raise AliasedMemoryError(f"init_from_dlpack of {node.label} on {device.device_id}: the tensor's memory "
+                                     f"overlaps {other.label}'s buffer in this context; use that node")
 
 
 @contextlib.contextmanager
