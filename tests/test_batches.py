@@ -11,7 +11,7 @@ from catalog_check import backend_or_skip
 from polyjit.core import ir
 from polyjit.core.fusion import fuse_segments
 from polyjit.core.ir import Node, Symbol
-from polyjit.core.loops import Kernel, Load, Segment, Seq, Store
+from polyjit.core.loops import Call, Kernel, Load, Segment, Seq, Store
 from polyjit.testing.programs import by_name
 
 
@@ -82,3 +82,20 @@ def test_a_kernel_moves_only_past_what_it_does_not_touch() -> None:
     k2 = Kernel("k2", ((i, 4),), Store(z, ir.as_affine(i), Load(w, ir.as_affine(i))))
     joins = lambda k: len(k.parallel) == 1  # noqa: E731
     assert [k.name for k in fuse_segments([k0, k1, k2], joins)] == ["k0", "k1", "k2"]
+
+
+def test_a_batch_takes_at_most_48_buffers() -> None:
+    """OpenCL guarantees 1024 bytes of kernel arguments (16 a buffer): 16 members of five
+    buffers each make two batches, none over the limit."""
+    from polyjit.core.fusion import MAX_BATCH_BUFFERS
+
+    i = Symbol("i")
+
+    def member(n: int) -> Kernel:
+        ins = [Load(Node(f"a{n}_{k}", (3,)), ir.as_affine(i)) for k in range(4)]
+        add, dt = ir.Op.ADD, ins[0].dtype
+        expr = Call(add, (Call(add, (ins[0], ins[1]), dt), Call(add, (ins[2], ins[3]), dt)), dt)
+        return Kernel(f"k{n}", ((i, 3),), Store(Node(f"o{n}", (3,)), ir.as_affine(i), expr))
+
+    out = fuse_segments([member(n) for n in range(16)], lambda _: True)
+    assert len(out) == 2 and all(len(k.buffers) <= MAX_BATCH_BUFFERS for k in out)

@@ -54,6 +54,9 @@ from polyjit.core.patterns import fusable
 
 WINDOW = 16  # entries of the schedule a kernel looks back over for a group to join
 MAX_STATEMENTS = 16  # stores of one fused kernel
+# Buffers of one batch: OpenCL guarantees 1024 bytes of kernel arguments, and a buffer
+# takes 16 (its pointer and offset), statics and a merge buffer aside.
+MAX_BATCH_BUFFERS = 48
 
 
 def accesses(kernel: Kernel) -> list[tuple[Node, Affine, bool]]:
@@ -409,6 +412,8 @@ def _join_batch(schedule: list[_Entry], new: _Entry) -> bool:
     for pos in range(max(0, len(schedule) - WINDOW), len(schedule)):
         batch = schedule[pos]
         if batch.space is None or len(batch.members) >= MAX_STATEMENTS or not batch.independent(new):
+            continue
+        if len(batch.touched | new.touched) > MAX_BATCH_BUFFERS:
             continue
         after = schedule[pos + 1:]
         if all(x.independent(new) for x in after):
