@@ -144,9 +144,12 @@ class Dialect:
     # four kernels become one. On a GPU a row group runs a row per thread, so rows stay short;
     # 0 turns row groups off.
     row_group_max_row = 64
-    # Independent elementwise kernels run as segments of one launch (core/fusion.py,
-    # ``fuse_segments``): an optimizer's updates of every parameter become one kernel.
+    # Independent elementwise kernels of at most ``batch_max_work`` iterations run as segments
+    # of one launch (core/fusion.py, ``fuse_segments``): an optimizer's updates of every small
+    # parameter become one kernel. A larger kernel's launch costs little beside its work, and
+    # on PoCL the segments' guards cost more than that (the MLP's 200K-cell update).
     batch_segments = True
+    batch_max_work = 1 << 16
     matmul_min_side = 0  # tiles for contractions with both output sides at least this long...
     matmul_min_work = 0  # ... and at least this many multiply-adds
     matmul_tiles: tuple[Tiles, ...] = ()  # GPU tiles, biggest first

@@ -342,9 +342,12 @@ def stageable(r: Reduce) -> bool:
 
 def segmentable(kernel: Kernel, d: Dialect) -> bool:
     """Whether ``kernel`` may join a batch on ``d`` (core/fusion.py, ``fuse_segments``): one
-    parallel loop around stores (an elementwise kernel, or several that horizontal fusion
-    merged), no merge buffer, no scatter, and no shape of its own on ``d``."""
-    if not d.batch_segments or len(kernel.parallel) != 1 or kernel.work == 0 or kernel.merge_input is not None:
+    parallel loop of at most ``d.batch_max_work`` iterations around stores (an elementwise
+    kernel, or several that horizontal fusion merged), no merge buffer, no scatter, and no
+    shape of its own on ``d``."""
+    if not d.batch_segments or len(kernel.parallel) != 1 or kernel.merge_input is not None:
+        return False
+    if not 0 < kernel.work <= d.batch_max_work:
         return False
     stmts = kernel.body.body if isinstance(kernel.body, Seq) else (kernel.body,)
     if not all(isinstance(st, Store) and st.row is None for st in stmts):
