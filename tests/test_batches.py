@@ -6,18 +6,13 @@ how each dialect writes a batch, and that dependent kernels stay apart."""
 from __future__ import annotations
 
 import pytest
-from catalog_check import backend_or_skip
+from catalog_check import backend_or_skip, kernel_comments
 
 from polyjit.core import ir
 from polyjit.core.fusion import fuse_segments
 from polyjit.core.ir import Node, Symbol
 from polyjit.core.loops import Call, Kernel, Load, Segment, Seq, Store
 from polyjit.testing.programs import by_name
-
-
-def _comments(backend: str, program: str) -> list[str]:
-    p = by_name(program)
-    return [k.comment for k in backend_or_skip(backend).compile_batch(list(p.comps)).lowered.kernels]
 
 
 @pytest.mark.parametrize("backend", ["cpu", "opencl"])
@@ -28,7 +23,7 @@ def _comments(backend: str, program: str) -> list[str]:
 ])
 def test_which_kernels_batch(backend: str, program: str, kernels: int) -> None:
     for dt in ("float32", "float64"):
-        assert len(_comments(backend, f"{program}.{dt}")) == kernels
+        assert len(kernel_comments(backend, f"{program}.{dt}")) == kernels
 
 
 def test_the_cpu_gives_each_member_its_loop_and_clips_shared_ranges() -> None:

@@ -8,18 +8,12 @@ merge."""
 from __future__ import annotations
 
 import pytest
-from catalog_check import backend_or_skip
+from catalog_check import backend_or_skip, kernel_comments
 
 from polyjit.core import ir
 from polyjit.core.fusion import _onto
 from polyjit.core.ir import Symbol
 from polyjit.testing.programs import by_name
-
-
-def _comments(backend: str, program: str) -> list[str]:
-    p = by_name(program)
-    batch = backend_or_skip(backend).compile_batch(list(p.comps), names=[f"c{k}" for k in range(len(p.comps))])
-    return [k.comment for k in batch.lowered.kernels]
 
 
 @pytest.mark.parametrize("dt", ["float32", "float64"])
@@ -32,7 +26,7 @@ def _comments(backend: str, program: str) -> list[str]:
     ("epilogue.transposed_read", 2),  # the consumer reads another tile's cells: apart
 ])
 def test_which_consumers_run_on_the_tiles(program: str, kernels: int, dt: str) -> None:
-    comments = _comments("cpu", f"{program}.{dt}")
+    comments = kernel_comments("cpu", f"{program}.{dt}")
     assert len(comments) == kernels, comments
     if kernels == 1 or program == "epilogue.update_in_place":
         assert "add= mul; " in comments[0]  # the product's kernel carries its consumer
@@ -46,7 +40,7 @@ def test_the_epilogue_runs_inside_the_tile_kernel() -> None:
 
 def test_other_dialects_keep_their_tiles_and_no_epilogue() -> None:
     """OpenCL tiles contractions without epilogues: its kernels stay as they were."""
-    assert len(_comments("opencl", "epilogue.bias_relu.float32")) == 2
+    assert len(kernel_comments("opencl", "epilogue.bias_relu.float32")) == 2
 
 
 def test_a_merged_nest_is_written_in_the_contraction_symbols() -> None:

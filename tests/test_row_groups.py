@@ -7,19 +7,13 @@ kernels merge, how the CPU writes them, and the renaming that keeps a member's l
 from __future__ import annotations
 
 import pytest
-from catalog_check import backend_or_skip
+from catalog_check import backend_or_skip, kernel_comments
 
 from polyjit.core import ir
 from polyjit.core.fusion import fuse_rows
 from polyjit.core.ir import AccumOp, Node, Symbol
 from polyjit.core.loops import Kernel, Load, Loop, Reduce, Seq, Store
 from polyjit.testing.programs import by_name
-
-
-def _comments(backend: str, program: str) -> list[str]:
-    p = by_name(program)
-    batch = backend_or_skip(backend).compile_batch(list(p.comps), names=[f"c{k}" for k in range(len(p.comps))])
-    return [k.comment for k in batch.lowered.kernels]
 
 
 @pytest.mark.parametrize("backend", ["cpu", "opencl"])
@@ -31,7 +25,7 @@ def _comments(backend: str, program: str) -> list[str]:
 ])
 def test_which_kernels_share_their_rows(backend: str, program: str, kernels: int) -> None:
     for dt in ("float32", "float64"):
-        assert len(_comments(backend, f"{program}.{dt}")) == kernels
+        assert len(kernel_comments(backend, f"{program}.{dt}")) == kernels
 
 
 def test_the_cpu_runs_a_row_group_in_blocks_of_rows() -> None:
