@@ -258,6 +258,37 @@ def test_streams_close_and_leave_nothing_behind(backend: Backend) -> None:
     root.finalize()
 
 
+def test_close_waits_for_work_another_thread_enqueued_during_its_wait(backend: Backend) -> None:
+    """close() waits, then ends the stream under the device lock. Work another thread enqueued
+    in between was once marked complete without a wait: its reads returned before their
+    bytes landed (on CUDA, where a read's last step runs when its event is found done: see
+    tests/cuda/test_backend_on_stub.py; cpu and OpenCL drain their queues on close). The
+    enqueue is injected right after close()'s own wait."""
+    dev = backend.get_device(0)
+    n = 1 << 20
+    a, out, code = _exp_code(backend, n)
+    s = dev.new_stream()
+    ctx = dev.make_context().init_from_host(a, np.full(n, 0.5, np.float32)).with_stream(s)
+    r = ctx.link(code)
+    host = np.zeros(n, np.float32)
+    wait = s.synchronize
+    injected: list[bool] = []
+
+    def wait_then_enqueue() -> None:
+        wait()
+        if not injected:
+            injected.append(True)
+            for _ in range(4):
+                r.run()
+            r.context.to_host(out, host, blocking=False)
+
+    s.synchronize = wait_then_enqueue  # type: ignore[method-assign]
+    s.close()
+    assert injected
+    np.testing.assert_allclose(host, np.exp(np.float32(0.5)), rtol=1e-6)
+    r.context.finalize()
+
+
 def test_dropped_streams_are_closed(backend: Backend) -> None:
     dev = backend.get_device(0)
     gc.collect()

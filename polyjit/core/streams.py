@@ -290,18 +290,22 @@ class Stream:
         if self is self.device.default_stream:
             raise StreamClosedError(f"{self!r} is the default stream of {self.device.device_id}; "
                                     "it lives as long as the device")
-        with contextlib.suppress(DeviceFaultError):  # a faulted stream still closes
-            self.synchronize()
-        with self.device.lock:  # no enqueue can slip in between
-            with self._lock:
-                if self.closed:
-                    return
-                self.closed = True
-                while self._users:  # a host wait still inside the driver: let it return
-                    self._idle.wait()
-            self.device.forget_stream(self)
-            self.completed(self.seq)
-            self.device.close_stream_handle(self.handle)
+        while True:
+            with contextlib.suppress(DeviceFaultError):  # a faulted stream still closes
+                self.synchronize()
+            with self.device.lock:  # no enqueue can slip in from here on
+                with self._lock:
+                    if self.closed:
+                        return
+                    if self.seq > self.done_seq:  # work came in during the wait: wait for it too
+                        continue  # (marking it complete unwaited would let its reads return early)
+                    self.closed = True
+                    while self._users:  # a host wait still inside the driver: let it return
+                        self._idle.wait()
+                self.device.forget_stream(self)
+                self.completed(self.seq)
+                self.device.close_stream_handle(self.handle)
+                return
 
     def __del__(self) -> None:
         """The garbage collector took this stream (and, in a cycle, what its retained queue

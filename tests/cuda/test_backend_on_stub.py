@@ -104,6 +104,32 @@ def test_a_blocking_read_lands_while_another_thread_polls(backend: Any, schedule
     assert bad == 0, f"{bad} of 100 reads returned before their bytes landed"
 
 
+def test_close_waits_for_a_read_enqueued_during_its_wait(backend: Any, schedule: str) -> None:
+    """A read another thread enqueued between close()'s wait and the end of the stream was
+    marked complete unwaited: its copy-out from the staging ring never ran, and the array
+    stayed as it was. The enqueue is injected right after close()'s own wait."""
+    dev = backend.get_device(0)
+    x = f32("x", (4096,))
+    want = np.arange(4096, dtype=np.float32)
+    s = dev.new_stream()
+    ctx = dev.make_context().init_from_host(x, want).with_stream(s)
+    host = np.zeros(4096, np.float32)
+    wait = s.synchronize
+    injected: list[bool] = []
+
+    def wait_then_read() -> None:
+        wait()
+        if not injected:
+            injected.append(True)
+            ctx.to_host(x, host, blocking=False)
+
+    s.synchronize = wait_then_read  # type: ignore[method-assign]
+    s.close()
+    assert injected
+    np.testing.assert_array_equal(host, want)
+    ctx.finalize()
+
+
 def test_statics_and_graph_replay(backend: Any, schedule: str, stub_driver: stub.Driver) -> None:
     rows = StaticSymbol("row", 4)
     i = Symbol("i")
