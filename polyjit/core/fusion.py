@@ -29,7 +29,6 @@ right before it, as the epilogue its tiles run (docs/architecture.md, "Epilogues
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Sequence, Set
 
@@ -46,6 +45,7 @@ from polyjit.core.loops import (
     Seq,
     Stmt,
     Store,
+    affines_of,
     map_stmt,
     walk_exprs,
     walk_stmts,
@@ -154,19 +154,25 @@ def _join(schedule: list[_Entry], kernel: Kernel, scratch: Set[Node]) -> bool:
         group = schedule[pos]
         if group.space is None or group.space != tuple(n for _, n in kernel.parallel):
             continue
-        renamed = group.renamed(kernel)
-        new = _Entry.of(renamed)
-        if not group.accepts(new, scratch):
-            continue
-        after = schedule[pos + 1:]
-        if all(x.independent(new) for x in after):  # the kernel moves up to the group
-            group.add(renamed)
+        new = _Entry.of(group.renamed(kernel))
+        if group.accepts(new, scratch) and _gather(schedule, pos, new):
             return True
-        if all(x.independent(group) for x in after):  # the group moves down to the kernel
-            del schedule[pos]
-            group.add(renamed)
-            schedule.append(group)
-            return True
+    return False
+
+
+def _gather(schedule: list[_Entry], pos: int, new: _Entry) -> bool:
+    """Add ``new`` (one kernel, the newest) to the group at ``pos`` when it can move up to the
+    group past the entries after it (they are independent of it), or the group can move down
+    to it (they are independent of the group)."""
+    group, after = schedule[pos], schedule[pos + 1:]
+    if all(x.independent(new) for x in after):  # the kernel moves up to the group
+        group.add(new.members[0])
+        return True
+    if all(x.independent(group) for x in after):  # the group moves down to the kernel
+        del schedule[pos]
+        group.add(new.members[0])
+        schedule.append(group)
+        return True
     return False
 
 
@@ -258,9 +264,7 @@ def fuse_rows(kernels: Sequence[Kernel], joins: Callable[[Kernel], bool]) -> lis
         if not joins(k):
             group = None
             out.append(k)
-        elif group is not None and group.accepts(k):
-            group.add(k)
-        else:
+        elif group is None or not group.join(k):
             group = _RowGroup(k)
             out.append(group)
     return [m for x in out for m in (x.kernels() if isinstance(x, _RowGroup) else (x,))]
@@ -271,12 +275,10 @@ class _RowGroup:
 
     def __init__(self, first: Kernel) -> None:
         (self.sym, self.rows), *_ = first.parallel
-        self.first = first
         self.members: list[Kernel] = []
         self.stmts: list[Stmt] = []
-        self.comments: list[str] = []
         self.access: dict[Node, list[tuple[Affine, bool, bool]]] = {}  # (index, in row, write)
-        self.add(first)
+        self._add(first, *self._rowwise(first))
 
     def _rowwise(self, k: Kernel) -> tuple[Stmt, dict[Node, list[tuple[Affine, bool, bool]]]]:
         """``k``'s body over the group's row symbol, the rest of its parallel nest serial loops
@@ -293,21 +295,22 @@ class _RowGroup:
                         lambda sym, n: (apart if sym == self.sym else sym, n))
         return stmt, _row_accesses(stmt, self.sym, self.rows)
 
-    def accepts(self, k: Kernel) -> bool:
+    def join(self, k: Kernel) -> bool:
+        """Add ``k`` when it runs over the group's rows and every node written by it or a member
+        and touched by both is accessed only within the iteration's own row."""
         if not k.parallel or k.parallel[0][1] != self.rows or len(self.stmts) >= MAX_STATEMENTS:
             return False
-        _, access = self._rowwise(k)
+        stmt, access = self._rowwise(k)
         for node in self.access.keys() & access.keys():
             both = self.access[node] + access[node]
             if any(w for _, _, w in both) and not all(inside for _, inside, _ in both):
                 return False
+        self._add(k, stmt, access)
         return True
 
-    def add(self, k: Kernel) -> None:
+    def _add(self, k: Kernel, stmt: Stmt, access: dict[Node, list[tuple[Affine, bool, bool]]]) -> None:
         self.members.append(k)
-        stmt, access = self._rowwise(k)
         self.stmts += stmt.body if isinstance(stmt, Seq) else (stmt,)  # a fused member's stores, flat
-        self.comments.append(k.comment)
         for node, acc in access.items():
             self.access.setdefault(node, []).extend(acc)
 
@@ -317,18 +320,15 @@ class _RowGroup:
         scratch apart so that its space is reused)."""
         if len(self.members) == 1 or all(k.total_work == self.rows for k in self.members):
             return self.members
-        return [Kernel(self.first.name, ((self.sym, self.rows),), Seq(tuple(self.stmts)),
-                       "; ".join(c for c in self.comments if c))]
+        return [Kernel(self.members[0].name, ((self.sym, self.rows),), Seq(tuple(self.stmts)),
+                       "; ".join(k.comment for k in self.members if k.comment))]
 
 
 def _symbols(k: Kernel) -> set[ir.Var]:
     """Every loop symbol of ``k`` and every symbol its indices name."""
     out: set[ir.Var] = {sym for sym, _ in k.parallel}
     out.update(_extents(k.body))
-    for st in walk_stmts(k.body):
-        if isinstance(st, (Store, Reduce)):
-            out.update(st.index.vars)
-    out.update(v for e in walk_exprs(k.body) if isinstance(e, Load) for v in e.index.vars)
+    out.update(v for a in affines_of(k) for v in a.vars)
     return out
 
 
@@ -413,22 +413,9 @@ def _join_batch(schedule: list[_Entry], new: _Entry) -> bool:
         batch = schedule[pos]
         if batch.space is None or len(batch.members) >= MAX_STATEMENTS or not batch.independent(new):
             continue
-        if len(batch.touched | new.touched) > MAX_BATCH_BUFFERS:
-            continue
-        after = schedule[pos + 1:]
-        if all(x.independent(new) for x in after):
-            batch.add(new.members[0])
-            return True
-        if all(x.independent(batch) for x in after):
-            del schedule[pos]
-            batch.add(new.members[0])
-            schedule.append(batch)
+        if len(batch.touched | new.touched) <= MAX_BATCH_BUFFERS and _gather(schedule, pos, new):
             return True
     return False
-
-
-def _substitute(a: Affine, env: dict[ir.Var, Affine]) -> Affine:
-    return a.substitute(env)
 
 
 def _batch(members: list[Kernel]) -> Kernel:
@@ -439,8 +426,13 @@ def _batch(members: list[Kernel]) -> Kernel:
     segments: list[Stmt] = []
     lo = 0
     for k in members:
-        ((own, n),) = k.parallel
-        env: dict[ir.Var, Affine] = {own: ir.as_affine(sym) + ir.as_affine(-lo)}
-        segments.append(Segment(sym, lo, lo + n, map_stmt(k.body, functools.partial(_substitute, env=env))))
-        lo += n
+        segments.append(_segment(k, sym, lo))
+        lo += k.work
     return Kernel(members[0].name, ((sym, lo),), Seq(tuple(segments)), "; ".join(k.comment for k in members if k.comment))
+
+
+def _segment(k: Kernel, sym: Symbol, lo: int) -> Segment:
+    """``k`` (one parallel loop) as the segment of a batch's range ``sym`` that starts at ``lo``."""
+    ((own, n),) = k.parallel
+    env: dict[ir.Var, Affine] = {own: ir.as_affine(sym) + ir.as_affine(-lo)}
+    return Segment(sym, lo, lo + n, map_stmt(k.body, lambda a: a.substitute(env)))
