@@ -50,7 +50,7 @@ from polyjit.core.loops import (
     walk_exprs,
     walk_stmts,
 )
-from polyjit.core.patterns import fusable
+from polyjit.core.patterns import elementwise_stores, fusable
 
 WINDOW = 16  # entries of the schedule a kernel looks back over for a group to join
 MAX_STATEMENTS = 16  # stores of one fused kernel
@@ -206,8 +206,8 @@ def _epilogue(p: Kernel, e: Kernel) -> Kernel | None:
     r = p.body
     if not isinstance(r, Reduce) or r.init is None:
         return None
-    stmts = e.body.body if isinstance(e.body, Seq) else (e.body,)
-    if not all(isinstance(st, Store) and st.row is None for st in stmts):
+    stmts = elementwise_stores(e)
+    if stmts is None:
         return None
     env = _onto(e.parallel, p.parallel)
     if env is None:

@@ -340,6 +340,14 @@ def stageable(r: Reduce) -> bool:
     return len(r.loops) == 1 and 8 <= r.loops[0][1] <= STAGED_MAX_LENGTH
 
 
+def elementwise_stores(kernel: Kernel) -> tuple[Store, ...] | None:
+    """The kernel's statements when all are stores at cells of its own (no row picked by
+    data): an elementwise kernel, or several that horizontal fusion merged. None otherwise."""
+    stmts = kernel.body.body if isinstance(kernel.body, Seq) else (kernel.body,)
+    stores = tuple(st for st in stmts if isinstance(st, Store) and st.row is None)
+    return stores if len(stores) == len(stmts) else None
+
+
 def segmentable(kernel: Kernel, d: Dialect) -> bool:
     """Whether ``kernel`` may join a batch on ``d`` (core/fusion.py, ``fuse_segments``): one
     parallel loop of at most ``d.batch_max_work`` iterations around stores (an elementwise
@@ -349,8 +357,7 @@ def segmentable(kernel: Kernel, d: Dialect) -> bool:
         return False
     if not 0 < kernel.work <= d.batch_max_work:
         return False
-    stmts = kernel.body.body if isinstance(kernel.body, Seq) else (kernel.body,)
-    if not all(isinstance(st, Store) and st.row is None for st in stmts):
+    if elementwise_stores(kernel) is None:
         return False
     plan = plan_kernel(kernel, d)
     return plan.shape == "" and plan.contraction is None
