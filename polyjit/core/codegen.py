@@ -531,12 +531,10 @@ def emit_loops(em: Emitter, kernel: Kernel, plan: KernelPlan, indent: int) -> li
     lines: list[str] = []
     if isinstance(kernel.body, Seq) and nest:
         lines += hoist_invariant_loads(em, kernel, indent)
-    if row_group(kernel) and len(nest) == 1:
-        lines += _row_blocks(em, kernel, plan, indent)
-        em.hoisted.clear()
-        return lines
-    if segments(kernel) and (d.ranged or not plan.team):
-        lines += _segment_loops(em, kernel, plan, indent)
+    shape = (_row_blocks if row_group(kernel) and len(nest) == 1 else
+             _segment_loops if segments(kernel) and (d.ranged or not plan.team) else None)
+    if shape is not None:  # a row group or a batch: loops of their own
+        lines += shape(em, kernel, plan, indent)
         em.hoisted.clear()
         return lines
     depth = indent

@@ -183,9 +183,8 @@ class Backend:
         c_names = tuple(_c_name(names[k], taken) for k in keep)
         dialect = self.driver.dialect
         tiled = (lambda k: plan_kernel(k, dialect).contraction is not None) if dialect.matmul_epilogues else None
-        rows = (lambda k: row_fusable(k, dialect)) if dialect.row_group_max_row > 0 else None
-        batches = (lambda k: segmentable(k, dialect)) if dialect.batch_segments else None
-        lowered = lower([comp_list[k] for k in keep], c_names, epilogues=tiled, rows=rows, segments=batches)
+        lowered = lower([comp_list[k] for k in keep], c_names, epilogues=tiled,
+                        rows=lambda k: row_fusable(k, dialect), segments=lambda k: segmentable(k, dialect))
         source = generate(lowered, dialect)
         log_source(f"{self.name} batch {', '.join(c_names[:3])}{'...' if len(c_names) > 3 else ''}", source.text,
                    {"c": ".c", "opencl": ".cl", "cuda": ".cu"}.get(source.dialect, ".txt"))
