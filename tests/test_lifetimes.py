@@ -23,6 +23,7 @@ from polyjit import get_backend, ir
 from polyjit.core.errors import FinalizedError, StreamClosedError
 from polyjit.core.ir import Node, Op
 from polyjit.core.runtime import Backend
+from polyjit.testing.concurrency import close_with_late_work
 
 ROOT = Path(__file__).resolve().parent.parent
 BACKENDS = ("cpu", "opencl")
@@ -271,20 +272,13 @@ def test_close_waits_for_work_another_thread_enqueued_during_its_wait(backend: B
     ctx = dev.make_context().init_from_host(a, np.full(n, 0.5, np.float32)).with_stream(s)
     r = ctx.link(code)
     host = np.zeros(n, np.float32)
-    wait = s.synchronize
-    injected: list[bool] = []
 
-    def wait_then_enqueue() -> None:
-        wait()
-        if not injected:
-            injected.append(True)
-            for _ in range(4):
-                r.run()
-            r.context.to_host(out, host, blocking=False)
+    def runs_then_read() -> None:
+        for _ in range(4):
+            r.run()
+        r.context.to_host(out, host, blocking=False)
 
-    s.synchronize = wait_then_enqueue  # type: ignore[method-assign]
-    s.close()
-    assert injected
+    close_with_late_work(s, runs_then_read)
     np.testing.assert_allclose(host, np.exp(np.float32(0.5)), rtol=1e-6)
     r.context.finalize()
 

@@ -4,7 +4,8 @@
 (compile, link into stream children of one shared context, run, copy in and out, read,
 device_to_device, finalize, open and close streams) on a backend, every result checked
 against numpy. It returns the errors it saw; a deadlock shows as threads still alive at
-the deadline.
+the deadline. :func:`close_with_late_work` closes a stream as if another thread enqueued
+work during ``close()``'s own wait.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import random
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -22,8 +24,9 @@ from polyjit.core.context import Context
 from polyjit.core.ir import Node, Op
 from polyjit.core.routine import Routine, device_to_device
 from polyjit.core.runtime import Backend
+from polyjit.core.streams import Stream
 
-__all__ = ["thread_stress"]
+__all__ = ["close_with_late_work", "thread_stress"]
 
 N = 4096
 
@@ -154,3 +157,25 @@ def thread_stress(backend: Backend, *, threads: int = 8, ops: int = 200, seed: i
     else:
         root.finalize()
     return errors
+
+
+def close_with_late_work(stream: Stream, work: Callable[[], object]) -> None:
+    """``stream.close()``, with ``work()`` (an enqueue on the stream) run right after close's
+    own wait, where another thread's enqueue lands once in a long while: close() must wait for
+    it too before it ends the stream."""
+    wait = stream.synchronize
+    ran: list[bool] = []
+
+    def wait_then_work() -> None:
+        wait()
+        if not ran:
+            ran.append(True)
+            work()
+
+    stream.synchronize = wait_then_work  # type: ignore[method-assign]
+    try:
+        stream.close()
+    finally:
+        del stream.synchronize
+    if not ran:
+        raise AssertionError(f"close() of {stream!r} never waited: the late work was not enqueued")

@@ -15,6 +15,7 @@ from scenarios import f32
 from polyjit.backends import cuda
 from polyjit.core import ir
 from polyjit.core.ir import AccumOp, Op, StaticSymbol, Symbol
+from polyjit.testing.concurrency import close_with_late_work
 
 STUB_ENV: dict[str, str] = {}  # one stub GPU
 
@@ -114,18 +115,7 @@ def test_close_waits_for_a_read_enqueued_during_its_wait(backend: Any, schedule:
     s = dev.new_stream()
     ctx = dev.make_context().init_from_host(x, want).with_stream(s)
     host = np.zeros(4096, np.float32)
-    wait = s.synchronize
-    injected: list[bool] = []
-
-    def wait_then_read() -> None:
-        wait()
-        if not injected:
-            injected.append(True)
-            ctx.to_host(x, host, blocking=False)
-
-    s.synchronize = wait_then_read  # type: ignore[method-assign]
-    s.close()
-    assert injected
+    close_with_late_work(s, lambda: ctx.to_host(x, host, blocking=False))
     np.testing.assert_array_equal(host, want)
     ctx.finalize()
 
