@@ -38,9 +38,12 @@ from polyjit.core.codegen import (
     comment_text,
     generate,
     kernel_identifier,
+    row_group,
+    segments,
 )
 from polyjit.core.ir import AccumOp, Node, Op
 from polyjit.core.lower import LoweredBatch, lower
+from polyjit.core.patterns import row_fusable, segmentable
 from polyjit.core.runtime import Backend
 from polyjit.testing.harness import group_programs, run_programs
 from polyjit.testing.programs import CatalogProgram, catalog
@@ -90,25 +93,33 @@ def hostile_texts(marker: Path) -> list[str]:
 
 def _comp_for(name: str, k: int) -> tuple[ir.Comp, dict[Node, Array], dict[Node, Array]]:
     """A computation whose every node carries ``name``: a fused elementwise chain, a max
-    over rows and a sum over columns (three or more kernels); its inputs and expected outputs."""
+    over rows with its consumer (a row group, where the dialect makes them), a sum over columns,
+    and an elementwise kernel of another size independent of the chain (a batch with it); its
+    inputs and expected outputs."""
     rng = np.random.default_rng(k)
     x = Node(name, (4, 6), dtypes.float32)
     y = Node(name + "\\", (4, 6), dtypes.float32)
     t = Node(name + "*/", (4, 6), dtypes.float32)  # VIRTUAL: inlined
     out = Node(name, (4, 6), dtypes.float32)
     mx = Node(name, (4,), dtypes.float32)
+    ex = Node(name + "*/", (4,), dtypes.float32)
     col = Node(name, (6,), dtypes.float32)
+    z, neg = Node(name + "\\", (5,), dtypes.float32), Node(name, (5,), dtypes.float32)
     comp = ir.Comp.of(
         ir.apply(Op.MUL, x, y, into=t),
         ir.apply(Op.ADD, t, 1.5, into=out),
         ir.einsum("ij->i", out, into=mx, accum=AccumOp.MAX),
+        ir.apply(Op.EXP, mx, into=ex),
         ir.einsum("ij->j", x, into=col),
-        embedded=[out, mx, col],
+        ir.apply(Op.NEG, z, into=neg),
+        embedded=[out, mx, ex, col, neg],
     )
     xv = rng.uniform(-2, 2, x.shape).astype(np.float32)
     yv = rng.uniform(-2, 2, y.shape).astype(np.float32)
+    zv = rng.uniform(-2, 2, z.shape).astype(np.float32)
     ov = xv * yv + np.float32(1.5)
-    return comp, {x: xv, y: yv}, {out: ov, mx: ov.max(axis=1), col: xv.sum(axis=0)}
+    return comp, {x: xv, y: yv, z: zv}, {out: ov, mx: ov.max(axis=1), ex: np.exp(ov.max(axis=1)),
+                                         col: xv.sum(axis=0), neg: -zv}
 
 
 def _hostile_batch(marker: Path) -> tuple[list[ir.Comp], list[str], dict[Node, Array], dict[Node, Array]]:
@@ -205,8 +216,12 @@ def test_kernel_identifiers_are_safe_capped_unique_and_stable() -> None:
 def hostile_lowered(tmp_path_factory: pytest.TempPathFactory) -> tuple[LoweredBatch, Path]:
     marker = tmp_path_factory.mktemp("safety") / "pwned"
     comps, names, _, _ = _hostile_batch(marker)
-    # straight to lower(): the names skip the runtime's _c_name, so codegen alone must cope
-    return lower(comps, names), marker
+    # straight to lower(): the names skip the runtime's _c_name, so codegen alone must cope;
+    # with the CPU's row groups and batches, whose kernels join their members' comments
+    cpu = CpuDialect()
+    lowered = lower(comps, names, rows=lambda k: row_fusable(k, cpu), segments=lambda k: segmentable(k, cpu))
+    assert any(row_group(k) for k in lowered.kernels) and any(segments(k) for k in lowered.kernels)
+    return lowered, marker
 
 
 @pytest.mark.parametrize("dialect", _dialects(), ids=lambda d: f"{type(d).__name__}")

@@ -64,7 +64,7 @@ static inline float pj_pow2i_f32(int32_t k) {  /* 2^k, k in [-126, 127] */
     ("pj_exp_f32", """\
 static inline float pj_exp_f32(float x) {
   const float y = x < -104.0f ? -104.0f : (x > 89.0f ? 89.0f : x);
-  const float n = (y * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  /* round(y / ln 2) */
+  const float n = (y * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  /* y over ln 2, rounded */
   const float r = (y - n * 0.693145751953125f) - n * 1.428606820309417232e-6f;
   float p = 1.0f / 5040.0f;
   p = p * r + 1.0f / 720.0f;
