@@ -192,8 +192,13 @@ class Routine:
         self._write_states = device.tracker.states(self.write_locs)
         self._prepared: Any = None
         self._merge_generation = -1
+        # What run() passes the driver's launch when nothing varies between runs (no statics,
+        # no merge buffer that may move): built once, so that a run is one call of enqueue.
+        self._fixed_launch: tuple[Any, ...] | None = None
         if self.merge_buffer_input is None or device.merge.handle is not None:
             self._prepare()
+        if self.merge_buffer_input is None and not self.statics:
+            self._fixed_launch = (self.context.stream.handle, self._prepared, ())
 
     def split_after(self, node: Node) -> tuple[Routine, Routine] | None:
         """Two routines that run this one's kernels in two parts: up to the last kernel that
@@ -307,7 +312,12 @@ class Routine:
                 f"{device.device_id}, which now holds {held}")
 
     def run(self) -> None:
-        self.run_with(self.bindings)
+        fixed = self._fixed_launch
+        ctx = self.context
+        if fixed is None or ctx.finalized or logger.isEnabledFor(10):  # DEBUG logs each launch
+            self.run_with(self.bindings)
+            return
+        enqueue(ctx.stream, self._read_states, self._write_states, self, ctx.device.driver.launch, fixed, self)
 
     def run_with(self, bindings: Mapping[StaticSymbol, int]) -> None:
         """``run()`` with these static bindings instead of the routine's."""

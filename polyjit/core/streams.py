@@ -36,18 +36,14 @@ if TYPE_CHECKING:
     from polyjit.core.protocol import Driver
     from polyjit.core.runtime import Device
 
-# Past this many retained entries, a stream polls its oldest one every POLL_EVERY enqueues,
-# so a host that never waits does not grow the queue without bound. Only the entries it can
-# poll (every POLL_EVERY-th event) keep their driver handle: the stream is in order, so the
-# others need none, and a driver may pay for every event alive (PoCL's enqueue cost grows
-# with them: 1.96 us with none kept, 2.98 us with 64).
+# Past this many retained entries, a stream polls its work every POLL_EVERY enqueues, so a
+# host that never waits does not grow the queue without bound. Only every POLL_EVERY-th event
+# keeps its driver handle (in ``pollable``): the stream is in order, so the others need none,
+# and a driver may pay for every event alive (PoCL's enqueue cost grows with them: 1.96 us
+# with none kept, 2.98 us with 64). The handles live in a queue of their own so that a poll
+# looks at three of them, not at every entry retained (500 when the host runs far ahead).
 POLL_AFTER = 64
 POLL_EVERY = 16
-
-
-def _pollable(seq: int, handle: Any) -> Any:
-    """What a retained entry keeps of its event's driver handle."""
-    return handle if seq % POLL_EVERY == 0 else None
 
 
 class Event:
@@ -134,9 +130,11 @@ class Stream:
         # The last failure the driver reported, and the events it covers (all recorded by then).
         self.fault_error: DeviceFaultError | None = None
         self.fault_seq = 0
-        # (event seq, driver event, what that work uses): dropped once the event is known
-        # complete. Driver handles, not Events: an Event would tie the stream into a cycle.
-        self.retained: collections.deque[tuple[int, Any, Any]] = collections.deque()
+        # (event seq, what that work uses): dropped once the event is known complete; and
+        # (event seq, driver event) of every POLL_EVERY-th event, the ones a poll asks about.
+        # Driver handles, not Events: an Event would tie the stream into a cycle.
+        self.retained: collections.deque[tuple[int, Any]] = collections.deque()
+        self.pollable: collections.deque[tuple[int, Any]] = collections.deque()
         self._lock = threading.Lock()
         self._users = 0  # host threads inside the driver's event_sync / event_done right now
         self._idle = threading.Condition(self._lock)
@@ -160,7 +158,7 @@ class Stream:
                 raise DriverError(f"{self.device.label}: recording a timed event failed: {e}") from e
             self.seq += 1
             ev = Event(self, handle, self.seq, timed=True)
-            self.retained.append((ev.seq, handle, handle))  # what the device writes the time into
+            self.retained.append((ev.seq, handle))  # what the device writes the time into
             return ev
 
     def _record(self) -> Event:
@@ -194,23 +192,24 @@ class Stream:
 
     def retain(self, event: Event, keep: Any) -> None:
         """Keep ``keep`` alive until ``event`` (just recorded on this stream) completes."""
-        retained = self.retained
-        retained.append((event.seq, _pollable(event.seq, event.handle), keep))
-        if len(retained) > POLL_AFTER and event.seq % POLL_EVERY == 0:
-            self._poll_oldest()
+        seq = event.seq
+        self.retained.append((seq, keep))
+        if seq % POLL_EVERY == 0:
+            self.pollable.append((seq, event.handle))
+            if len(self.retained) > POLL_AFTER:
+                self._poll()
 
-    def _poll_oldest(self) -> None:
-        """Release what completed work kept: ask the driver about the newest retained entry
-        that kept its handle, else the middle one, else the oldest (at most three calls: the
-        stream is in order)."""
+    def _poll(self) -> None:
+        """Release what completed work kept: ask the driver about the newest pollable event,
+        else the middle one, else the oldest (at most three calls: the stream is in order)."""
         with self._lock:
-            entries = [(seq, handle) for seq, handle, _ in self.retained if handle is not None]
-        if not entries:
-            return
+            pollable = self.pollable
+            n = len(pollable)
+            entries = [pollable[k] for k in (n - 1, n // 2, 0)] if n else []
         try:
-            for k in (len(entries) - 1, len(entries) // 2, 0):
-                if self.driver_done(entries[k][1], block=False):
-                    self.completed(entries[k][0])
+            for seq, handle in entries:
+                if self.driver_done(handle, block=False):
+                    self.completed(seq)
                     return
         except Exception as e:
             self.fault(e)  # raised by the next sync, not by this enqueue
@@ -220,10 +219,12 @@ class Stream:
         with self._lock:
             if seq > self.done_seq:
                 self.done_seq = seq
-            retained = self.retained
+            retained, pollable = self.retained, self.pollable
             dropped = []
             while retained and retained[0][0] <= seq:
                 dropped.append(retained.popleft())
+            while pollable and pollable[0][0] <= seq:
+                dropped.append(pollable.popleft())
         del dropped  # the objects die here, outside the lock
         if self.device.freeing:
             self.device.reap(blocking=False)
@@ -235,7 +236,7 @@ class Stream:
         if isinstance(error, DeviceFaultError):
             return error
         with self._lock:
-            pending = [keep for _, _, keep in self.retained]
+            pending = [keep for _, keep in self.retained]
         names = [getattr(k[0] if isinstance(k, tuple) and k else k, "name", None) for k in pending]
         work = ", ".join(dict.fromkeys(str(n) for n in names if n)) or "no routine (copies only)"
         self.fault_error = DeviceFaultError(
@@ -412,7 +413,9 @@ def enqueue(stream: Stream, reads: Sequence[NodeEvents], writes: Sequence[NodeEv
             if st.readers:
                 st.readers = {}
         retained = stream.retained  # appends are atomic; pops take the stream's lock
-        retained.append((seq, _pollable(seq, handle), keep if token is None else (keep, token)))
-        if len(retained) > POLL_AFTER and seq % POLL_EVERY == 0:
-            stream._poll_oldest()
+        retained.append((seq, keep if token is None else (keep, token)))
+        if seq % POLL_EVERY == 0:
+            stream.pollable.append((seq, handle))
+            if len(retained) > POLL_AFTER:
+                stream._poll()
     return ev
