@@ -153,7 +153,8 @@ class Dialect:
     matmul_min_side = 0  # tiles for contractions with both output sides at least this long...
     matmul_min_work = 0  # ... and at least this many multiply-adds
     matmul_tiles: tuple[Tiles, ...] = ()  # GPU tiles, biggest first
-    vector_bytes = 0  # the host's vector registers (the CPU's shapes)
+    vector_bytes = 0  # the host's vector registers (the CPU's shapes) ...
+    vector_registers = 16  # ... and how many of them there are
     shape_emitters: Mapping[str, ShapeEmitter] = {}  # the shapes only this dialect writes
     gpu: GpuSpelling | None = None  # the GPU builtins (GPU mappings)
     # how the half types' conversions are spelled (C: through memcpy; _Float16 where the

@@ -123,16 +123,17 @@ def test_streaming_store_kernels_match_numpy_including_the_tail() -> None:
     routine.context.finalize()
 
 
-# Panels of y are 2 vectors wide: k * 2 * vector bytes, 1200-deep ones between PACK_MIN_BYTES
-# and PACK_MAX_BYTES on AVX2 and AVX-512 hosts alike.
+# Panels of y are k * (2 or 4 vectors) * vector bytes: 1000-deep ones lie between
+# PACK_MIN_BYTES and PACK_MAX_BYTES on AVX2 (2 vectors of 32 bytes) and AVX-512 hosts (4 of 64)
+# alike, 6000-deep ones above, 100-deep ones below.
 @pytest.mark.parametrize(("spec", "a_shape", "b_shape", "packed"), [
-    ("ik,kj->ij", (64, 1200), (1200, 1024), True),  # rows of y a power of two apart
-    ("bik,bkj->bij", (2, 20, 1200), (2, 1200, 80), True),  # a panel per batch index and column block
-    ("ki,kj->ij", (1200, 30), (1200, 72), True),  # x transposed; full column blocks and an edge
-    ("ik,kj->ij", (13, 1200), (1200, 64), True),  # an edge tile of one row reads the panel too
-    ("ik,kj->ij", (6, 1200), (1200, 64), False),  # one row tile: a panel would be read once
+    ("ik,kj->ij", (64, 1000), (1000, 1024), True),  # rows of y a power of two apart
+    ("bik,bkj->bij", (2, 20, 1000), (2, 1000, 80), True),  # a panel per batch index and column block
+    ("ki,kj->ij", (1000, 30), (1000, 72), True),  # x transposed; full column blocks and an edge
+    ("ik,kj->ij", (13, 1000), (1000, 64), True),  # an edge tile of one row reads the panel too
+    ("ik,kj->ij", (6, 1000), (1000, 64), False),  # one row tile: a panel would be read once
     ("ik,kj->ij", (64, 100), (100, 64), False),  # a panel under PACK_MIN_BYTES: cached as it is
-    ("ik,kj->ij", (12, 4000), (4000, 32), False),  # a panel over PACK_MAX_BYTES: read in place
+    ("ik,kj->ij", (12, 6000), (6000, 64), False),  # a panel over PACK_MAX_BYTES: read in place
 ])
 def test_register_tiles_pack_panels_of_y(spec: str, a_shape: tuple[int, ...], b_shape: tuple[int, ...],
                                          packed: bool) -> None:
@@ -141,11 +142,14 @@ def test_register_tiles_pack_panels_of_y(spec: str, a_shape: tuple[int, ...], b_
     match numpy either way, whichever threads share the range."""
     from polyjit.backends.cpu.dialect import CpuDialect
     from polyjit.backends.cpu.tiles import PACK_MAX_BYTES, PACK_MIN_BYTES
-    vb = CpuDialect().vector_bytes
+    from polyjit.core.patterns import register_vectors
+    d = CpuDialect()
+    vb = d.vector_bytes
     if vb < 32:
         pytest.skip(f"the cases are sized for 32- and 64-byte vectors; this host has {vb}")
-    assert PACK_MIN_BYTES < 1200 * 2 * 32 and 1200 * 2 * 64 <= PACK_MAX_BYTES < 4000 * 2 * 32
-    assert PACK_MIN_BYTES > 100 * 2 * 64
+    row = register_vectors(d) * vb  # one k of a panel
+    assert PACK_MIN_BYTES < 1000 * row <= PACK_MAX_BYTES < 6000 * row
+    assert 100 * row < PACK_MIN_BYTES
     backend = get_backend("cpu")
     a, b = ir.Node("a", a_shape), ir.Node("b", b_shape)
     rng = np.random.default_rng(11)

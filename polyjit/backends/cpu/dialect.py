@@ -34,8 +34,12 @@ class CpuDialect(Dialect):
     # A row group's rows run on one core each; their staged reductions fit a local array.
     row_group_max_row = STAGED_MAX_LENGTH
 
-    def __init__(self, vector_bytes: int | None = None) -> None:
-        self.vector_bytes = vector_bytes or host_cpu().vector_bytes
+    def __init__(self, vector_bytes: int | None = None, vector_registers: int | None = None) -> None:
+        host = host_cpu()
+        self.vector_bytes = vector_bytes or host.vector_bytes
+        # A narrower vector than the host's is taken to be AVX2's or SSE's, with 16 registers.
+        same = self.vector_bytes == host.vector_bytes
+        self.vector_registers = vector_registers or (host.vector_registers if same else 16)
 
     def prelude(self, batch_dtypes: set[dtypes.DType]) -> list[str]:
         return ["#include <stdint.h>", "#include <math.h>", "#if defined(__AVX__)",

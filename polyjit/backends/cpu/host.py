@@ -25,6 +25,14 @@ class HostCpu:
         return 16
 
     @property
+    def vector_registers(self) -> int:
+        """How many of those registers the compiler can use: 32 with AVX-512 and on Arm
+        (NEON), 16 with AVX, AVX2 or SSE."""
+        if "avx512f" in self.flags or platform.machine().lower() in ("aarch64", "arm64"):
+            return 32
+        return 16
+
+    @property
     def digest(self) -> str:
         """-march=native depends on the host: this goes into every kernel's cache key."""
         text = f"{platform.machine()} {self.model} {' '.join(sorted(self.flags))}"
