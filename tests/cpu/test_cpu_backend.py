@@ -166,6 +166,32 @@ def test_register_tiles_pack_panels_of_y(spec: str, a_shape: tuple[int, ...], b_
     ctx.finalize()
 
 
+@pytest.mark.parametrize("registers", [16, 32])
+def test_register_tiles_fit_the_hosts_vector_registers(registers: int) -> None:
+    """A tile holds 6 rows x 2 vectors with 16 vector registers, 6 x 4 with 32 (AVX-512, Arm);
+    either width computes full, edge and masked tiles, packed or not, as numpy does, whatever
+    this host has."""
+    from polyjit.backends.cpu.dialect import CpuDialect
+    from polyjit.core.patterns import register_vectors
+
+    backend = create_backend()
+    dialect = backend.driver.dialect = CpuDialect(vector_registers=registers)  # type: ignore[attr-defined]
+    vectors = register_vectors(dialect)
+    assert vectors == (4 if registers == 32 else 2)
+    rng = np.random.default_rng(5)
+    for spec, a_shape, b_shape in [("ik,kj->ij", (50, 300), (300, 150)), ("ki,kj->ij", (600, 40), (600, 130))]:
+        a, b = ir.Node("a", a_shape), ir.Node("b", b_shape)
+        av, bv = rng.standard_normal(a_shape).astype(np.float32), rng.standard_normal(b_shape).astype(np.float32)
+        want = np.einsum(spec, av, bv)
+        out = ir.Node("out", want.shape)
+        code = backend.compile(ir.Comp.of(ir.einsum(spec, a, b, into=out)), name=f"tiles{registers}")
+        assert f"pj_vec acc[6][{vectors}];" in code.source, code.source
+        routine = backend.get_device(0).make_context().init_from_host(a, av).init_from_host(b, bv).link(code)
+        routine.run()
+        np.testing.assert_allclose(routine.context.read(out), want, rtol=1e-4, atol=1e-4)
+        routine.context.finalize()
+
+
 def test_narrow_matmuls_and_column_sums_stay_vectorized() -> None:
     """A 256x10 head is all edge tiles: they run masked vectors, not scalar loops; a column sum
     accumulates rows into a block of outputs. Both match numpy."""
