@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -134,6 +135,32 @@ def test_host_arrays_live_until_their_copies_are_done(backend: Backend) -> None:
         r.context.to_host(out, got, blocking=False)
         r.context.stream.synchronize()
         np.testing.assert_allclose(got, np.exp(np.float32(19 % 3)), rtol=1e-6)
+
+
+@pytest.mark.parametrize("between", ["nothing", "record", "timed record"])
+def test_a_host_that_never_waits_keeps_a_bounded_backlog(backend: Backend, between: str) -> None:
+    """The stream polls its backlog every POLL_EVERY entries it retains, whatever events the
+    host records between its runs (each takes a sequence number and retains nothing, or its
+    timing handle): what completed work kept is released without a sync."""
+    from polyjit.core.streams import POLL_AFTER
+
+    a, _, code = _exp_code(backend, 8)
+    with backend.get_device(0).make_context() as root:
+        r = root.init_from_host(a, np.zeros(8, np.float32)).link(code)
+        stream = r.context.stream
+        if stream.seq % 2:  # runs take odd sequence numbers, the records between them even ones
+            stream.record()
+        for k in range(2000):
+            r.run()
+            if between == "record":
+                stream.record()
+            elif between == "timed record" and backend.name == "opencl":
+                stream.record(timing=True)
+            if k % 100 == 99:
+                time.sleep(0.005)  # let the device catch up; only a poll can tell the host
+        assert len(stream.retained) < 4 * POLL_AFTER, (between, len(stream.retained))
+        stream.synchronize()
+        assert len(stream.retained) == 0 and len(stream.pollable) == 0
 
 
 # ---------------------------------------------------------------------------

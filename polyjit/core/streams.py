@@ -7,7 +7,7 @@ being copied, a driver's token for the copy) is appended to its stream's
 it, and dropped once that event is known complete. Streams are in order, so one
 completed event releases everything enqueued before it. Knowing an event is
 complete costs nothing when the host already waited for it (``sync``) or saw it
-done (``is_done``); otherwise the stream polls its oldest entry now and then.
+done (``is_done``); otherwise the stream polls its backlog now and then.
 
 The per-node records (:class:`Tracker`) keep, for every buffer location, the
 event of its last writer and of its readers since, so that work on different
@@ -36,12 +36,14 @@ if TYPE_CHECKING:
     from polyjit.core.protocol import Driver
     from polyjit.core.runtime import Device
 
-# Past this many retained entries, a stream polls its work every POLL_EVERY enqueues, so a
-# host that never waits does not grow the queue without bound. Only every POLL_EVERY-th event
-# keeps its driver handle (in ``pollable``): the stream is in order, so the others need none,
-# and a driver may pay for every event alive (PoCL's enqueue cost grows with them: 1.96 us
-# with none kept, 2.98 us with 64). The handles live in a queue of their own so that a poll
-# looks at three of them, not at every entry retained (500 when the host runs far ahead).
+# Past this many retained entries, a stream polls its work every POLL_EVERY entries it
+# retains, so a host that never waits does not grow the queue without bound. Only every
+# POLL_EVERY-th entry keeps its event's driver handle (in ``pollable``): the stream is in
+# order, so the others need none, and a driver may pay for every event alive (PoCL's enqueue
+# cost grows with them: 1.96 us with none kept, 2.98 us with 64). The handles live in a queue
+# of their own so that a poll looks at three of them, not at every entry retained (500 when
+# the host runs far ahead). Entries are counted, not events: events recorded between
+# enqueues (``record()``) retain nothing and must not skip the count.
 POLL_AFTER = 64
 POLL_EVERY = 16
 
@@ -135,6 +137,7 @@ class Stream:
         # Driver handles, not Events: an Event would tie the stream into a cycle.
         self.retained: collections.deque[tuple[int, Any]] = collections.deque()
         self.pollable: collections.deque[tuple[int, Any]] = collections.deque()
+        self.retains = 0  # entries retained so far (every POLL_EVERY-th is pollable)
         self._lock = threading.Lock()
         self._users = 0  # host threads inside the driver's event_sync / event_done right now
         self._idle = threading.Condition(self._lock)
@@ -158,7 +161,7 @@ class Stream:
                 raise DriverError(f"{self.device.label}: recording a timed event failed: {e}") from e
             self.seq += 1
             ev = Event(self, handle, self.seq, timed=True)
-            self.retained.append((ev.seq, handle))  # what the device writes the time into
+            self.retain(ev, handle)  # what the device writes the time into
             return ev
 
     def _record(self) -> Event:
@@ -194,7 +197,8 @@ class Stream:
         """Keep ``keep`` alive until ``event`` (just recorded on this stream) completes."""
         seq = event.seq
         self.retained.append((seq, keep))
-        if seq % POLL_EVERY == 0:
+        self.retains = n = self.retains + 1
+        if n % POLL_EVERY == 0:
             self.pollable.append((seq, event.handle))
             if len(self.retained) > POLL_AFTER:
                 self._poll()
@@ -235,8 +239,8 @@ class Stream:
         were in flight. Work enqueued later runs as usual (a lost device fails its calls)."""
         if isinstance(error, DeviceFaultError):
             return error
-        with self._lock:
-            pending = [keep for _, keep in self.retained]
+        with self._lock:  # list() copies the deque at once; another thread may append to it
+            pending = [keep for _, keep in list(self.retained)]
         names = [getattr(k[0] if isinstance(k, tuple) and k else k, "name", None) for k in pending]
         work = ", ".join(dict.fromkeys(str(n) for n in names if n)) or "no routine (copies only)"
         self.fault_error = DeviceFaultError(
@@ -414,7 +418,8 @@ def enqueue(stream: Stream, reads: Sequence[NodeEvents], writes: Sequence[NodeEv
                 st.readers = {}
         retained = stream.retained  # appends are atomic; pops take the stream's lock
         retained.append((seq, keep if token is None else (keep, token)))
-        if seq % POLL_EVERY == 0:
+        stream.retains = n = stream.retains + 1
+        if n % POLL_EVERY == 0:
             stream.pollable.append((seq, handle))
             if len(retained) > POLL_AFTER:
                 stream._poll()
