@@ -6,6 +6,7 @@ import os
 import platform
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -164,6 +165,66 @@ def test_register_tiles_pack_panels_of_y(spec: str, a_shape: tuple[int, ...], b_
         routine.run()
         np.testing.assert_allclose(routine.context.read(out), want, rtol=1e-4, atol=1e-4)
     ctx.finalize()
+
+
+def test_packed_panels_run_on_threads_with_small_stacks() -> None:
+    """A packed panel (256 KiB at most) lives in the runtime's per-thread scratch memory, not
+    on the stack of whichever thread runs the kernel's range: a Python thread with a 192 KiB
+    stack that waits for the stream, and so runs the kernel itself (on a machine counted as
+    busy), computes a 1024-deep matmul. On the stack, this crashed the process."""
+    code = textwrap.dedent("""
+        import threading
+        import numpy as np
+        from polyjit import get_backend, ir
+        be = get_backend("cpu")
+        m, k, n = 64, 1024, 1024
+        a, b, o = ir.Node("a", (m, k)), ir.Node("b", (k, n)), ir.Node("o", (m, n))
+        compiled = be.compile(ir.Comp.of(ir.einsum("ik,kj->ij", a, b, into=o)), name="deep")
+        assert "pj_scratch_fn(" in compiled.source
+        rng = np.random.default_rng(0)
+        av, bv = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
+        r = be.get_device(0).make_context().init_from_host(a, av).init_from_host(b, bv).link(compiled)
+        out = []
+        def work():
+            for _ in range(50):
+                r.run()
+                r.context.stream.synchronize()
+            out.append(np.allclose(r.context.read(o), av @ bv, rtol=1e-3, atol=1e-2))
+        threading.stack_size(192 << 10)
+        t = threading.Thread(target=work)
+        t.start()
+        t.join()
+        print(out)
+    """)
+    env = {**os.environ, "POLYJIT_CPU_CONTENTION": "on"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-3000:]}"
+    assert done.stdout.split() == ["[True]"], done.stdout
+
+
+def test_packed_tiles_read_y_in_place_without_scratch_memory() -> None:
+    """A module whose scratch pointer is unset (or a thread out of memory) runs its full
+    tiles unpacked, with the same products."""
+    import ctypes
+
+    from polyjit.backends.cpu.tiles import SCRATCH_FN
+
+    backend = get_backend("cpu")
+    a, b, o = ir.Node("a", (64, 1000)), ir.Node("b", (1000, 256)), ir.Node("o", (64, 256))
+    code = backend.compile(ir.Comp.of(ir.einsum("ik,kj->ij", a, b, into=o)), name="noscratch")
+    assert f"{SCRATCH_FN}(" in code.source
+    rng = np.random.default_rng(3)
+    av, bv = rng.standard_normal((64, 1000)).astype(np.float32), rng.standard_normal((1000, 256)).astype(np.float32)
+    routine = backend.get_device(0).make_context().init_from_host(a, av).init_from_host(b, bv).link(code)
+    slot = ctypes.c_void_p.in_dll(routine._module.handle, SCRATCH_FN)
+    assert slot.value  # the driver gave it the runtime's
+    slot.value = None
+    try:
+        routine.run()
+        np.testing.assert_allclose(routine.context.read(o), av @ bv, rtol=1e-3, atol=1e-3)
+    finally:
+        slot.value = backend.driver.rt.scratch_address  # type: ignore[attr-defined]
+    routine.context.finalize()
 
 
 @pytest.mark.parametrize("registers", [16, 32])

@@ -42,7 +42,7 @@ class CpuDialect(Dialect):
         self.vector_registers = vector_registers or (host.vector_registers if same else 16)
 
     def prelude(self, batch_dtypes: set[dtypes.DType]) -> list[str]:
-        return ["#include <stdint.h>", "#include <math.h>", "#if defined(__AVX__)",
+        return ["#include <stddef.h>", "#include <stdint.h>", "#include <math.h>", "#if defined(__AVX__)",
                 "#include <immintrin.h>", "#endif", ""]
 
     def helper_definitions(self, batch_dtypes: set[dtypes.DType]) -> list[tuple[str, list[str]]]:
@@ -53,6 +53,7 @@ class CpuDialect(Dialect):
             out += tiles.tail_helpers(dt, self.type_name(dt), self.vector_bytes)
         if dtypes.float32 in {d.compute for d in batch_dtypes}:  # half types compute in float32
             out += tiles.FLOAT32_MATH
+        out.append(tiles.SCRATCH_HELPER)
         return out + super().helper_definitions(batch_dtypes)
 
     def math_call(self, fn: str, dt: dtypes.DType, args: Sequence[str]) -> str:

@@ -10,6 +10,7 @@ A pool is one aligned host allocation; kernels get pool base + offset.
 from __future__ import annotations
 
 import _ctypes
+import contextlib
 import ctypes
 import os
 import threading
@@ -20,6 +21,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from polyjit.backends.cpu import tiles
 from polyjit.backends.cpu.compiler import CCompiler
 from polyjit.backends.cpu.dialect import CpuDialect
 from polyjit.backends.cpu.host import cpu_model, host_cpu
@@ -187,7 +189,12 @@ class CpuDriver:
         return c_trampoline(text, spec, ranged=True)
 
     def load(self, ordinal: int, binary: Path) -> ctypes.CDLL:
-        return ctypes.CDLL(str(binary))  # dlopen counts references: one per load
+        module = ctypes.CDLL(str(binary))  # dlopen counts references: one per load
+        # Kernels that pack panels take memory from the runtime (runtime.c, pj_scratch); a
+        # module none of whose kernels does has no such pointer.
+        with contextlib.suppress(ValueError):
+            ctypes.c_void_p.in_dll(module, tiles.SCRATCH_FN).value = self.rt.scratch_address
+        return module
 
     def unload(self, ordinal: int, module: ctypes.CDLL) -> None:
         """dlclose: the runtime calls this once no routine and no queued launch uses it."""

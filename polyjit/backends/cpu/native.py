@@ -152,6 +152,9 @@ class NativeRuntime:
         self.host_memcpy = _bind(
             lib, "pj_host_memcpy", None, [_c_void_p, _c_void_p, ctypes.c_size_t]
         )
+        #: The address of ``pj_scratch`` (kernels' per-thread scratch memory), which the
+        #: driver gives every kernel module that asks for it (``pj_scratch_fn``).
+        self.scratch_address = ctypes.cast(lib["pj_scratch"], ctypes.c_void_p).value or 0
         self._live: set[int] = set()
         self._live_lock = threading.Lock()
 

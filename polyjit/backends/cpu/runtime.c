@@ -953,4 +953,34 @@ PJ_EXPORT void* pj_alloc(size_t nbytes, size_t alignment) {
 
 PJ_EXPORT void pj_free(void* p) { free(p); }
 
+/* Kernels' scratch memory (a matmul's packed panel, up to a few hundred KiB): one block per
+ * thread, grown as needed and freed when the thread exits. On the heap, not the stack: a
+ * kernel's range may run on any thread (a host thread that helps, an OpenMP team thread),
+ * and their stacks may be small. NULL when the memory is not there; the kernel then works
+ * without it. Kernel modules reach this through their `pj_scratch_fn` (set by the driver). */
+#define PJ_SCRATCH_HEAD 64 /* the block's capacity, kept in front of its aligned bytes */
+static pthread_key_t g_scratch_key;
+static pthread_once_t g_scratch_once = PTHREAD_ONCE_INIT;
+static int g_scratch_ok = 0;
+static void scratch_init(void) { g_scratch_ok = pthread_key_create(&g_scratch_key, free) == 0; }
+
+PJ_EXPORT void* pj_scratch(size_t nbytes) {
+    pthread_once(&g_scratch_once, scratch_init);
+    if (!g_scratch_ok || nbytes > ((size_t)1 << 40)) return NULL;
+    char* block = pthread_getspecific(g_scratch_key);
+    if (block == NULL || *(size_t*)block < nbytes) {
+        const size_t cap = (nbytes + 63) & ~(size_t)63;
+        void* grown = NULL;
+        if (posix_memalign(&grown, 64, PJ_SCRATCH_HEAD + cap) != 0) return NULL;
+        if (pthread_setspecific(g_scratch_key, grown) != 0) {
+            free(grown);
+            return NULL;
+        }
+        free(block);
+        block = grown;
+        *(size_t*)block = cap;
+    }
+    return block + PJ_SCRATCH_HEAD;
+}
+
 PJ_EXPORT void pj_host_memcpy(void* dst, const void* src, size_t n) { memcpy(dst, src, n); }

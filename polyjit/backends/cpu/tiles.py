@@ -170,7 +170,9 @@ def register_tiles(em: Emitter, kernel: Kernel, plan: KernelPlan, names: Names) 
     packs = full_j > 0 and tiles_i > 1 and PACK_MIN_BYTES <= c.kk * nv * em.d.vector_bytes <= PACK_MAX_BYTES \
         and c.y.node is not c.reduce.node
     if packs:  # the panel of y that full-width tiles read, packed once per panel (see _pack)
-        lines += [f"  pj_vec pj_panel[{c.kk}][{nv}];", "  int64_t pj_packed = -1;"]
+        lines += [f"  pj_vec (*pj_panel)[{nv}] = {SCRATCH_FN} ? "
+                  f"(pj_vec (*)[{nv}]){SCRATCH_FN}(sizeof(pj_vec) * {c.kk * nv}) : 0;",
+                  "  int64_t pj_packed = -1;"]
     lines += nest
     p = "  " * depth
     lines.append(f"{p}const int64_t pj_i0 = pj_ti * {mr}, pj_j0 = pj_tj * {nr};")
@@ -189,29 +191,45 @@ def register_tiles(em: Emitter, kernel: Kernel, plan: KernelPlan, names: Names) 
         else:
             opener = "} else {" if n == len(branches) - 1 else f"}} else if ({cond}) {{"
         lines.append(p + opener)
-        packed = packs and vecs == nv and tail == 0
-        if packed:
+        if packs and vecs == nv and tail == 0:  # without scratch memory, read y in place
             key = "0"
             for v, n in loops[:-1]:  # the panel: the batch index and pj_tj, flattened
                 key = v if key == "0" else f"({key}) * {n} + {v}"
-            lines += [f"{p}  {ln}" for ln in _pack(em, plan, names, key)]
-        lines += [f"{p}  {ln}" for ln in _tile(em, plan, names, rows, vecs, tail, packed)]
+            lines.append(f"{p}  if (pj_panel) {{")
+            lines += [f"{p}    {ln}" for ln in _pack(em, plan, names, key)]
+            lines += [f"{p}    {ln}" for ln in _tile(em, plan, names, rows, vecs, tail, True)]
+            lines.append(f"{p}  }} else {{")
+            lines += [f"{p}    {ln}" for ln in _tile(em, plan, names, rows, vecs, tail, False)]
+            lines.append(f"{p}  }}")
+        else:
+            lines += [f"{p}  {ln}" for ln in _tile(em, plan, names, rows, vecs, tail, False)]
     lines.append(f"{p}}}")
     em.hoisted.clear()
     return lines + _close_nest(depth)
 
 
 # A full-width tile reads, at each k, ``nv`` vectors of one row of y: rows a whole row of y
-# apart. Copied once per panel into contiguous memory (on the stack, at most this many
-# bytes), the rows are read in order by every row tile of the panel the thread runs: the
+# apart. Copied once per panel into contiguous memory (the thread's scratch memory, at most
+# this many bytes), the rows are read in order by every row tile of the panel the thread runs: the
 # prefetchers follow them, and rows of a power-of-two width no longer fall into the same
 # few cache sets (a 1024^3 float32 matmul: 126 -> 351 GFLOP/s on two Intel cores; the MLP's
 # 784-deep panels: its step 3% faster). A panel under PACK_MIN_BYTES stays in the L1 cache as
 # it is, and copying it cost more than it saved (char_lm's 128-deep panels: 2 us a step).
 # PACK_MAX_BYTES takes 1024-deep panels of 4 AVX-512 vectors (a 1024^3 matmul read in place
-# ran at 144 GFLOP/s, packed at 389) and stays a small part of any thread's stack.
+# ran at 144 GFLOP/s, packed at 389).
 PACK_MIN_BYTES = 32 << 10
 PACK_MAX_BYTES = 256 << 10
+
+# The panel lives in the runtime's per-thread scratch memory (runtime.c, pj_scratch), not on
+# the stack: a kernel's range may run on a host thread that helps or on an OpenMP team
+# thread, whose stacks may be small (a 256 KiB panel overflowed a 256 KiB thread stack).
+# The module reaches it through this pointer, which the driver sets when it loads the module;
+# unset, or out of memory, the tiles read y in place.
+SCRATCH_FN = "pj_scratch_fn"
+SCRATCH_HELPER = (SCRATCH_FN, [
+    "/* per-thread scratch memory of the CPU runtime (set by the driver at load) */",
+    f"void* (*{SCRATCH_FN})(size_t) = 0;",
+])
 
 
 def _pack(em: Emitter, plan: KernelPlan, names: Names, key: str) -> list[str]:
