@@ -167,7 +167,7 @@ def register_tiles(em: Emitter, kernel: Kernel, plan: KernelPlan, names: Names) 
     lines = [f"  typedef {em.d.type_name(dt)} pj_vec __attribute__((vector_size({em.d.vector_bytes})));"]
     if c.epilogue:  # an optimizer's learning rate and bias corrections, read once
         lines += hoist_invariant_loads(em, kernel, 1)
-    packs = full_j > 0 and tiles_i > 1 and PACK_MIN_BYTES <= c.kk * nv * em.d.vector_bytes <= PACK_MAX_BYTES \
+    packs = full_j > 0 and tiles_i > 1 and PACK_MIN_BYTES < c.kk * nv * em.d.vector_bytes <= PACK_MAX_BYTES \
         and c.y.node is not c.reduce.node
     if packs:  # the panel of y that full-width tiles read, packed once per panel (see _pack)
         lines += [f"  pj_vec (*pj_panel)[{nv}] = {SCRATCH_FN} ? "
@@ -213,8 +213,9 @@ def register_tiles(em: Emitter, kernel: Kernel, plan: KernelPlan, names: Names) 
 # this many bytes), the rows are read in order by every row tile of the panel the thread runs: the
 # prefetchers follow them, and rows of a power-of-two width no longer fall into the same
 # few cache sets (a 1024^3 float32 matmul: 126 -> 351 GFLOP/s on two Intel cores; the MLP's
-# 784-deep panels: its step 3% faster). A panel under PACK_MIN_BYTES stays in the L1 cache as
-# it is, and copying it cost more than it saved (char_lm's 128-deep panels: 2 us a step).
+# 784-deep panels: its step 3% faster). A panel of at most PACK_MIN_BYTES stays in the L1 cache
+# as it is, and copying it cost more than it saved (char_lm's 128-deep panels: 2 us a step,
+# at 2 vectors and again at 4, where they are 32 KiB: 71.7 -> 69.4 us unpacked, session 9).
 # PACK_MAX_BYTES takes 1024-deep panels of 4 AVX-512 vectors (a 1024^3 matmul read in place
 # ran at 144 GFLOP/s, packed at 389).
 PACK_MIN_BYTES = 32 << 10
