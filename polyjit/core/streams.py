@@ -194,7 +194,8 @@ class Stream:
                     self._idle.notify_all()
 
     def retain(self, event: Event, keep: Any) -> None:
-        """Keep ``keep`` alive until ``event`` (just recorded on this stream) completes."""
+        """Keep ``keep`` alive until ``event`` (just recorded on this stream, device lock held)
+        completes. Appends are atomic; pops take the stream's lock."""
         seq = event.seq
         self.retained.append((seq, keep))
         self.retains = n = self.retains + 1
@@ -209,7 +210,7 @@ class Stream:
         with self._lock:
             pollable = self.pollable
             n = len(pollable)
-            entries = [pollable[k] for k in (n - 1, n // 2, 0)] if n else []
+            entries = [pollable[k] for k in dict.fromkeys((n - 1, n // 2, 0))] if n else []
         try:
             for seq, handle in entries:
                 if self.driver_done(handle, block=False):
@@ -416,11 +417,5 @@ def enqueue(stream: Stream, reads: Sequence[NodeEvents], writes: Sequence[NodeEv
             st.writer = ev
             if st.readers:
                 st.readers = {}
-        retained = stream.retained  # appends are atomic; pops take the stream's lock
-        retained.append((seq, keep if token is None else (keep, token)))
-        stream.retains = n = stream.retains + 1
-        if n % POLL_EVERY == 0:
-            stream.pollable.append((seq, handle))
-            if len(retained) > POLL_AFTER:
-                stream._poll()
+        stream.retain(ev, keep if token is None else (keep, token))
     return ev
