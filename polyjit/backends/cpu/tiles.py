@@ -191,18 +191,16 @@ def register_tiles(em: Emitter, kernel: Kernel, plan: KernelPlan, names: Names) 
         else:
             opener = "} else {" if n == len(branches) - 1 else f"}} else if ({cond}) {{"
         lines.append(p + opener)
+        packed: list[str] = []
         if packs and vecs == nv and tail == 0:  # without scratch memory, read y in place
             key = "0"
             for v, n in loops[:-1]:  # the panel: the batch index and pj_tj, flattened
                 key = v if key == "0" else f"({key}) * {n} + {v}"
-            lines.append(f"{p}  if (pj_panel) {{")
-            lines += [f"{p}    {ln}" for ln in _pack(em, plan, names, key)]
-            lines += [f"{p}    {ln}" for ln in _tile(em, plan, names, rows, vecs, tail, True)]
-            lines.append(f"{p}  }} else {{")
-            lines += [f"{p}    {ln}" for ln in _tile(em, plan, names, rows, vecs, tail, False)]
-            lines.append(f"{p}  }}")
-        else:
-            lines += [f"{p}  {ln}" for ln in _tile(em, plan, names, rows, vecs, tail, False)]
+            packed = _pack(em, plan, names, key) + _tile(em, plan, names, rows, vecs, tail, True)
+        tile = _tile(em, plan, names, rows, vecs, tail, False)
+        if packed:
+            tile = ["if (pj_panel) {", *[f"  {ln}" for ln in packed], "} else {", *[f"  {ln}" for ln in tile], "}"]
+        lines += [f"{p}  {ln}" for ln in tile]
     lines.append(f"{p}}}")
     em.hoisted.clear()
     return lines + _close_nest(depth)
