@@ -979,6 +979,35 @@ def test_a_waiting_thread_runs_part_of_a_kernel_range(rt: NativeRuntime, kernels
         rt.stream_destroy(s)
 
 
+def test_a_parked_waiter_is_called_back_to_share_a_kernel(rt: NativeRuntime, kernels: Kernels) -> None:
+    """A host thread that waits behind a long task it cannot share parks; the stream's teams
+    leave it a core, so the next kernel with a range calls it back to take part (else that
+    kernel, and every one after it, ran on one core fewer than the machine has: a queue of
+    MLP steps ran 1.5x slower once the waiting thread had parked)."""
+    rt.set_contention(*CONTENTION_MODES["off"])
+    s = rt.stream_create(2, None)  # a team of one, and the waiting thread
+    n = 64
+    counts = np.zeros(n, dtype=np.int64)
+    tids = np.zeros(n, dtype=np.int64)
+    stamp = np.zeros(3, dtype=np.int64)
+    try:
+        for _ in range(3):
+            counts[:] = 0
+            kernels.launch(s, "busy_stamped", [ptr(stamp)], [30_000])  # 30 ms: the waiter parks
+            bufs = rt.make_ptr_array([ptr(counts), ptr(tids)])
+            descs = rt.make_descs([(kernels.addr("mark_range"), ctypes.addressof(bufs), 1, False, n)])
+            st = (ctypes.c_int64 * 1)(500)
+            rt.sync(s, rt.launch_seq(s, descs, 1, st, 1))
+            np.testing.assert_array_equal(counts, np.ones(n, dtype=np.int64))
+            if threading.get_native_id() in set(tids.tolist()):
+                break
+        else:
+            pytest.fail("the waiting thread, once parked, never took part in the next kernel")
+    finally:
+        rt.set_contention(*CONTENTION_MODES["auto"])
+        rt.stream_destroy(s)
+
+
 def test_a_waiter_with_no_grain_left_parks(rt: NativeRuntime, kernels: Kernels) -> None:
     """Once the running kernel's last grains are claimed, a waiting thread waits like for
     any task (spin within the budget, then park), not on a core for as long as they run:

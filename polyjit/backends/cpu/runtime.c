@@ -22,7 +22,9 @@
  * use seq_cst atomics on both sides (a Dekker pattern), so a wake-up is
  * never lost: either the sleeper sees the new value, or the waker sees the
  * sleeper. Spinners yield the CPU after a few microseconds, in case the
- * thread they wait for shares their CPU.
+ * thread they wait for shares their CPU. A waiting host thread takes part in
+ * the kernels of an unpinned stream (join_chunks), whose teams leave it a core;
+ * when it has parked, the next such kernel calls it back (run_chunks).
  *
  * Team sizes: an OpenMP team ends in a barrier, so a kernel with a team is as slow as its
  * slowest thread. When other processes take cores, a team thread is often descheduled and
@@ -149,6 +151,8 @@ typedef struct pj_stream {
     int helpable; /* 0: pinned to some cores, so only the worker (on them) runs tasks */
     _Alignas(PJ_CACHELINE) _Atomic uint32_t sleeping; /* 1: the worker parks (or is about to) */
     _Atomic int waiters;                              /* threads parked on done_seq */
+    _Atomic int idle_helpers; /* of them, those that would share the stream's kernels */
+    _Atomic int spinning_helpers; /* threads in wait_done that share them now */
     _Atomic int refs; /* 1 for the owner until pj_stream_destroy, +1 per pending WAIT on it */
     pthread_t thread;
     /* The candidate team sizes (fixed at creation) and the per-kernel timings (touched only
@@ -404,6 +408,13 @@ static void run_chunks(pj_stream* s, const pj_task* t, int team) {
     s->job_grain = grain;
     atomic_store_explicit(&s->job_next, 0, memory_order_relaxed);
     atomic_store_explicit(&s->job_live, 1, memory_order_seq_cst);
+    /* a host thread that would share it, parked in wait_done: call it back (a core is left
+     * for it), unless another one is at hand */
+    if (team < s->all_threads && atomic_load_explicit(&s->idle_helpers, memory_order_seq_cst) > 0 &&
+        atomic_load_explicit(&s->spinning_helpers, memory_order_seq_cst) == 0) {
+        atomic_fetch_add_explicit(&s->done_seq, 1, memory_order_seq_cst);
+        unpark_all(&s->done_seq);
+    }
     if (team > 1) {
 #pragma omp parallel num_threads(team)
         work_chunks(s);
@@ -415,57 +426,82 @@ static void run_chunks(pj_stream* s, const pj_task* t, int team) {
 }
 
 #define PJ_SPIN_CAP 10
+/* Spin until s->done >= ticket (returns 1), running chunks of the stream's kernel when
+ * `may_join`, or until it is time to park (returns 0). */
+static int spin_done(pj_stream* s, uint64_t ticket, int may_join, int64_t budget) {
+    const int64_t noyield = atomic_load_explicit(&g_wait_noyield_ns, memory_order_relaxed);
+    /* The budget runs from the stream's last progress (a task done, or a grain run here),
+     * and a wait spins PJ_SPIN_CAP budgets at most since this thread last ran a grain: a long
+     * queue of short tasks does not keep a core busy for the whole wait, and a long queue of
+     * kernels it can share keeps its help. */
+    int64_t start = now_ns();
+    int64_t give_up = start + PJ_SPIN_CAP * budget;
+    uint64_t seen = atomic_load_explicit(&s->done, memory_order_relaxed);
+    for (unsigned i = 1;; i++) {
+        cpu_relax();
+        const uint64_t done = atomic_load_explicit(&s->done, memory_order_acquire);
+        if (done >= ticket) return 1;
+        if (may_join && atomic_load_explicit(&s->job_live, memory_order_relaxed) && join_chunks(s)) {
+            start = now_ns();
+            give_up = start + PJ_SPIN_CAP * budget;
+            continue;
+        }
+        if ((i & 63) == 0) {
+            if (done != seen) {
+                seen = done;
+                start = now_ns();
+            }
+            if (spin_tick(start, budget, noyield) || atomic_load_explicit(&g_contended, memory_order_relaxed) ||
+                now_ns() > give_up)
+                return 0;
+        }
+    }
+}
+
 /* Block until s->done >= ticket: spin (running chunks of the stream's kernel when it may),
- * then park on done_seq. */
+ * then park on done_seq. A thread that would help and parks is called back when a kernel
+ * it can share starts (run_chunks): the stream's teams leave it a core, so while it sleeps
+ * they run on one core fewer than the machine has (a queue of MLP steps: 1.5x slower). */
 static void wait_done(pj_stream* s, uint64_t ticket) {
     if (atomic_load_explicit(&s->done, memory_order_acquire) >= ticket) return;
     wake_worker(s); /* a lazily parked worker: the work is wanted now */
-    int64_t budget = spin_budget(&g_wait_spin_ns);
-    int64_t noyield = atomic_load_explicit(&g_wait_noyield_ns, memory_order_relaxed);
     const int may_join = s->helpable && !t_no_help;
-    if (budget > 0) {
-        /* The budget runs from the stream's last progress (a task done, or a grain run here),
-         * and a wait spins PJ_SPIN_CAP budgets at most: a long queue of short tasks does not
-         * keep a core busy for the whole wait. */
-        int64_t start = now_ns();
-        const int64_t give_up = start + PJ_SPIN_CAP * budget;
-        uint64_t seen = atomic_load_explicit(&s->done, memory_order_relaxed);
-        for (unsigned i = 1;; i++) {
-            cpu_relax();
-            const uint64_t done = atomic_load_explicit(&s->done, memory_order_acquire);
-            if (done >= ticket) return;
-            if (may_join && atomic_load_explicit(&s->job_live, memory_order_relaxed) && join_chunks(s)) {
-                start = now_ns();
-                continue;
-            }
-            if ((i & 63) == 0) {
-                if (done != seen) {
-                    seen = done;
-                    start = now_ns();
-                }
-                if (spin_tick(start, budget, noyield) || atomic_load_explicit(&g_contended, memory_order_relaxed) ||
-                    now_ns() > give_up)
-                    break;
-            }
-        }
-    }
-    /* Announce first, then read the sequence, then re-check: the worker stores done
-     * before reading waiters, so it either sees us or we see its done. */
-    atomic_fetch_add_explicit(&s->waiters, 1, memory_order_seq_cst);
-    /* a helper that gave the role back before it could see us left the worker parked */
-    if (!atomic_load_explicit(&s->consuming, memory_order_seq_cst)) wake_worker(s);
     for (;;) {
-        uint32_t seq = atomic_load_explicit(&s->done_seq, memory_order_seq_cst);
-        /* Ask for ticket after reading the sequence: a reset of wake_at that drops this
-         * request bumps the sequence after it, so the park below returns and asks again. */
-        uint64_t asked = atomic_load_explicit(&s->wake_at, memory_order_seq_cst);
-        while (ticket < asked && !atomic_compare_exchange_weak_explicit(&s->wake_at, &asked, ticket,
-                                                                        memory_order_seq_cst, memory_order_seq_cst)) {
+        const int64_t budget = spin_budget(&g_wait_spin_ns);
+        if (budget > 0) {
+            if (may_join) atomic_fetch_add_explicit(&s->spinning_helpers, 1, memory_order_seq_cst);
+            const int done = spin_done(s, ticket, may_join, budget);
+            if (may_join) atomic_fetch_sub_explicit(&s->spinning_helpers, 1, memory_order_seq_cst);
+            if (done) return;
         }
-        if (atomic_load_explicit(&s->done, memory_order_seq_cst) >= ticket) break;
-        park(&s->done_seq, seq);
+        const int helper = may_join && budget > 0; /* not while the machine is contended */
+        /* Announce first, then read the sequence, then re-check: the worker stores done
+         * (and job_live) before reading waiters (and idle_helpers), so it either sees us or
+         * we see its store. */
+        atomic_fetch_add_explicit(&s->waiters, 1, memory_order_seq_cst);
+        if (helper) atomic_fetch_add_explicit(&s->idle_helpers, 1, memory_order_seq_cst);
+        /* a helper that gave the role back before it could see us left the worker parked */
+        if (!atomic_load_explicit(&s->consuming, memory_order_seq_cst)) wake_worker(s);
+        int called = 0;
+        for (;;) {
+            uint32_t seq = atomic_load_explicit(&s->done_seq, memory_order_seq_cst);
+            /* Ask for ticket after reading the sequence: a reset of wake_at that drops this
+             * request bumps the sequence after it, so the park below returns and asks again. */
+            uint64_t asked = atomic_load_explicit(&s->wake_at, memory_order_seq_cst);
+            while (ticket < asked && !atomic_compare_exchange_weak_explicit(&s->wake_at, &asked, ticket,
+                                                                            memory_order_seq_cst, memory_order_seq_cst)) {
+            }
+            if (atomic_load_explicit(&s->done, memory_order_seq_cst) >= ticket) break;
+            if (helper && atomic_load_explicit(&s->job_live, memory_order_seq_cst)) {
+                called = 1;
+                break;
+            }
+            park(&s->done_seq, seq);
+        }
+        if (helper) atomic_fetch_sub_explicit(&s->idle_helpers, 1, memory_order_seq_cst);
+        atomic_fetch_sub_explicit(&s->waiters, 1, memory_order_seq_cst);
+        if (!called) return;
     }
-    atomic_fetch_sub_explicit(&s->waiters, 1, memory_order_seq_cst);
 }
 
 /* Work for the worker: tasks not done, and no host thread running them. */
