@@ -5,6 +5,7 @@ demo from a directory that is not the checkout (issue 12: installed, not only ch
 from __future__ import annotations
 
 import os
+import site
 import subprocess
 import sys
 from pathlib import Path
@@ -22,8 +23,8 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: int = 300) -> 
 
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
-    """A venv holding the wheel. It sees this interpreter's packages (numpy, attrs: no
-    download), but imports polyjit from its own site-packages, as the test checks."""
+    """A venv holding the wheel. It sees this interpreter's packages (numpy, attrs, ml_dtypes:
+    no download), but imports polyjit from its own site-packages, as the test checks."""
     tmp = tmp_path_factory.mktemp("wheel")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
@@ -31,6 +32,11 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]
     (wheel,) = (tmp / "dist").glob("polyjit-*.whl")
     _run([sys.executable, "-m", "venv", "--system-site-packages", str(tmp / "venv")], tmp, env)
     bin_dir = tmp / "venv" / "bin"
+    # --system-site-packages reaches the base interpreter's packages only; when this one is a
+    # venv itself (the README's fresh venv), its site-packages come after the new venv's own.
+    # A path line only: the .pth files there (an editable polyjit's finder) are not run.
+    own = _run([str(bin_dir / "python"), "-c", "import site; print(site.getsitepackages()[0])"], tmp, env)
+    (Path(own.strip()) / "_parent_env.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     _run([str(bin_dir / "python"), "-m", "pip", "install", "-q", "--no-deps", str(wheel)], tmp, env)
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
     env["VIRTUAL_ENV"] = str(tmp / "venv")
