@@ -2,7 +2,8 @@
 
 - fused chain ``a*b + c*d - e`` on 2^24 float32: vs numpy, and vs this machine's copy bandwidth
 - ``routine.run()`` + wait for a tiny kernel vs a bare ctypes call of the same function
-- float32 matmul 1024^3 through ``ir.einsum`` vs numpy's GFLOP/s
+- float32 matmul 1024^3 through ``ir.einsum`` vs numpy's GFLOP/s, and both against the FMA
+  peak of the device's cores (a raw kernel of FMAs in registers)
 - a cached compile of a batch
 - a 64 MiB node handed to numpy and back through DLPack (``Context.export`` /
   ``init_from_dlpack``) vs ``to_host``: the DLPack way copies nothing
@@ -105,15 +106,68 @@ def run_and_wait(routine: Routine) -> None:
     routine.context.stream.synchronize()
 
 
-def bench_matmul(m: int) -> dict[str, float]:
+# The FMA peak of the device's cores: every thread of an OpenMP team runs independent chains of
+# vector FMAs held in registers (no memory traffic), through a raw kernel, so its figure is
+# this backend's compiler and threads, as the matmul's. A matmul's GFLOP/s over it says how
+# far a kernel is from the hardware, whatever the VM's clock that day. Chains: enough to fill
+# two FMA pipes of 4-cycle latency, with registers left for the multiplier and the addend.
+FMA_PEAK_ROUNDS = 1 << 22
+FMA_PEAK_SOURCE = """\
+#include <stdint.h>
+#include <omp.h>
+typedef float pj_v __attribute__((vector_size(VBYTES)));
+void fma_peak(float* out, int64_t* threads, int64_t rounds) {
+  #pragma omp parallel
+  {
+    pj_v acc[CHAINS], mul, add;
+    for (int l = 0; l < (int)(VBYTES / sizeof(float)); ++l) { mul[l] = 0.999999f; add[l] = 1e-7f; }
+    for (int c = 0; c < CHAINS; ++c) acc[c] = mul * (float)(c + omp_get_thread_num());
+    for (int64_t r = 0; r < rounds; ++r) {
+      #pragma GCC unroll 32
+      for (int c = 0; c < CHAINS; ++c) acc[c] = acc[c] * mul + add;
+    }
+    float s = 0;
+    for (int c = 0; c < CHAINS; ++c)
+      for (int l = 0; l < (int)(VBYTES / sizeof(float)); ++l) s += acc[c][l];
+    if (omp_get_thread_num() < 256) out[omp_get_thread_num()] = s;  /* kept: not dead code */
+    #pragma omp single
+    threads[0] = omp_get_num_threads();
+  }
+}
+"""
+
+
+def fma_peak(rounds: int = FMA_PEAK_ROUNDS) -> tuple[Routine, float]:
+    """A linked routine whose every run does the returned number of float32 FLOPs in
+    registers, on as many threads as OpenMP gives the device's kernels."""
+    backend = get_backend("cpu")
+    dialect = backend.driver.dialect
+    chains, lanes = min(24, dialect.vector_registers - 4), dialect.vector_bytes // 4
+    out, threads = ir.Node("fma_out", (256,)), ir.Node("fma_threads", (1,), "int64")
+    rounds_sym = ir.StaticSymbol("rounds", rounds + 1)
+    source = FMA_PEAK_SOURCE.replace("VBYTES", str(dialect.vector_bytes)).replace("CHAINS", str(chains))
+    code = backend.raw_kernel(source, "fma_peak", [(out, "w"), (threads, "w")], statics=[rounds_sym],
+                              bindings={rounds_sym: rounds})
+    routine = backend.get_device(0).make_context().link(code)
+    run_and_wait(routine)
+    team = int(routine.context.read(threads)[0])
+    return routine, 2.0 * lanes * chains * rounds * team
+
+
+def bench_matmul(m: int, peak_rounds: int = FMA_PEAK_ROUNDS) -> dict[str, float]:
     routine, xa, xb, c = linked_matmul("cpu", m)
-    t = best_of_blocks({"polyjit": lambda: run_and_wait(routine), "numpy": lambda: xa @ xb})
+    peak, peak_run_flops = fma_peak(peak_rounds)
+    t = best_of_blocks({"polyjit": lambda: run_and_wait(routine), "numpy": lambda: xa @ xb,
+                        "fma_peak": lambda: run_and_wait(peak)})
     t_pj, t_np = t["polyjit"], t["numpy"]
     err = float(np.abs(routine.context.read(c) - xa @ xb).max() / np.abs(xa @ xb).max())
     routine.context.finalize()
+    peak.context.finalize()
     flops = 2 * m**3
+    peak_flops = peak_run_flops / t["fma_peak"]
     return {"polyjit_GFLOPs": flops / t_pj / 1e9, "numpy_GFLOPs": flops / t_np / 1e9,
-            "fraction_of_numpy": t_np / t_pj, "rel_error": err}
+            "fraction_of_numpy": t_np / t_pj, "rel_error": err, "fma_peak_GFLOPs": peak_flops / 1e9,
+            "polyjit_of_peak": flops / t_pj / peak_flops, "numpy_of_peak": flops / t_np / peak_flops}
 
 
 def bench_cached_compile() -> dict[str, float]:
@@ -174,7 +228,7 @@ def main(argv: Sequence[str] = ()) -> int:
                     "numpy": np.__version__, "devices": get_backend("cpu").num_devices()},
         "chain": bench_chain(args.size),
         "launch": bench_launch(),
-        "matmul": bench_matmul(args.matmul),
+        "matmul": bench_matmul(args.matmul, (1 << 12) if args.quick else FMA_PEAK_ROUNDS),
         "compile": bench_cached_compile(),
         "interop": bench_interop((1 << 20) if args.quick else (64 << 20)),
     }

@@ -109,13 +109,16 @@ def mlp_flops(batch: int, sizes: Sequence[int] = (784, 256, 10)) -> int:
 
 def mlp_vs_matmul(group: dict[str, Any], batch: int) -> dict[str, float]:
     """The MLP step's matmul FLOP rate beside this machine's: the best of polyjit's and
-    numpy's 1024^3 float32 matmul, timed now (the step's contenders have exited)."""
+    numpy's 1024^3 float32 matmul, timed now (the step's contenders have exited), and both
+    beside the FMA peak of its cores (what no step can pass)."""
     from polyjit.bench.cpu import bench_matmul
 
     mm = bench_matmul(1024)
     step = group["polyjit_samples_s"] / batch * mlp_flops(batch) / 1e9
     best = max(mm["polyjit_GFLOPs"], mm["numpy_GFLOPs"])
-    return {"step_GFLOPs": step, "matmul_GFLOPs": best, "fraction_of_matmul": step / best}
+    peak = mm["fma_peak_GFLOPs"]
+    return {"step_GFLOPs": step, "matmul_GFLOPs": best, "fraction_of_matmul": step / best,
+            "fma_peak_GFLOPs": peak, "matmul_of_peak": best / peak, "step_of_peak": step / peak}
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,37 @@
+"""The CPU benchmarks' own measuring instruments (what `polyjit bench cpu` reports rests on them)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from polyjit.backends import get_backend
+from polyjit.bench.cpu import bench_matmul, fma_peak, run_and_wait
+
+
+def test_the_fma_peak_kernel_does_the_flops_it_counts() -> None:
+    """Each thread's chains hold what `rounds` FMAs give them, as numpy computes it step by
+    step in float32, and the FLOPs reported are those chains' FMAs on every thread that ran."""
+    dialect = get_backend("cpu").driver.dialect
+    chains, lanes, rounds = min(24, dialect.vector_registers - 4), dialect.vector_bytes // 4, 300
+    routine, flops = fma_peak(rounds)
+    try:
+        team = flops / (2 * lanes * chains * rounds)
+        assert team == int(team) and team >= 1
+        run_and_wait(routine)
+        out = routine.context.read(next(n for n in routine.outputs if n.name == "fma_out"))
+        mul, add = np.float32(0.999999), np.float32(1e-7)
+        for t in range(min(int(team), 256)):
+            acc = mul * np.arange(t, t + chains, dtype=np.float32)
+            for _ in range(rounds):
+                acc = acc * mul + add
+            np.testing.assert_allclose(out[t], lanes * acc.astype(np.float64).sum(), rtol=1e-4)
+    finally:
+        routine.context.finalize()
+
+
+def test_bench_matmul_reports_the_peak_beside_the_matmul() -> None:
+    r = bench_matmul(64, peak_rounds=1 << 10)
+    assert r["rel_error"] < 1e-5
+    assert r["fma_peak_GFLOPs"] > 0
+    assert r["polyjit_of_peak"] == pytest.approx(r["polyjit_GFLOPs"] / r["fma_peak_GFLOPs"])
