@@ -134,6 +134,21 @@ void team_penalty(void* const* b, const int64_t* s, int64_t lo, int64_t hi) {
 }
 
 /* b[0] int64[2]: the OpenMP team size of a parallel region, and the CPU it ran on. */
+/* Like mark_range, but uneven: the call that starts at 0 sleeps s[0] microseconds, the others
+ * 1 ms (a kernel with a long tail). */
+void skewed_range(void* const* b, const int64_t* s, int64_t lo, int64_t hi) {
+    int64_t* counts = (int64_t*)b[0];
+    int64_t* tids = (int64_t*)b[1];
+    const int64_t tid = (int64_t)syscall(SYS_gettid);
+    for (int64_t i = lo; i < hi; i++) {
+        counts[i] += 1;
+        tids[i] = tid;
+    }
+    const long us = lo == 0 ? (long)s[0] : 1000;
+    struct timespec ts = {us / 1000000, (us % 1000000) * 1000};
+    nanosleep(&ts, NULL);
+}
+
 /* Busy for s[0] microseconds; b[0] = int64 [started, thread, end time (ns)]. */
 void busy_stamped(void* const* b, const int64_t* s, int64_t lo, int64_t hi) {
     volatile int64_t* o = (volatile int64_t*)b[0];
@@ -1003,6 +1018,34 @@ def test_a_parked_waiter_is_called_back_to_share_a_kernel(rt: NativeRuntime, ker
                 break
         else:
             pytest.fail("the waiting thread, once parked, never took part in the next kernel")
+    finally:
+        rt.set_contention(*CONTENTION_MODES["auto"])
+        rt.stream_destroy(s)
+
+
+def test_a_called_back_waiter_parks_through_the_kernels_tail(rt: NativeRuntime, kernels: Kernels) -> None:
+    """A parked waiter called back to share a kernel, that finds every grain taken (one runs
+    150 ms on the worker), parks again until its ticket: it is called back once per kernel,
+    not again each time its spin budget runs out (it spun on a core for all 150 ms)."""
+    rt.set_contention(*CONTENTION_MODES["off"])
+    s = rt.stream_create(2, None)  # a team of one, and the waiting thread
+    n = 2
+    counts = np.zeros(n, dtype=np.int64)
+    tids = np.zeros(n, dtype=np.int64)
+    stamp = np.zeros(3, dtype=np.int64)
+    try:
+        for _ in range(3):
+            counts[:] = 0
+            kernels.launch(s, "busy_stamped", [ptr(stamp)], [30_000])  # 30 ms: the waiter parks
+            bufs = rt.make_ptr_array([ptr(counts), ptr(tids)])
+            descs = rt.make_descs([(kernels.addr("skewed_range"), ctypes.addressof(bufs), TEAM_ADAPT, False, n)])
+            st = (ctypes.c_int64 * 1)(150_000)
+            ticket = rt.launch_seq(s, descs, 1, st, 1)
+            t0 = time.thread_time()
+            rt.sync(s, ticket)
+            spent = time.thread_time() - t0
+            np.testing.assert_array_equal(counts, np.ones(n, dtype=np.int64))
+            assert spent < 0.05, f"the waiting thread spent {spent * 1e3:.0f} ms of a 180 ms wait on a CPU"
     finally:
         rt.set_contention(*CONTENTION_MODES["auto"])
         rt.stream_destroy(s)

@@ -24,7 +24,7 @@
  * sleeper. Spinners yield the CPU after a few microseconds, in case the
  * thread they wait for shares their CPU. A waiting host thread takes part in
  * the kernels of an unpinned stream (join_chunks), whose teams leave it a core;
- * when it has parked, the next such kernel calls it back (run_chunks).
+ * when it has parked, the next such kernel calls it back (run_chunks), once per kernel.
  *
  * Team sizes: an OpenMP team ends in a barrier, so a kernel with a team is as slow as its
  * slowest thread. When other processes take cores, a team thread is often descheduled and
@@ -166,6 +166,7 @@ typedef struct pj_stream {
      * its team, and host threads waiting for this stream (join_chunks). The fields are set
      * before `job_live` is stored (release) and change only once no helper is in. */
     _Alignas(PJ_CACHELINE) _Atomic int job_live;
+    _Atomic uint32_t job_gen; /* kernels run_chunks has started: a parked helper is called back once each */
     _Atomic int job_helpers; /* host threads inside join_chunks */
     pj_kernel job_fn;
     void* const* job_bufs;
@@ -407,6 +408,7 @@ static void run_chunks(pj_stream* s, const pj_task* t, int team) {
     s->job_n = n;
     s->job_grain = grain;
     atomic_store_explicit(&s->job_next, 0, memory_order_relaxed);
+    atomic_fetch_add_explicit(&s->job_gen, 1, memory_order_seq_cst);
     atomic_store_explicit(&s->job_live, 1, memory_order_seq_cst);
     /* a host thread that would share it, parked in wait_done: call it back (a core is left
      * for it), unless another one is at hand */
@@ -466,6 +468,11 @@ static void wait_done(pj_stream* s, uint64_t ticket) {
     if (atomic_load_explicit(&s->done, memory_order_acquire) >= ticket) return;
     wake_worker(s); /* a lazily parked worker: the work is wanted now */
     const int may_join = s->helpable && !t_no_help;
+    /* The kernel this thread last spun beside (the one running as it came, or the last it was
+     * called back for). Once it has found no grain left in it (its team holds the rest: the
+     * kernel's tail), it parks until the next kernel or its ticket, instead of coming back to
+     * spin through the tail. */
+    uint32_t called_for = atomic_load_explicit(&s->job_gen, memory_order_seq_cst);
     for (;;) {
         const int64_t budget = spin_budget(&g_wait_spin_ns);
         if (budget > 0) {
@@ -493,8 +500,12 @@ static void wait_done(pj_stream* s, uint64_t ticket) {
             }
             if (atomic_load_explicit(&s->done, memory_order_seq_cst) >= ticket) break;
             if (helper && atomic_load_explicit(&s->job_live, memory_order_seq_cst)) {
-                called = 1;
-                break;
+                const uint32_t gen = atomic_load_explicit(&s->job_gen, memory_order_seq_cst);
+                if (gen != called_for) {
+                    called_for = gen;
+                    called = 1;
+                    break;
+                }
             }
             park(&s->done_seq, seq);
         }
