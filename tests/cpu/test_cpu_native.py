@@ -214,9 +214,12 @@ class Kernels:
         buffers: list[int],
         statics: list[int] | None = None,
         team: int = TEAM_ADAPT,
+        chunks: int | None = None,
     ) -> int:
+        """Launch kernel ``name``: once, or over a range of ``chunks`` iterations."""
         bufs = self.rt.make_ptr_array(buffers)
-        descs = self.rt.make_descs([(self.addr(name), ctypes.addressof(bufs), team)])
+        desc = (self.addr(name), ctypes.addressof(bufs), team)
+        descs = self.rt.make_descs([desc if chunks is None else (*desc, False, chunks)])
         self._keep.append(bufs)
         values = statics or []
         st = (ctypes.c_int64 * max(1, len(values)))(*values)
@@ -1009,10 +1012,7 @@ def test_a_parked_waiter_is_called_back_to_share_a_kernel(rt: NativeRuntime, ker
         for _ in range(3):
             counts[:] = 0
             kernels.launch(s, "busy_stamped", [ptr(stamp)], [30_000])  # 30 ms: the waiter parks
-            bufs = rt.make_ptr_array([ptr(counts), ptr(tids)])
-            descs = rt.make_descs([(kernels.addr("mark_range"), ctypes.addressof(bufs), 1, False, n)])
-            st = (ctypes.c_int64 * 1)(500)
-            rt.sync(s, rt.launch_seq(s, descs, 1, st, 1))
+            rt.sync(s, kernels.launch(s, "mark_range", [ptr(counts), ptr(tids)], [500], team=1, chunks=n))
             np.testing.assert_array_equal(counts, np.ones(n, dtype=np.int64))
             if threading.get_native_id() in set(tids.tolist()):
                 break
@@ -1037,10 +1037,7 @@ def test_a_called_back_waiter_parks_through_the_kernels_tail(rt: NativeRuntime, 
         for _ in range(3):
             counts[:] = 0
             kernels.launch(s, "busy_stamped", [ptr(stamp)], [30_000])  # 30 ms: the waiter parks
-            bufs = rt.make_ptr_array([ptr(counts), ptr(tids)])
-            descs = rt.make_descs([(kernels.addr("skewed_range"), ctypes.addressof(bufs), TEAM_ADAPT, False, n)])
-            st = (ctypes.c_int64 * 1)(150_000)
-            ticket = rt.launch_seq(s, descs, 1, st, 1)
+            ticket = kernels.launch(s, "skewed_range", [ptr(counts), ptr(tids)], [150_000], chunks=n)
             t0 = time.thread_time()
             rt.sync(s, ticket)
             spent = time.thread_time() - t0
