@@ -1048,6 +1048,43 @@ def test_a_called_back_waiter_parks_through_the_kernels_tail(rt: NativeRuntime, 
         rt.stream_destroy(s)
 
 
+def test_a_kernel_calls_back_one_parked_waiter(rt: NativeRuntime, kernels: Kernels) -> None:
+    """The stream's teams leave one core for a waiting host thread, so a kernel with a range
+    calls back one of the parked waiters, not all of them: with two host threads waiting
+    behind ten such kernels, each after a task they cannot share (they park), both were
+    woken for every kernel and both ran part of it, on one spare core."""
+    rt.set_contention(*CONTENTION_MODES["off"])
+    s = rt.stream_create(2, None)  # a team of one, and the core left for a waiting thread
+    n, kernels_run = 64, 10
+    counts = np.zeros((kernels_run, n), dtype=np.int64)
+    tids = np.zeros((kernels_run, n), dtype=np.int64)
+    stamp = np.zeros(3, dtype=np.int64)
+    waiting: list[int] = []
+    try:
+        ticket = 0
+        for r in range(kernels_run):
+            kernels.launch(s, "busy_stamped", [ptr(stamp)], [5_000])  # 5 ms: the waiters park
+            ticket = kernels.launch(s, "mark_range", [ptr(counts[r]), ptr(tids[r])], [200], team=1, chunks=n)
+
+        def wait() -> None:
+            waiting.append(threading.get_native_id())
+            rt.sync(s, ticket)
+
+        threads = [threading.Thread(target=wait) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        np.testing.assert_array_equal(counts, np.ones((kernels_run, n), dtype=np.int64))
+        both = sum(set(waiting) <= set(row.tolist()) for row in tids)
+        some = sum(bool(set(waiting) & set(row.tolist())) for row in tids)
+        assert both <= 2, f"both waiting threads ran part of {both} of {kernels_run} kernels"
+        assert some >= kernels_run // 2, f"a waiting thread ran part of only {some} of {kernels_run} kernels"
+    finally:
+        rt.set_contention(*CONTENTION_MODES["auto"])
+        rt.stream_destroy(s)
+
+
 def test_a_waiter_with_no_grain_left_parks(rt: NativeRuntime, kernels: Kernels) -> None:
     """Once the running kernel's last grains are claimed, a waiting thread waits like for
     any task (spin within the budget, then park), not on a core for as long as they run:

@@ -24,7 +24,8 @@
  * sleeper. Spinners yield the CPU after a few microseconds, in case the
  * thread they wait for shares their CPU. A waiting host thread takes part in
  * the kernels of an unpinned stream (join_chunks), whose teams leave it a core;
- * when it has parked, the next such kernel calls it back (run_chunks), once per kernel.
+ * when it has parked, the next such kernel calls it back (run_chunks), once per kernel,
+ * and one such thread per kernel (they park on call_seq, woken one at a time).
  *
  * Team sizes: an OpenMP team ends in a barrier, so a kernel with a team is as slow as its
  * slowest thread. When other processes take cores, a team thread is often descheduled and
@@ -141,6 +142,9 @@ typedef struct pj_stream {
     /* Consumer side (the worker). */
     _Alignas(PJ_CACHELINE) _Atomic uint64_t done; /* tasks completed */
     _Atomic uint32_t done_seq; /* bumped when done reaches wake_at while someone parks on it */
+    /* What waiters that would help park on (idle_helpers): bumped with done_seq, and when a
+     * kernel they could share starts, which wakes one of them (run_chunks). */
+    _Atomic uint32_t call_seq;
     /* The smallest ticket a parked waiter waits for (UINT64_MAX: none asked): a task done
      * before it wakes nobody (a host waiting for a step's last task was woken, and the worker
      * paid a futex call, for every task of the step). */
@@ -150,8 +154,8 @@ typedef struct pj_stream {
     _Atomic int consuming;
     int helpable; /* 0: pinned to some cores, so only the worker (on them) runs tasks */
     _Alignas(PJ_CACHELINE) _Atomic uint32_t sleeping; /* 1: the worker parks (or is about to) */
-    _Atomic int waiters;                              /* threads parked on done_seq */
-    _Atomic int idle_helpers; /* of them, those that would share the stream's kernels */
+    _Atomic int waiters;                              /* threads parked on done_seq or call_seq */
+    _Atomic int idle_helpers; /* of them, those that would share the stream's kernels (on call_seq) */
     _Atomic int spinning_helpers; /* threads in wait_done that share them now */
     _Atomic int refs; /* 1 for the owner until pj_stream_destroy, +1 per pending WAIT on it */
     pthread_t thread;
@@ -233,6 +237,9 @@ static inline void park(_Atomic uint32_t* word, uint32_t expected) {
 static inline void unpark_all(_Atomic uint32_t* word) {
     syscall(SYS_futex, (uint32_t*)word, FUTEX_WAKE_PRIVATE, INT32_MAX, NULL, NULL, 0);
 }
+static inline void unpark_one(_Atomic uint32_t* word) {
+    syscall(SYS_futex, (uint32_t*)word, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
+}
 /* park, for at most ns nanoseconds */
 static inline void park_for(_Atomic uint32_t* word, uint32_t expected, int64_t ns) {
     struct timespec ts = {(time_t)(ns / 1000000000), (long)(ns % 1000000000)};
@@ -252,6 +259,7 @@ static void unpark_all(_Atomic uint32_t* word) {
     pthread_mutex_unlock(&g_park_mu);
     pthread_cond_broadcast(&g_park_cv);
 }
+static void unpark_one(_Atomic uint32_t* word) { unpark_all(word); } /* one condvar for all words */
 static void park_for(_Atomic uint32_t* word, uint32_t expected, int64_t ns) {
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
@@ -410,12 +418,12 @@ static void run_chunks(pj_stream* s, const pj_task* t, int team) {
     atomic_store_explicit(&s->job_next, 0, memory_order_relaxed);
     atomic_fetch_add_explicit(&s->job_gen, 1, memory_order_seq_cst);
     atomic_store_explicit(&s->job_live, 1, memory_order_seq_cst);
-    /* a host thread that would share it, parked in wait_done: call it back (a core is left
+    /* a host thread that would share it, parked in wait_done: call one back (a core is left
      * for it), unless another one is at hand */
     if (team < s->all_threads && atomic_load_explicit(&s->idle_helpers, memory_order_seq_cst) > 0 &&
         atomic_load_explicit(&s->spinning_helpers, memory_order_seq_cst) == 0) {
-        atomic_fetch_add_explicit(&s->done_seq, 1, memory_order_seq_cst);
-        unpark_all(&s->done_seq);
+        atomic_fetch_add_explicit(&s->call_seq, 1, memory_order_seq_cst);
+        unpark_one(&s->call_seq);
     }
     if (team > 1) {
 #pragma omp parallel num_threads(team)
@@ -461,9 +469,10 @@ static int spin_done(pj_stream* s, uint64_t ticket, int may_join, int64_t budget
 }
 
 /* Block until s->done >= ticket: spin (running chunks of the stream's kernel when it may),
- * then park on done_seq. A thread that would help and parks is called back when a kernel
- * it can share starts (run_chunks): the stream's teams leave it a core, so while it sleeps
- * they run on one core fewer than the machine has (a queue of MLP steps: 1.5x slower). */
+ * then park on done_seq. A thread that would help parks on call_seq instead, and one such
+ * thread is called back when a kernel it can share starts (run_chunks): the stream's teams
+ * leave it a core, so while it sleeps they run on one core fewer than the machine has (a
+ * queue of MLP steps: 1.5x slower), and a second one would have no core to run on. */
 static void wait_done(pj_stream* s, uint64_t ticket) {
     if (atomic_load_explicit(&s->done, memory_order_acquire) >= ticket) return;
     wake_worker(s); /* a lazily parked worker: the work is wanted now */
@@ -490,8 +499,9 @@ static void wait_done(pj_stream* s, uint64_t ticket) {
         /* a helper that gave the role back before it could see us left the worker parked */
         if (!atomic_load_explicit(&s->consuming, memory_order_seq_cst)) wake_worker(s);
         int called = 0;
+        _Atomic uint32_t* const word = helper ? &s->call_seq : &s->done_seq;
         for (;;) {
-            uint32_t seq = atomic_load_explicit(&s->done_seq, memory_order_seq_cst);
+            uint32_t seq = atomic_load_explicit(word, memory_order_seq_cst);
             /* Ask for ticket after reading the sequence: a reset of wake_at that drops this
              * request bumps the sequence after it, so the park below returns and asks again. */
             uint64_t asked = atomic_load_explicit(&s->wake_at, memory_order_seq_cst);
@@ -507,7 +517,7 @@ static void wait_done(pj_stream* s, uint64_t ticket) {
                     break;
                 }
             }
-            park(&s->done_seq, seq);
+            park(word, seq);
         }
         if (helper) atomic_fetch_sub_explicit(&s->idle_helpers, 1, memory_order_seq_cst);
         atomic_fetch_sub_explicit(&s->waiters, 1, memory_order_seq_cst);
@@ -727,6 +737,10 @@ static int consume(pj_stream* s, uint64_t until, int helper) {
             atomic_store_explicit(&s->wake_at, UINT64_MAX, memory_order_seq_cst);
             atomic_fetch_add_explicit(&s->done_seq, 1, memory_order_seq_cst);
             unpark_all(&s->done_seq);
+            if (atomic_load_explicit(&s->idle_helpers, memory_order_seq_cst) > 0) {
+                atomic_fetch_add_explicit(&s->call_seq, 1, memory_order_seq_cst);
+                unpark_all(&s->call_seq);
+            }
         }
         if (kind == PJ_STOP) return 1;
     }
