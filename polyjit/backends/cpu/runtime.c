@@ -437,8 +437,9 @@ static void run_chunks(pj_stream* s, const pj_task* t, int team) {
 
 #define PJ_SPIN_CAP 10
 /* Spin until s->done >= ticket (returns 1), running chunks of the stream's kernel when
- * `may_join`, or until it is time to park (returns 0). */
-static int spin_done(pj_stream* s, uint64_t ticket, int may_join, int64_t budget) {
+ * `may_join` (noting in *joined the kernel it last ran a grain of), or until it is time to
+ * park (returns 0). */
+static int spin_done(pj_stream* s, uint64_t ticket, int may_join, int64_t budget, uint32_t* joined) {
     const int64_t noyield = atomic_load_explicit(&g_wait_noyield_ns, memory_order_relaxed);
     /* The budget runs from the stream's last progress (a task done, or a grain run here),
      * and a wait spins PJ_SPIN_CAP budgets at most since this thread last ran a grain: a long
@@ -451,7 +452,10 @@ static int spin_done(pj_stream* s, uint64_t ticket, int may_join, int64_t budget
         cpu_relax();
         const uint64_t done = atomic_load_explicit(&s->done, memory_order_acquire);
         if (done >= ticket) return 1;
+        /* the generation read first: a kernel that starts meanwhile is at worst called back */
+        const uint32_t gen = atomic_load_explicit(&s->job_gen, memory_order_acquire);
         if (may_join && atomic_load_explicit(&s->job_live, memory_order_relaxed) && join_chunks(s)) {
+            *joined = gen;
             start = now_ns();
             give_up = start + PJ_SPIN_CAP * budget;
             continue;
@@ -477,16 +481,16 @@ static void wait_done(pj_stream* s, uint64_t ticket) {
     if (atomic_load_explicit(&s->done, memory_order_acquire) >= ticket) return;
     wake_worker(s); /* a lazily parked worker: the work is wanted now */
     const int may_join = s->helpable && !t_no_help;
-    /* The kernel this thread last spun beside (the one running as it came, or the last it was
-     * called back for). Once it has found no grain left in it (its team holds the rest: the
-     * kernel's tail), it parks until the next kernel or its ticket, instead of coming back to
-     * spin through the tail. */
+    /* The kernel this thread last spun beside (the one running as it came, the last it ran a
+     * grain of, or the last it was called back for). Once it has found no grain left in it
+     * (its team holds the rest: the kernel's tail), it parks until the next kernel or its
+     * ticket, instead of coming back to spin through the tail. */
     uint32_t called_for = atomic_load_explicit(&s->job_gen, memory_order_seq_cst);
     for (;;) {
         const int64_t budget = spin_budget(&g_wait_spin_ns);
         if (budget > 0) {
             if (may_join) atomic_fetch_add_explicit(&s->spinning_helpers, 1, memory_order_seq_cst);
-            const int done = spin_done(s, ticket, may_join, budget);
+            const int done = spin_done(s, ticket, may_join, budget, &called_for);
             if (may_join) atomic_fetch_sub_explicit(&s->spinning_helpers, 1, memory_order_seq_cst);
             if (done) return;
         }
