@@ -137,12 +137,18 @@ void fma_peak(float* out, int64_t* threads, int64_t rounds) {
 """
 
 
+def fma_shape() -> tuple[int, int]:
+    """(chains, float32 lanes of each) of the FMA peak kernel on this host."""
+    dialect = get_backend("cpu").driver.dialect
+    return min(24, dialect.vector_registers - 4), dialect.vector_bytes // 4
+
+
 def fma_peak(rounds: int = FMA_PEAK_ROUNDS) -> tuple[Routine, float]:
     """A linked routine whose every run does the returned number of float32 FLOPs in
     registers, on as many threads as OpenMP gives the device's kernels."""
     backend = get_backend("cpu")
     dialect = backend.driver.dialect
-    chains, lanes = min(24, dialect.vector_registers - 4), dialect.vector_bytes // 4
+    chains, lanes = fma_shape()
     out, threads = ir.Node("fma_out", (256,)), ir.Node("fma_threads", (1,), "int64")
     rounds_sym = ir.StaticSymbol("rounds", rounds + 1)
     source = FMA_PEAK_SOURCE.replace("VBYTES", str(dialect.vector_bytes)).replace("CHAINS", str(chains))

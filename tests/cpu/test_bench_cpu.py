@@ -5,15 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from polyjit.backends import get_backend
-from polyjit.bench.cpu import bench_matmul, fma_peak, run_and_wait
+from polyjit.bench.cpu import bench_matmul, fma_peak, fma_shape, run_and_wait
 
 
 def test_the_fma_peak_kernel_does_the_flops_it_counts() -> None:
     """Each thread's chains hold what `rounds` FMAs give them, as numpy computes it step by
     step in float32, and the FLOPs reported are those chains' FMAs on every thread that ran."""
-    dialect = get_backend("cpu").driver.dialect
-    chains, lanes, rounds = min(24, dialect.vector_registers - 4), dialect.vector_bytes // 4, 300
+    (chains, lanes), rounds = fma_shape(), 300
     routine, flops = fma_peak(rounds)
     try:
         team = flops / (2 * lanes * chains * rounds)

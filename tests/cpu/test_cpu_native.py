@@ -47,9 +47,8 @@ void record_thread(void* const* b, const int64_t* s, int64_t lo, int64_t hi) {
     log[0] += 1;
 }
 
-/* A kernel with a range: b[0] = int64 [n] counts of each iteration run, b[1] = int64 [n] the
- * thread that ran it; each call sleeps s[0] microseconds (time for waiting threads to join). */
-void mark_range(void* const* b, const int64_t* s, int64_t lo, int64_t hi) {
+/* Mark [lo, hi) as run by this thread (b as for mark_range), then sleep us microseconds. */
+static void mark_and_sleep(void* const* b, int64_t lo, int64_t hi, long us) {
     int64_t* counts = (int64_t*)b[0];
     int64_t* tids = (int64_t*)b[1];
     const int64_t tid = (int64_t)syscall(SYS_gettid);
@@ -57,8 +56,20 @@ void mark_range(void* const* b, const int64_t* s, int64_t lo, int64_t hi) {
         counts[i] += 1;
         tids[i] = tid;
     }
-    struct timespec ts = {0, (long)s[0] * 1000};
-    if (s[0] > 0) nanosleep(&ts, NULL);
+    struct timespec ts = {us / 1000000, (us % 1000000) * 1000};
+    if (us > 0) nanosleep(&ts, NULL);
+}
+
+/* A kernel with a range: b[0] = int64 [n] counts of each iteration run, b[1] = int64 [n] the
+ * thread that ran it; each call sleeps s[0] microseconds (time for waiting threads to join). */
+void mark_range(void* const* b, const int64_t* s, int64_t lo, int64_t hi) {
+    mark_and_sleep(b, lo, hi, (long)s[0]);
+}
+
+/* Like mark_range, but uneven: the call that starts at 0 sleeps s[0] microseconds, the others
+ * 1 ms (a kernel with a long tail). */
+void skewed_range(void* const* b, const int64_t* s, int64_t lo, int64_t hi) {
+    mark_and_sleep(b, lo, hi, lo == 0 ? (long)s[0] : 1000);
 }
 
 /* b[0]: float array; s[0]: value to add; s[1]: length */
@@ -134,21 +145,6 @@ void team_penalty(void* const* b, const int64_t* s, int64_t lo, int64_t hi) {
 }
 
 /* b[0] int64[2]: the OpenMP team size of a parallel region, and the CPU it ran on. */
-/* Like mark_range, but uneven: the call that starts at 0 sleeps s[0] microseconds, the others
- * 1 ms (a kernel with a long tail). */
-void skewed_range(void* const* b, const int64_t* s, int64_t lo, int64_t hi) {
-    int64_t* counts = (int64_t*)b[0];
-    int64_t* tids = (int64_t*)b[1];
-    const int64_t tid = (int64_t)syscall(SYS_gettid);
-    for (int64_t i = lo; i < hi; i++) {
-        counts[i] += 1;
-        tids[i] = tid;
-    }
-    const long us = lo == 0 ? (long)s[0] : 1000;
-    struct timespec ts = {us / 1000000, (us % 1000000) * 1000};
-    nanosleep(&ts, NULL);
-}
-
 /* Busy for s[0] microseconds; b[0] = int64 [started, thread, end time (ns)]. */
 void busy_stamped(void* const* b, const int64_t* s, int64_t lo, int64_t hi) {
     volatile int64_t* o = (volatile int64_t*)b[0];
