@@ -110,6 +110,11 @@ class Dialect:
         "#pragma omp parallel for{collapse} reduction({op}:pj_acc) schedule(static)")
     # a reduction whose order is free (Reduce.reassociable): one accumulator per vector lane
     simd_reduction_pragma: str | None = "#pragma omp simd reduction({op}:pj_acc){collapse}"
+    # The innermost loop of a parallel nest that only stores (its iterations are independent
+    # by construction): GCC 12's cost model left a gather's row copy (16 floats a row, from a
+    # row picked by data) as 16 scalar moves; told to vectorize, 4.5 -> 1.0 us for char_lm's
+    # embedding (docs/benchmarks.md, session 11).
+    simd_for_pragma: str | None = "#pragma omp simd"
     # Lines before a kernel that sums floats in loop order (KernelPlan.ordered_float). C: GCC
     # 12's loop vectorizer miscompiles in-order (fold-left) float reductions that read with a
     # negative stride (``sum_k x[n - k]`` gives wrong sums at -O3), and vectorizing them
@@ -548,8 +553,11 @@ def emit_loops(em: Emitter, kernel: Kernel, plan: KernelPlan, indent: int) -> li
         lines += [f"{'  ' * indent}{pragma}"] if pragma else []
     elif plan.team and isinstance(kernel.body, Reduce):
         return em.reduce(kernel.body, indent, d.pragma(d.parallel_reduction_pragma, plan.team, kernel.body.accum))
-    for sym, n in nest:
+    simd = d.simd_for_pragma if nest and only_stores(kernel.body) else None
+    for k, (sym, n) in enumerate(nest):
         v = em.names.var(sym)
+        if simd and k == len(nest) - 1:
+            lines.append(f"{'  ' * depth}{simd}")
         lines.append(f"{'  ' * depth}for (int64_t {v} = 0; {v} < {n}; ++{v}) {{")
         depth += 1
     lines += em.stmt(kernel.body, depth)
@@ -606,6 +614,13 @@ def _row_blocks(em: Emitter, kernel: Kernel, plan: KernelPlan, indent: int) -> l
     for st in kernel.body.body:
         lines += [f"{p}  for (int64_t {v} = pj_rb; {v} < pj_re; ++{v}) {{", *em.stmt(st, indent + 2), f"{p}  }}"]
     return [*lines, f"{p}}}"]
+
+
+def only_stores(body: Stmt) -> bool:
+    """Whether a nest's body is stores at affine places only: no reduction (a vectorized
+    outer loop would reorder nothing, but GCC 12 miscompiles some in-order float folds) and
+    no row picked by data (two iterations might write one place)."""
+    return all(isinstance(st, Store) and st.row is None for st in walk_stmts(body) if not isinstance(st, Seq))
 
 
 def hoist_invariant_loads(em: Emitter, kernel: Kernel, indent: int) -> list[str]:

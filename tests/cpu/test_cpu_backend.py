@@ -16,6 +16,7 @@ import pytest
 from polyjit.backends import get_backend
 from polyjit.backends.cpu import create_backend, split_cores
 from polyjit.core import ir
+from polyjit.core.codegen import KernelSpec
 from polyjit.core.runtime import Backend, Routine
 
 
@@ -420,3 +421,42 @@ def test_a_write_reading_its_own_target_compiles_to_the_same_source_again() -> N
     backend = get_backend("cpu")
     first = backend.compile(comp, name="t").source
     assert "x_before" in first and backend.compile(comp, name="t").source == first
+
+
+def test_a_gathers_rows_are_copied_by_a_vectorized_loop_and_match_numpy() -> None:
+    """The innermost loop of a parallel nest that only stores is marked ``omp simd`` (GCC 12
+    copied a gathered row of 16 floats as 16 scalar moves: 4.5 -> 1.0 us for char_lm's
+    embedding); a scatter-add (rows may repeat) and a row sum (a reduction) are not. Rows out
+    of range are clamped, as before."""
+    backend = get_backend("cpu")
+    table, idx, rows = ir.Node("table", (27, 16)), ir.Node("idx", (1024,), "int32"), ir.Node("rows", (1024, 16))
+    grad, back = ir.Node("grad", (1024, 16)), ir.Node("back", (27, 16))
+    x, sums = ir.Node("x", (64, 27)), ir.Node("sums", (64,))
+    code = backend.compile_batch([ir.Comp.of(ir.gather(table, idx, into=rows)),
+                                  ir.Comp.of(ir.scatter_add(idx, grad, into=back)),
+                                  ir.Comp.of(ir.einsum("ij->i", x, into=sums))], names=["gather", "scatter", "sums"])
+    def simd(spec: KernelSpec) -> bool:
+        return "#pragma omp simd\n" in code.source.text.split(f"void {spec.name}(")[1].split("\n}\n")[0]
+
+    (gather_k,), (zero_k, scatter_k), (sums_k,) = code.source.kernels
+    assert simd(gather_k) and simd(zero_k)
+    assert scatter_k.plan.kind == "serial" and not simd(scatter_k)
+    assert sums_k.plan.kind == "reduction" and not simd(sums_k)
+    rng = np.random.default_rng(3)
+    tv = rng.standard_normal((27, 16)).astype(np.float32)
+    iv = rng.integers(-3, 30, 1024).astype(np.int32)  # some out of range: clamped into the table
+    gv = rng.standard_normal((1024, 16)).astype(np.float32)
+    xv = rng.standard_normal((64, 27)).astype(np.float32)
+    ctx = backend.get_device(0).make_context()
+    for node, value in ((table, tv), (idx, iv), (grad, gv), (x, xv)):
+        ctx = ctx.init_from_host(node, value)
+    routines = ctx.link_batch(code)
+    for r in routines:
+        r.run()
+    clamped = np.clip(iv, 0, 26)
+    np.testing.assert_array_equal(routines[0].context.read(rows), tv[clamped])
+    want = np.zeros((27, 16), np.float32)
+    np.add.at(want, clamped, gv)
+    np.testing.assert_allclose(routines[1].context.read(back), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(routines[2].context.read(sums), xv.sum(1), rtol=1e-5, atol=1e-5)
+    ctx.finalize()
