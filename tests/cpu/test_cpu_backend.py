@@ -228,6 +228,95 @@ def test_packed_tiles_read_y_in_place_without_scratch_memory() -> None:
     routine.context.finalize()
 
 
+def _one_panel() -> tuple[int, int]:
+    """(k, n) of a matmul whose y is one panel of the largest size that is packed."""
+    from polyjit.backends.cpu.dialect import CpuDialect
+    from polyjit.backends.cpu.tiles import PACK_MAX_BYTES
+    from polyjit.core.patterns import register_vectors
+    d = CpuDialect()
+    if d.vector_bytes < 32:
+        pytest.skip(f"sized for 32- and 64-byte vectors; this host has {d.vector_bytes}")
+    row = register_vectors(d) * d.vector_bytes  # one k of a panel
+    return PACK_MAX_BYTES // row, row // 4
+
+
+def test_a_grain_reuses_the_panel_an_earlier_grain_of_its_launch_packed() -> None:
+    """The scratch tag (runtime.c, t_scratch_tag): a grain that runs while the thread's tag
+    names a launch reuses the panel that launch packed on this thread (so y is read from the
+    panel, even after y changed: within a launch it cannot); a grain of another launch, or
+    called outside a launch (tag 0), packs it again."""
+    import ctypes
+
+    from polyjit.backends.cpu.tiles import SCRATCH_TAG_FN
+
+    backend = get_backend("cpu")
+    m, k, n = 48, *_one_panel()  # 8 row tiles of one panel, 3M multiply-adds: a ranged kernel
+    a, b, o = ir.Node("a", (m, k)), ir.Node("b", (k, n)), ir.Node("o", (m, n))
+    code = backend.compile(ir.Comp.of(ir.einsum("ik,kj->ij", a, b, into=o)), name="reuse")
+    rng = np.random.default_rng(5)
+    av, bv = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
+    routine = backend.get_device(0).make_context().init_from_host(a, av).init_from_host(b, bv).link(code)
+    (spec,) = routine.kernels
+    assert f"{SCRATCH_TAG_FN}()" in code.source and spec.plan.chunks == 8
+    routine.context.stream.synchronize()
+    rt = backend.driver.rt  # type: ignore[attr-defined]
+    fn = getattr(routine._module.handle, spec.name)
+    fn.restype, fn.argtypes = None, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+    tag_of = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_int64))(rt.scratch_tag_address)
+    tag = tag_of()  # this thread's
+    ctx = routine.context
+    pool, off = ctx.device.pool_handle(ctx.buffers[b].pool_id), ctx.buffers[b].offset
+    b_live = np.ctypeslib.as_array(ctypes.cast(pool + off, ctypes.POINTER(ctypes.c_float)), (k, n))
+    bufs = routine._prepared.descs[0].bufs
+    out = lambda: ctx.read(o)  # noqa: E731
+    try:
+        tag[0] = 1 << 62  # as if this thread ran grains of launch 2^62
+        fn(bufs, None, 0, 4)  # rows 0-23: packs the panel
+        b_live += 1  # what no launch sees happen to its y
+        fn(bufs, None, 4, 8)  # rows 24-47: the same launch reuses the panel of the old y
+        np.testing.assert_allclose(out()[24:], av[24:] @ bv, rtol=1e-4, atol=1e-3)
+        tag[0] = (1 << 62) + 1  # another launch packs again
+        fn(bufs, None, 4, 8)
+        np.testing.assert_allclose(out()[24:], av[24:] @ (bv + 1), rtol=1e-4, atol=1e-3)
+        b_live -= 1
+        tag[0] = 0  # outside a launch: never reused
+        fn(bufs, None, 4, 8)
+        np.testing.assert_allclose(out()[24:], av[24:] @ bv, rtol=1e-4, atol=1e-3)
+    finally:
+        tag[0] = 0
+    ctx.finalize()
+
+
+def test_launches_never_reuse_each_others_panels() -> None:
+    """Two matmuls whose panels have the same keys, alternating on one stream with y changed
+    between launches, on whichever threads share their ranges (the waiting host thread joins
+    them): every product matches numpy, so no grain read a panel another launch packed."""
+    backend = get_backend("cpu")
+    m, k, n = 96, *_one_panel()  # one panel each: a grain that read the other's would be wrong
+    x, w, v = ir.Node("x", (m, k)), ir.Node("w", (k, n)), ir.Node("v", (k, n))
+    xw, xv = ir.Node("xw", (m, n)), ir.Node("xv", (m, n))
+    code = backend.compile_batch([ir.Comp.of(ir.einsum("ik,kj->ij", x, w, into=xw)),
+                                  ir.Comp.of(ir.einsum("ik,kj->ij", x, v, into=xv))], names=["mw", "mv"])
+    assert all(spec.plan.chunks > 1 for comp in code.source.kernels for spec in comp)
+    rng = np.random.default_rng(9)
+    xh = rng.standard_normal((m, k)).astype(np.float32)
+    ctx = backend.get_device(0).make_context().init_from_host(x, xh)
+    ctx = ctx.init_from_host(w, np.zeros((k, n), np.float32)).init_from_host(v, np.zeros((k, n), np.float32))
+    mw, mv = ctx.link_batch(code)
+    ctx = mw.context
+    for step in range(12):
+        wh = rng.standard_normal((k, n)).astype(np.float32)
+        vh = rng.standard_normal((k, n)).astype(np.float32)
+        ctx.from_host(w, wh)
+        mw.run()
+        ctx.from_host(v, vh)
+        mv.run()
+        got_w, got_v = ctx.read(xw), ctx.read(xv)
+        np.testing.assert_allclose(got_w, xh @ wh, rtol=1e-4, atol=1e-3, err_msg=f"x @ w, launch {step}")
+        np.testing.assert_allclose(got_v, xh @ vh, rtol=1e-4, atol=1e-3, err_msg=f"x @ v, launch {step}")
+    ctx.finalize()
+
+
 @pytest.mark.parametrize("registers", [16, 32])
 def test_register_tiles_fit_the_hosts_vector_registers(registers: int) -> None:
     """A tile holds 6 rows x 2 vectors with 16 vector registers, 6 x 4 with 32 (AVX-512, Arm);

@@ -53,7 +53,7 @@ class CpuDialect(Dialect):
             out += tiles.tail_helpers(dt, self.type_name(dt), self.vector_bytes)
         if dtypes.float32 in {d.compute for d in batch_dtypes}:  # half types compute in float32
             out += tiles.FLOAT32_MATH
-        out.append(tiles.SCRATCH_HELPER)
+        out += [tiles.SCRATCH_HELPER, tiles.SCRATCH_TAG_HELPER]
         return out + super().helper_definitions(batch_dtypes)
 
     def math_call(self, fn: str, dt: dtypes.DType, args: Sequence[str]) -> str:

@@ -194,6 +194,8 @@ class CpuDriver:
         # module none of whose kernels does has no such pointer.
         with contextlib.suppress(ValueError):
             ctypes.c_void_p.in_dll(module, tiles.SCRATCH_FN).value = self.rt.scratch_address
+        with contextlib.suppress(ValueError):
+            ctypes.c_void_p.in_dll(module, tiles.SCRATCH_TAG_FN).value = self.rt.scratch_tag_address
         return module
 
     def unload(self, ordinal: int, module: ctypes.CDLL) -> None:

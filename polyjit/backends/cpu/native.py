@@ -155,6 +155,9 @@ class NativeRuntime:
         #: The address of ``pj_scratch`` (kernels' per-thread scratch memory), which the
         #: driver gives every kernel module that asks for it (``pj_scratch_fn``).
         self.scratch_address = ctypes.cast(lib["pj_scratch"], ctypes.c_void_p).value or 0
+        #: The address of ``pj_scratch_tag`` (what a thread's scratch memory holds), given the
+        #: same way (``pj_scratch_tag_fn``): a matmul's grains reuse the panel packed there.
+        self.scratch_tag_address = ctypes.cast(lib["pj_scratch_tag"], ctypes.c_void_p).value or 0
         self._live: set[int] = set()
         self._live_lock = threading.Lock()
 
