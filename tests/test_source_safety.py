@@ -242,6 +242,20 @@ def test_hostile_names_compile_in_c_without_warnings(hostile_lowered: tuple[Lowe
         assert log == "", log
 
 
+@pytest.mark.parametrize("shape", [(1 << 20,), (1024, 1024), (40000, 3)])
+def test_the_base_dialects_openmp_kernels_compile(shape: tuple[int, ...], tmp_path: Path) -> None:
+    """Kernels large enough for an OpenMP team, from the base dialect (C with OpenMP, whose
+    loops are not ranged): the ``parallel for`` heads the loop, and no ``simd`` pragma comes
+    between them (it did: "for statement expected before '#pragma'")."""
+    a, b, o = Node("a", shape), Node("b", shape), Node("o", shape)
+    t = Node("t", shape[::-1])
+    move = ir.einsum("ij->ji" if len(shape) == 2 else "i->i", a, into=t)  # a transpose, in 2-D
+    lowered = lower([ir.Comp.of(ir.apply(Op.ADD, a, b, into=o)), ir.Comp.of(move)], ["add", "move"])
+    text = generate(lowered, Dialect()).text
+    assert "#pragma omp parallel for" in text
+    assert _gcc_warnings(text, tmp_path) == ""
+
+
 def test_hostile_names_compile_with_nvrtc(hostile_lowered: tuple[LoweredBatch, Path]) -> None:
     cuda = _cuda_or_skip()
     lowered, _ = hostile_lowered

@@ -553,7 +553,9 @@ def emit_loops(em: Emitter, kernel: Kernel, plan: KernelPlan, indent: int) -> li
         lines += [f"{'  ' * indent}{pragma}"] if pragma else []
     elif plan.team and isinstance(kernel.body, Reduce):
         return em.reduce(kernel.body, indent, d.pragma(d.parallel_reduction_pragma, plan.team, kernel.body.accum))
-    simd = d.simd_for_pragma if nest and only_stores(kernel.body) else None
+    # not on a loop an OpenMP ``parallel for`` already heads (a dialect that is not ranged)
+    covered = bool(plan.team) and not d.ranged and plan.team >= len(nest)
+    simd = d.simd_for_pragma if nest and not covered and only_stores(kernel.body) else None
     for k, (sym, n) in enumerate(nest):
         v = em.names.var(sym)
         if simd and k == len(nest) - 1:
