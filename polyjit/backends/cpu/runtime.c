@@ -383,8 +383,9 @@ static void sense_contention(void) {
  * every grain (the MLP's x @ w1 on two cores: 12 packings of a 200 KiB panel where 4 do):
  * [0] the launch whose grains this thread runs now (0 outside work_chunks: no reuse),
  * [1] the launch that packed what the scratch holds (0: nothing known), [2] which panel of it
- * (the kernel's own key). Launch numbers come from one counter and never repeat. */
-static __thread int64_t t_scratch_tag[3];
+ * (the kernel's own key), [3] its size (a second packing site of another shape in one kernel
+ * would not match). Launch numbers come from one counter and never repeat. */
+static __thread int64_t t_scratch_tag[4];
 static _Atomic int64_t g_launch_serial = 0;
 
 /* Claim iterations of the running kernel's range, a grain at a time, and run them; returns

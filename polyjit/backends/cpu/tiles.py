@@ -174,7 +174,8 @@ def register_tiles(em: Emitter, kernel: Kernel, plan: KernelPlan, names: Names) 
                   f"(pj_vec (*)[{nv}]){SCRATCH_FN}(sizeof(pj_vec) * {c.kk * nv}) : 0;",
                   "  int64_t pj_packed = -1;",
                   f"  int64_t* pj_tag = pj_panel && {SCRATCH_TAG_FN} ? {SCRATCH_TAG_FN}() : 0;",
-                  "  if (pj_tag && pj_tag[0] && pj_tag[1] == pj_tag[0]) pj_packed = pj_tag[2];"]
+                  f"  if (pj_tag && pj_tag[0] && pj_tag[1] == pj_tag[0] && pj_tag[3] == {c.kk * nv}) "
+                  "pj_packed = pj_tag[2];"]
     lines += nest
     p = "  " * depth
     lines.append(f"{p}const int64_t pj_i0 = pj_ti * {mr}, pj_j0 = pj_tj * {nr};")
@@ -233,8 +234,10 @@ SCRATCH_HELPER = (SCRATCH_FN, [
 ])
 # What the thread's scratch memory holds (runtime.c, t_scratch_tag): [0] the launch whose
 # grains this thread runs now (0: none), [1] the launch that packed the panel there, [2] which
-# panel. A grain reuses the panel an earlier grain of its launch packed on this thread; each
-# grain used to pack it again (the MLP's x @ w1 on two cores: 12 packings of 200 KiB, not 4).
+# panel, [3] its size in vectors. A grain reuses the panel an earlier grain of its launch packed
+# on this thread; each grain used to pack it again (the MLP's x @ w1 on two cores: 12 packings
+# of 200 KiB, not 4). A kernel packs at one site (y's panel, keyed by batch index and column
+# block): a second site would need keys of its own.
 SCRATCH_TAG_FN = "pj_scratch_tag_fn"
 SCRATCH_TAG_HELPER = (SCRATCH_TAG_FN, [
     "/* what that scratch memory holds (set by the driver at load) */",
@@ -248,7 +251,7 @@ def _pack(em: Emitter, plan: KernelPlan, names: Names, key: str) -> list[str]:
     assert c is not None and t is not None
     j, k, y = names.var(c.j), names.var(c.k), em.expr(c.y)
     lines = [f"if (pj_packed != {key}) {{", f"  pj_packed = {key};",
-             f"  if (pj_tag) {{ pj_tag[1] = pj_tag[0]; pj_tag[2] = {key}; }}",
+             f"  if (pj_tag) {{ pj_tag[1] = pj_tag[0]; pj_tag[2] = {key}; pj_tag[3] = {c.kk * (t.tn // t.lanes)}; }}",
              f"  for (int64_t {k} = 0; {k} < {c.kk}; ++{k}) {{"]
     for v in range(t.tn // t.lanes):
         lines += ["    {", f"      const int64_t {j} = pj_j0 + {v * t.lanes};",
