@@ -373,3 +373,60 @@ def test_a_dropped_or_closed_backend_leaves_no_threads() -> None:
         del be, dev, r, s
         gc.collect()
     assert _threads() <= before + 2
+
+
+FORK_CHILD = textwrap.dedent("""
+    import os, sys, threading
+    import numpy as np
+    import polyjit
+    from polyjit import get_backend, ir
+    m, k, n = 96, 512, 64
+    x, w, o = ir.Node("x", (m, k)), ir.Node("w", (k, n)), ir.Node("o", (m, n))
+    comp = ir.Comp.of(ir.einsum("ik,kj->ij", x, w, into=o))
+    rng = np.random.default_rng(1)
+    xh, wh = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
+
+    def product(backend):
+        r = backend.get_device(0).make_context().init_from_host(x, xh).init_from_host(w, wh).link(
+            backend.compile(comp, name="fork"))
+        r.run()
+        ok = np.allclose(r.context.read(o), xh @ wh, rtol=1e-4, atol=1e-3)
+        r.context.finalize()
+        return ok
+
+    parent = get_backend("cpu")
+    print("parent", product(parent), flush=True)
+    kept = parent.get_device(0).make_context().init_from_host(x, xh)  # alive across the fork
+    busy = threading.Thread(target=lambda: [product(parent) for _ in range(50)])
+    busy.start()  # another thread at work (holding the device's lock) when the fork comes
+    pid = os.fork()
+    if pid == 0:
+        for what, call in (("old device", lambda: parent.get_device(0).make_context()),
+                           ("kept context", lambda: kept.read(x)),
+                           ("kept stream", lambda: kept.stream.record())):
+            try:
+                call()
+                print(what, "worked", flush=True)
+            except polyjit.ForkedError:
+                print(what, "ForkedError", flush=True)
+        print("child", get_backend("cpu") is not parent and product(get_backend("cpu")), flush=True)
+        del kept
+        sys.exit(0)  # the exit hooks must not wait for the parent's streams either
+    busy.join()
+    _, status = os.waitpid(pid, 0)
+    print("child exit", os.waitstatus_to_exitcode(status), "parent after", product(parent), flush=True)
+""")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork")
+def test_a_forked_child_gets_an_error_from_the_parents_devices_and_new_ones_that_work() -> None:
+    """The drivers' threads (the CPU's stream workers) stay in the parent: in a forked child,
+    work on the parent's devices waited forever for a worker. Now it raises ForkedError, at
+    once, and get_backend in the child makes devices that compute (a matmul against numpy);
+    the child exits, and the parent goes on."""
+    proc = subprocess.run([sys.executable, "-c", FORK_CHILD], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == [
+        "parent True", "old device ForkedError", "kept context ForkedError", "kept stream ForkedError",
+        "child True", "child exit 0 parent after True"], proc.stdout + proc.stderr[-2000:]

@@ -35,6 +35,20 @@ _instances: dict[str, Backend] = {}
 _lock = threading.RLock()
 
 
+def _after_fork_in_child() -> None:
+    """In a forked child none of the drivers' threads exist: the parent's devices refuse
+    work here (Backend.after_fork_in_child: ForkedError, where a CPU stream waited forever
+    for a worker the child lacks), and get_backend makes new backends, whose devices work.
+    Runs on the child's only thread; a lock a parent thread held at the fork is replaced."""
+    global _lock
+    _lock = threading.RLock()
+    _instances.clear()  # (their devices: core.runtime's own fork hook)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _load_target(target: str) -> Callable[[], Any]:
     module, _, attr = target.partition(":")
     factory: Callable[[], Any] = getattr(importlib.import_module(module), attr)

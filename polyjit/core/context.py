@@ -138,8 +138,10 @@ class Context:
         self.check_alive()
         dev = self.device
         if batch.backend is not dev.backend:
+            other = " (another instance of it: one made before os.fork()?)" if batch.backend.name == dev.backend.name else ""
             raise InvalidProgramError(
-                f"code compiled by the {batch.backend.name} backend cannot be linked on {dev.device_id}"
+                f"code compiled by the {batch.backend.name} backend{other} cannot be linked on {dev.device_id}: "
+                f"compile it with {dev.device_id}'s backend"
             )
         comps = batch.lowered.comps
         self._check_link(comps)

@@ -121,6 +121,7 @@ class Device:
         self._reaping = False
         self._pool_ids = slab.PoolIds()
         self._streams: weakref.WeakSet[Stream] = weakref.WeakSet()
+        self.forked = False  # this process is a fork of the one that made the device
         self._stream_index = itertools.count()
         self._modules: weakref.WeakValueDictionary[int, LoadedModule] = weakref.WeakValueDictionary()
         self._constants: dict[bytes, tuple[BufferLoc, int]] = {}  # content -> (loc, refcount)
@@ -164,6 +165,21 @@ class Device:
         close = getattr(self.driver, "close_stream", None)
         if close is not None:
             driver_call(self.label, "close_stream", close, handle)
+
+    def after_fork_in_child(self) -> None:
+        """This process is a fork of the one that made the device, and none of the driver's
+        threads (the CPU's stream workers, PoCL's, CUDA's) came with it: work enqueued here
+        would wait forever. Every stream of the device now refuses work (ForkedError), a wait
+        on them returns, and nothing is given back to the driver (the child's copies of the
+        parent's buffers go with the child). Runs in the child right after the fork, on its
+        only thread: the locks are replaced, since a parent thread may have held them."""
+        self.lock = threading.RLock()
+        self.forked = True
+        for s in list(self._streams):
+            s.reset_after_fork()
+        self.released.clear()
+        self.freeing = []
+        self._external.clear()
 
     def close(self) -> None:
         """Wait for all work, give back what dropped objects held, and end every stream,
@@ -225,6 +241,10 @@ class Device:
         (``poll``: ask the driver about events not yet known complete; ``wait``: block for them).
         ``blocking=False`` skips it when another thread holds the device: a thread that learns
         of a completed event while it holds another device's lock must not wait for this one."""
+        if self.forked:  # nothing here reaches the driver (after_fork_in_child)
+            self.released.clear()
+            self.freeing = []
+            return
         if not self.lock.acquire(blocking):
             return
         try:
@@ -242,6 +262,9 @@ class Device:
             self.lock.release()
 
     def _free_finished(self, poll: bool, wait: bool) -> None:
+        if self.forked:
+            self.freeing = []
+            return
         still: list[tuple[list[Event], int, Any, int]] = []
         errors: list[PolyjitError] = []
         for events, pid, handle, nbytes in self.freeing:

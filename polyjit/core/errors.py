@@ -76,6 +76,12 @@ class StreamClosedError(FinalizedError):
     """Work was enqueued on a stream after ``Stream.close()``."""
 
 
+class ForkedError(StreamClosedError):
+    """A device (one of its streams or contexts) made before ``os.fork()`` was used in the
+    child: the driver's threads and queues it ran on stayed in the parent. Get the device
+    again in the child (``polyjit.device``, ``get_backend``): that one works."""
+
+
 class DriverError(PolyjitError, RuntimeError):
     """A driver call failed when it was made (the message names the device and the operation)."""
 

@@ -16,6 +16,7 @@ import hashlib
 import os
 import re
 import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -91,6 +92,16 @@ def _as_comp(comp: Any, k: int) -> ir.Comp:
         "(ir.Accum, ir.Fetch, ir.Seq, ir.Block)")
 
 
+def _after_fork_in_child() -> None:
+    for backend in list(_BACKENDS):
+        backend.after_fork_in_child()
+
+
+_BACKENDS: weakref.WeakSet[Backend] = weakref.WeakSet()  # every Backend made: for the fork hook
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class Backend:
     """A backend: its devices and its compiler, over one Driver."""
 
@@ -99,6 +110,7 @@ class Backend:
         self.name: str = driver.name
         self._devices: dict[int, Device] = {}
         self._lock = threading.Lock()
+        _BACKENDS.add(self)
 
     @property
     def unavailable_reason(self) -> str | None:
@@ -122,6 +134,13 @@ class Backend:
             if dev is None:
                 dev = self._devices[int(ordinal)] = Device(self, int(ordinal))
         return dev
+
+    def after_fork_in_child(self) -> None:
+        """This process is a fork of the one that made the backend: its devices refuse work
+        (Device.after_fork_in_child)."""
+        self._lock = threading.Lock()
+        for dev in self._devices.values():
+            dev.after_fork_in_child()
 
     def close(self) -> None:
         """Close every device made so far (see Device.close): for a Backend made for a while

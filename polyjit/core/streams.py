@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from polyjit.core.errors import (
     DeviceFaultError,
     DriverError,
+    ForkedError,
     InvalidArgumentError,
     PolyjitError,
     StreamClosedError,
@@ -129,6 +130,7 @@ class Stream:
         self.seq = 0  # events recorded so far
         self.done_seq = 0  # the newest event known complete
         self.closed = False
+        self.forked = False  # made in the parent of this (forked) process: see Device.after_fork_in_child
         # The last failure the driver reported, and the events it covers (all recorded by then).
         self.fault_error: DeviceFaultError | None = None
         self.fault_seq = 0
@@ -251,7 +253,20 @@ class Stream:
         self.completed(self.seq)  # the failed work is over: nothing it used is needed now
         return self.fault_error
 
+    def reset_after_fork(self) -> None:
+        """In a forked child (Device.after_fork_in_child): refuse work from now on, count
+        everything enqueued as over (nothing of it runs here), with fresh locks."""
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._users = 0
+        self.forked = self.closed = True
+        self.completed(self.seq)
+
     def check_usable(self) -> None:
+        if self.forked:
+            raise ForkedError(f"{self!r} of {self.device.label} was made before os.fork(), in the parent: "
+                              "its driver's threads are not in this process; get the device again here "
+                              "(polyjit.device(...) or get_backend(...).get_device(...))")
         if self.closed:
             raise StreamClosedError(f"{self!r} was closed")
 

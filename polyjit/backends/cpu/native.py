@@ -284,9 +284,10 @@ class NativeRuntime:
     # -- shutdown --------------------------------------------------------------------------
 
     def forget_streams(self) -> None:
-        """Drop every handle without touching it: a forked child has no worker threads."""
-        with self._live_lock:
-            self._live.clear()
+        """Drop every handle without touching it: a forked child has no worker threads. (On
+        the child's only thread, with a fresh lock: a parent thread may have held the old.)"""
+        self._live_lock = threading.Lock()
+        self._live = set()
 
     def shutdown(self) -> None:
         """Sync and destroy every stream still alive (registered with atexit)."""
