@@ -395,6 +395,7 @@ FORK_CHILD = textwrap.dedent("""
         return ok
 
     parent = get_backend("cpu")
+    polyjit.set_default_device("cpu:0")  # a Device of the parent's backend
     print("parent", product(parent), flush=True)
     kept = parent.get_device(0).make_context().init_from_host(x, xh)  # alive across the fork
     busy = threading.Thread(target=lambda: [product(parent) for _ in range(50)])
@@ -410,6 +411,7 @@ FORK_CHILD = textwrap.dedent("""
             except polyjit.ForkedError:
                 print(what, "ForkedError", flush=True)
         print("child", get_backend("cpu") is not parent and product(get_backend("cpu")), flush=True)
+        print("default", polyjit.device().backend is get_backend("cpu"), flush=True)
         del kept
         sys.exit(0)  # the exit hooks must not wait for the parent's streams either
     busy.join()
@@ -422,11 +424,11 @@ FORK_CHILD = textwrap.dedent("""
 def test_a_forked_child_gets_an_error_from_the_parents_devices_and_new_ones_that_work() -> None:
     """The drivers' threads (the CPU's stream workers) stay in the parent: in a forked child,
     work on the parent's devices waited forever for a worker. Now it raises ForkedError, at
-    once, and get_backend in the child makes devices that compute (a matmul against numpy);
-    the child exits, and the parent goes on."""
+    once, and get_backend in the child makes devices that compute (a matmul against numpy),
+    as does the default device set before the fork; the child exits, and the parent goes on."""
     proc = subprocess.run([sys.executable, "-c", FORK_CHILD], capture_output=True, text=True, timeout=120,
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines() == [
         "parent True", "old device ForkedError", "kept context ForkedError", "kept stream ForkedError",
-        "child True", "child exit 0 parent after True"], proc.stdout + proc.stderr[-2000:]
+        "child True", "default True", "child exit 0 parent after True"], proc.stdout + proc.stderr[-2000:]

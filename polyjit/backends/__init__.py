@@ -40,9 +40,11 @@ def _after_fork_in_child() -> None:
     work here (Backend.after_fork_in_child: ForkedError, where a CPU stream waited forever
     for a worker the child lacks), and get_backend makes new backends, whose devices work.
     Runs on the child's only thread; a lock a parent thread held at the fork is replaced."""
-    global _lock
+    global _lock, _default
     _lock = threading.RLock()
     _instances.clear()  # (their devices: core.runtime's own fork hook)
+    if isinstance(_default, Device):  # set_default_device's, by name: the child's new one
+        _default = _default.device_id
 
 
 if hasattr(os, "register_at_fork"):
