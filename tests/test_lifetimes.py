@@ -432,3 +432,49 @@ def test_a_forked_child_gets_an_error_from_the_parents_devices_and_new_ones_that
     assert proc.stdout.splitlines() == [
         "parent True", "old device ForkedError", "kept context ForkedError", "kept stream ForkedError",
         "child True", "default True", "child exit 0 parent after True"], proc.stdout + proc.stderr[-2000:]
+
+
+FORK_OPENCL = textwrap.dedent("""
+    import os, sys
+    import numpy as np
+    import polyjit
+    from polyjit import get_backend, ir
+    parent = get_backend("opencl")
+    if parent.num_devices() == 0:
+        print("no devices:", parent.unavailable_reason)
+        sys.exit(0)
+    a, o = ir.Node("a", (1024,)), ir.Node("o", (1024,))
+    r = parent.get_device(0).make_context().init_from_host(a, np.ones(1024, np.float32)).link(
+        parent.compile(ir.Comp.of(ir.apply(ir.Op.EXP, a, into=o)), name="e"))
+    r.run()
+    print("parent", bool(np.allclose(r.context.read(o), np.e)), flush=True)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            r.run()
+        except polyjit.ForkedError:
+            print("old ForkedError", flush=True)
+        child = get_backend("opencl")
+        print("new devices", child.num_devices(), "fork" in (child.unavailable_reason or ""), flush=True)
+        try:
+            child.get_device(0)
+        except polyjit.UnknownDeviceError:
+            print("new UnknownDeviceError", flush=True)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    print("child exit", os.waitstatus_to_exitcode(status), flush=True)
+""")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork")
+def test_opencl_in_a_forked_child_says_why_it_has_no_devices() -> None:
+    """PoCL's device threads stay in the parent too, and its state in the child says they are
+    there: a new OpenCL backend in the child compiled and enqueued, then waited forever. The
+    child's OpenCL backend now has no devices and says why (the fork; use 'spawn')."""
+    proc = subprocess.run([sys.executable, "-c", FORK_OPENCL], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, env=os.environ.copy())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if proc.stdout.startswith("no devices:"):
+        pytest.skip(proc.stdout.strip())
+    assert proc.stdout.splitlines() == ["parent True", "old ForkedError", "new devices 0 True",
+                                        "new UnknownDeviceError", "child exit 0"], proc.stdout + proc.stderr[-2000:]

@@ -116,15 +116,27 @@ def _platform_filter(platforms: Sequence[Any], want: str) -> list[int]:
     return [k for k, p in enumerate(platforms) if low in cl_name(p.name).lower()]
 
 
+# The process that opened the OpenCL platforms. In a child forked after that, the drivers'
+# threads (PoCL's device workers) are gone while their state says otherwise: work there
+# never completes (a read waited forever), so the child gets no devices, and the reason.
+_opened_in: int | None = None
+
+
 def discover(platform_filter: str | None, cpu_options: bool) -> tuple[list[ClDevice], str | None]:
     """The usable devices and, when there are none, why. ``cpu_options``: build CPU devices'
     programs with ``-D PJ_CPU`` (their register-tiled matmul variant)."""
+    global _opened_in
     if cl is None:
         return [], IMPORT_ERROR
+    if _opened_in is not None and _opened_in != os.getpid():
+        return [], (f"OpenCL was opened in the parent process (pid {_opened_in}) before os.fork(): its "
+                    "drivers' threads are not in this child, and work here would never complete; "
+                    "start such processes with the 'spawn' method (multiprocessing.get_context('spawn'))")
     try:
         platforms = list(cl.get_platforms())
     except cl.Error as e:  # no ICD loader configuration, or no driver behind it
         return [], f"no OpenCL platform: {e}".strip()
+    _opened_in = os.getpid()
     indices = list(range(len(platforms)))
     if platform_filter:
         indices = _platform_filter(platforms, platform_filter)
