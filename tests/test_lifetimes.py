@@ -158,9 +158,61 @@ def test_a_host_that_never_waits_keeps_a_bounded_backlog(backend: Backend, betwe
                 stream.record(timing=True)
             if k % 100 == 99:
                 time.sleep(0.005)  # let the device catch up; only a poll can tell the host
-        assert len(stream.retained) < 4 * POLL_AFTER, (between, len(stream.retained))
+        assert stream.backlog() < 4 * POLL_AFTER, (between, stream.backlog())
         stream.synchronize()
-        assert len(stream.retained) == 0 and len(stream.pollable) == 0
+        assert stream.backlog() == 0
+
+
+def test_nothing_is_released_before_its_work_completes_while_other_threads_sync(backend: Backend) -> None:
+    """Entries are released a batch at a time by polls, and by syncs and polls of other
+    threads, while an enqueue appends: each host array of a copy must outlive its copy's
+    event (its finalizer sees the stream's completed sequence number at least as far), and a
+    final sync releases them all."""
+    import weakref
+
+    a, _, code = _exp_code(backend, 4096)
+    early: list[tuple[int, int]] = []
+    with backend.get_device(0).make_context() as root:
+        ctx = root.init_from_host(a, np.zeros(4096, np.float32))
+        r = ctx.link(code)
+        stream = ctx.stream
+        stop = threading.Event()
+
+        def died(seq: int) -> None:
+            if stream.done_seq < seq:
+                early.append((seq, stream.done_seq))
+
+        def enqueue() -> None:
+            try:
+                for k in range(600):
+                    host = np.full(4096, k, np.float32)
+                    ctx.from_host(a, host)
+                    weakref.finalize(host, died, stream.seq)  # this thread alone enqueues
+                    del host
+                    r.run()
+            finally:
+                stop.set()
+
+        def observe() -> None:
+            k = 0
+            while not stop.is_set():
+                ev = stream.record()
+                if k % 7 == 0:
+                    ev.synchronize()
+                else:
+                    ev.is_done()
+                k += 1
+
+        threads = [threading.Thread(target=enqueue), threading.Thread(target=observe)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        stream.synchronize()
+        gc.collect()
+        assert stream.backlog() == 0
+        np.testing.assert_array_equal(ctx.read(a), np.full(4096, 599, np.float32))
+    assert not early, early[:5]
 
 
 # ---------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 Lifetimes belong to the runtime, once for every backend: whatever a queued
 operation reads or writes (a routine and its driver launch record, a host array
 being copied, a driver's token for the copy) is appended to its stream's
-*retained* queue together with the sequence number of the event recorded behind
+*retained* entries together with the sequence number of the event recorded behind
 it, and dropped once that event is known complete. Streams are in order, so one
 completed event releases everything enqueued before it. Knowing an event is
 complete costs nothing when the host already waited for it (``sync``) or saw it
@@ -37,14 +37,15 @@ if TYPE_CHECKING:
     from polyjit.core.protocol import Driver
     from polyjit.core.runtime import Device
 
-# Past this many retained entries, a stream polls its work every POLL_EVERY entries it
-# retains, so a host that never waits does not grow the queue without bound. Only every
-# POLL_EVERY-th entry keeps its event's driver handle (in ``pollable``): the stream is in
-# order, so the others need none, and a driver may pay for every event alive (PoCL's enqueue
-# cost grows with them: 1.96 us with none kept, 2.98 us with 64). The handles live in a queue
-# of their own so that a poll looks at three of them, not at every entry retained (500 when
-# the host runs far ahead). Entries are counted, not events: events recorded between
-# enqueues (``record()``) retain nothing and must not skip the count.
+# Retained entries are kept in batches of POLL_EVERY: an open list the stream appends to, and
+# closed batches, oldest first. Only a batch's newest entry keeps its event's driver handle
+# (the stream is in order, so the others need none, and a driver may pay for every event
+# alive: PoCL's enqueue cost grows with them, 1.96 us with none kept, 2.98 us with 64), and
+# completed work is released a batch at a time, not an entry at a time. Past POLL_AFTER
+# entries in closed batches, closing a batch first polls the older ones (the newest, the
+# middle and the oldest: three driver calls at most, whatever the backlog), so a host that
+# never waits does not grow the queue without bound. Entries are counted, not events: events
+# recorded between enqueues (``record()``) retain nothing and must not skip the count.
 POLL_AFTER = 64
 POLL_EVERY = 16
 
@@ -134,12 +135,11 @@ class Stream:
         # The last failure the driver reported, and the events it covers (all recorded by then).
         self.fault_error: DeviceFaultError | None = None
         self.fault_seq = 0
-        # (event seq, what that work uses): dropped once the event is known complete; and
-        # (event seq, driver event) of every POLL_EVERY-th event, the ones a poll asks about.
-        # Driver handles, not Events: an Event would tie the stream into a cycle.
-        self.retained: collections.deque[tuple[int, Any]] = collections.deque()
-        self.pollable: collections.deque[tuple[int, Any]] = collections.deque()
-        self.retains = 0  # entries retained so far (every POLL_EVERY-th is pollable)
+        # (event seq, what that work uses), appended by enqueues (under the device lock), and
+        # the closed batches: (seq of the newest entry, its driver event, the entries). Driver
+        # handles, not Events: an Event would tie the stream into a cycle.
+        self._open: list[tuple[int, Any]] = []
+        self._batches: collections.deque[tuple[int, Any, list[tuple[int, Any]]]] = collections.deque()
         self._lock = threading.Lock()
         self._users = 0  # host threads inside the driver's event_sync / event_done right now
         self._idle = threading.Condition(self._lock)
@@ -197,24 +197,34 @@ class Stream:
 
     def retain(self, event: Event, keep: Any) -> None:
         """Keep ``keep`` alive until ``event`` (just recorded on this stream, device lock held)
-        completes. Appends are atomic; pops take the stream's lock."""
-        seq = event.seq
-        self.retained.append((seq, keep))
-        self.retains = n = self.retains + 1
-        if n % POLL_EVERY == 0:
-            self.pollable.append((seq, event.handle))
-            if len(self.retained) > POLL_AFTER:
-                self._poll()
+        completes. Appends are atomic; releases take the stream's lock."""
+        entries = self._open
+        entries.append((event.seq, keep))
+        if len(entries) >= POLL_EVERY:
+            self.close_batch(event.handle)
+
+    def close_batch(self, handle: Any) -> None:
+        """The open entries become a batch; ``handle`` is the driver event of the newest."""
+        if len(self._batches) * POLL_EVERY >= POLL_AFTER:
+            self._poll()  # before closing this batch: the older ones may be done by now
+        entries = self._open
+        self._batches.append((entries[-1][0] if entries else self.done_seq, handle, entries))
+        self._open = []
+
+    def backlog(self) -> int:
+        """How many entries the stream keeps alive for work not yet known complete."""
+        with self._lock:
+            return sum(len(b[2]) for b in self._batches) + len(self._open)
 
     def _poll(self) -> None:
-        """Release what completed work kept: ask the driver about the newest pollable event,
+        """Release what completed work kept: ask the driver about the newest closed batch,
         else the middle one, else the oldest (at most three calls: the stream is in order)."""
         with self._lock:
-            pollable = self.pollable
-            n = len(pollable)
-            entries = [pollable[k] for k in dict.fromkeys((n - 1, n // 2, 0))] if n else []
+            batches = self._batches
+            n = len(batches)
+            asks = [batches[k][:2] for k in dict.fromkeys((n - 1, n // 2, 0))] if n else []
         try:
-            for seq, handle in entries:
+            for seq, handle in asks:
                 if self.driver_done(handle, block=False):
                     self.completed(seq)
                     return
@@ -226,12 +236,18 @@ class Stream:
         with self._lock:
             if seq > self.done_seq:
                 self.done_seq = seq
-            retained, pollable = self.retained, self.pollable
-            dropped = []
-            while retained and retained[0][0] <= seq:
-                dropped.append(retained.popleft())
-            while pollable and pollable[0][0] <= seq:
-                dropped.append(pollable.popleft())
+            batches = self._batches
+            dropped: list[Any] = []
+            while batches and batches[0][0] <= seq:
+                dropped.append(batches.popleft())
+            if not batches:  # the open entries are newer than every closed batch
+                entries = self._open
+                n = len(entries)  # an enqueue may append meanwhile: only these n are looked at
+                if n and entries[n - 1][0] > seq:
+                    n = next(k for k in range(n) if entries[k][0] > seq)
+                if n:
+                    dropped.append(entries[:n])
+                    del entries[:n]
         del dropped  # the objects die here, outside the lock
         if self.device.freeing:
             self.device.reap(blocking=False)
@@ -242,8 +258,8 @@ class Stream:
         were in flight. Work enqueued later runs as usual (a lost device fails its calls)."""
         if isinstance(error, DeviceFaultError):
             return error
-        with self._lock:  # list() copies the deque at once; another thread may append to it
-            pending = [keep for _, keep in list(self.retained)]
+        with self._lock:  # list() copies at once; another thread may append
+            pending = [keep for b in list(self._batches) for _, keep in b[2]] + [k for _, k in list(self._open)]
         names = [getattr(k[0] if isinstance(k, tuple) and k else k, "name", None) for k in pending]
         work = ", ".join(dict.fromkeys(str(n) for n in names if n)) or "no routine (copies only)"
         self.fault_error = DeviceFaultError(
@@ -432,5 +448,8 @@ def enqueue(stream: Stream, reads: Sequence[NodeEvents], writes: Sequence[NodeEv
             st.writer = ev
             if st.readers:
                 st.readers = {}
-        stream.retain(ev, keep if token is None else (keep, token))
+        entries = stream._open  # stream.retain(ev, ...), inlined
+        entries.append((seq, keep if token is None else (keep, token)))
+        if len(entries) >= POLL_EVERY:
+            stream.close_batch(handle)
     return ev
