@@ -80,6 +80,7 @@ def test_benchmark_smoke(backend: Backend) -> None:
 
     assert bench_opencl.bench_elementwise(report, n=4096, repeat=2)["copy_ratio"] > 0
     assert bench_opencl.bench_matmul(report, m=64, repeat=1)["speedup_vs_naive"] > 0
-    assert bench_opencl.bench_launch(report, calls=20, rounds=2)["ratio"] > 0
+    launch = bench_opencl.bench_launch(report, calls=20, rounds=2)
+    assert launch["ratio"] > 0 and launch["paced_bare_us"] > 0
     bench_opencl.bench_d2d(report, nbytes=1 << 16, repeat=2)
     assert len(seen) >= 14
