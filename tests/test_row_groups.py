@@ -22,6 +22,8 @@ from polyjit.testing.programs import by_name
     ("rows.loop_names_taken", 1),  # its loops renamed apart from the row loop
     ("rows.reads_other_rows", 2),  # the column sum reads every row: apart
     ("rows.overwrites_what_others_read", 2),  # the scaling overwrites rows the sum still reads
+    ("rows.joins_past_independent", 2),  # the consumer moves up past the lse's total
+    ("rows.waits_for_what_runs_between", 3),  # it reads that total: it stays after it
 ])
 def test_which_kernels_share_their_rows(backend: str, program: str, kernels: int) -> None:
     for dt in ("float32", "float64"):
@@ -79,3 +81,39 @@ def test_an_access_outside_the_row_keeps_kernels_apart() -> None:
     assert len(fuse_rows([first, second], lambda _: True)) == 2
     own = Kernel("b", ((i, 4),), Store(y, ir.as_affine(i), Load(r, ir.as_affine(i))))
     assert len(fuse_rows([first, own], lambda _: True)) == 1
+
+
+def test_a_kernel_joins_the_group_that_wrote_what_it_reads() -> None:
+    """Two row groups it could join: the newer one (its own group: it reads ``r``'s mirrored
+    rows, so it could not join the first) and the one that wrote what it reads, where those
+    values were just computed: it joins that one."""
+    i, k = Symbol("i"), Symbol("k")
+    x, r, o, y = Node("x", (4, 3)), Node("r", (4,)), Node("o", (4,)), Node("y", (4,))
+    producer = Kernel("a", ((i, 4),), Reduce(r, ir.as_affine(i), AccumOp.ADD, None, ((k, 3),),
+                                             Load(x, ir.affine((3, i), (1, k)))))
+    newer = Kernel("b", ((i, 4),), Store(o, ir.as_affine(i), Load(r, ir.affine((-1, i), const=3))))
+    consumer = Kernel("c", ((i, 4),), Store(y, ir.as_affine(i), Load(r, ir.as_affine(i))))
+    fused = fuse_rows([producer, newer, consumer], lambda _: True)
+    assert [kern.name for kern in fused] == ["a", "b"]
+    first = fused[0].body
+    assert isinstance(first, Seq) and len(first.body) == 2 and isinstance(first.body[1], Store)
+    assert first.body[1].node is y
+
+
+def test_a_members_loop_is_vectorized_only_where_its_iterations_write_their_own_cells() -> None:
+    """``omp simd`` on a row group's serial loop (a member's inner parallel loop) when each
+    iteration stores its own cell and reads the stored node only there; not on a loop that
+    accumulates, stores one cell, or reads another iteration's cell."""
+    from polyjit.core.codegen import independent_iterations
+
+    j = Symbol("j")
+    x, y = Node("x", (4, 27)), Node("y", (4, 27))
+    row = ir.affine((27, Symbol("i")), (1, j))
+    assert independent_iterations(Loop(j, 27, Store(y, row, Load(x, row))))
+    assert independent_iterations(Loop(j, 27, Store(y, row, Load(y, row))))
+    assert not independent_iterations(Loop(j, 27, Store(y, row, Load(x, row), accum=AccumOp.ADD)))
+    assert not independent_iterations(Loop(j, 27, Store(y, ir.affine((27, Symbol("i"))), Load(x, row))))
+    assert not independent_iterations(Loop(j, 26, Store(y, row, Load(y, row + ir.as_affine(1)))))
+    text = backend_or_skip("cpu").compile(by_name("rows.joins_past_independent.float32").comps[0], name="j").source
+    (group,) = [f for f in text.split("\nvoid ")[1:] if "pj_rb" in f]
+    assert group.count("#pragma omp simd") == 2  # the shift and the gradient; not the folds

@@ -228,13 +228,14 @@ class Dialect:
         return f"{name}{suffix}({', '.join(args)})"
 
     def float_literal(self, value: float, dt: DType) -> str:
+        if dt is dtypes.float32:
+            with np.errstate(over="ignore"):
+                value = float(np.float32(value))  # 1e40 is inf in float32: INFINITY, not "inff"
         if math.isnan(value):
             return "NAN"
         if math.isinf(value):
             return "INFINITY" if value > 0 else "(-INFINITY)"
-        if dt is dtypes.float32:
-            return f"{float(np.float32(value))!r}f"
-        return repr(float(value))
+        return f"{value!r}f" if dt is dtypes.float32 else repr(float(value))
 
     def pragma(self, template: str | None, collapse: int, accum: ir.AccumOp | None = None) -> str | None:
         """A pragma template with its collapse clause (and reduction operator) filled in."""
@@ -405,7 +406,7 @@ class Emitter:
             # C computes narrow integers in int: wrap like numpy does.
             return f"(({t})({s}))" if dt in (dtypes.uint8,) else s
         if op is ir.Op.NEG:
-            return f"(({t})(-{args[0]}))"
+            return f"(({t})(-({args[0]})))"  # a negative literal: -(-0.5f), not --0.5f
         if op is ir.Op.ABS:
             if dt.is_float:
                 return self.d.math_call("abs", dt, args)
@@ -416,7 +417,7 @@ class Emitter:
             return self.d.math_call(_MATH[op], dt, args)
         if op is ir.Op.SIGMOID:
             one = self.literal(1, dt)
-            return f"({one} / ({one} + {self.d.math_call('exp', dt, [f'-{args[0]}'])}))"
+            return f"({one} / ({one} + {self.d.math_call('exp', dt, [f'-({args[0]})'])}))"
         if op is ir.Op.RELU:
             zero = self.literal(0, dt)
             return f"pj_max_{arg_dt.name}({args[0]}, {zero})"
@@ -458,7 +459,8 @@ class Emitter:
             return [f"{pad}{self.store(s.node, target, value)};"]
         if isinstance(s, Loop):
             v = self.names.var(s.sym)
-            return [f"{pad}for (int64_t {v} = 0; {v} < {s.extent}; ++{v}) {{",
+            simd = self.d.simd_for_pragma if independent_iterations(s) else None
+            return [*([f"{pad}{simd}"] if simd else []), f"{pad}for (int64_t {v} = 0; {v} < {s.extent}; ++{v}) {{",
                     *self.stmt(s.body, indent + 1), f"{pad}}}"]
         if isinstance(s, Seq):  # a fused kernel's statements, in order, in each iteration
             return [line for st in s.body for line in self.stmt(st, indent)]
@@ -623,6 +625,19 @@ def only_stores(body: Stmt) -> bool:
     outer loop would reorder nothing, but GCC 12 miscompiles some in-order float folds) and
     no row picked by data (two iterations might write one place)."""
     return all(isinstance(st, Store) and st.row is None for st in walk_stmts(body) if not isinstance(st, Seq))
+
+
+def independent_iterations(loop: Loop) -> bool:
+    """Whether the iterations of a serial loop touch disjoint cells: its body is one store (no
+    accumulation, no row picked by data) at an index that moves with the loop, which reads
+    the node it writes at that index only. The loops a row group makes of a member's inner
+    parallel loops are such loops: marked ``omp simd``, GCC vectorizes a 27-wide row with a
+    masked tail, not a scalar one (char_lm's cross-entropy gradient: three scalar exps a row)."""
+    st = loop.body
+    if not isinstance(st, Store) or st.accum is not None or st.row is not None or st.index.coeff(loop.sym) == 0:
+        return False
+    return all(e.index == st.index and e.row is None
+               for e in walk_exprs(st) if isinstance(e, Load) and e.node is st.node)
 
 
 def hoist_invariant_loads(em: Emitter, kernel: Kernel, indent: int) -> list[str]:

@@ -253,21 +253,50 @@ def fuse_rows(kernels: Sequence[Kernel], joins: Callable[[Kernel], bool]) -> lis
     kernel; a reduction joins its producers and consumers (docs/architecture.md, "Row groups").
 
     ``joins``: the kernels the target runs well one row per iteration (the dialect's choice,
-    ``patterns.row_fusable``). A kernel joins the group before it when every node written by
-    one of them and touched by both is only ever accessed within the iteration's own row (its
-    outer-loop coefficient is the node's row size, the rest of the index stays inside the
-    row, no row picked by data, no merge buffer): an iteration then reads only what earlier
-    members wrote for its row, and overwrites nothing another iteration reads."""
+    ``patterns.row_fusable``). A kernel joins a group when every node written by one of them
+    and touched by both is only ever accessed within the iteration's own row (its outer-loop
+    coefficient is the node's row size, the rest of the index stays inside the row, no row
+    picked by data, no merge buffer): an iteration then reads only what earlier members wrote
+    for its row, and overwrites nothing another iteration reads. The group is the one right
+    before the kernel, or an earlier one of the last WINDOW entries when the kernel can move
+    up to it past the entries between (each independent of it: neither writes what the other
+    touches). A cross-entropy gradient, after the loss's own kernels, joins the log-softmax
+    that computes what it reads."""
     out: list[Kernel | _RowGroup] = []
-    group: _RowGroup | None = None
     for k in kernels:
         if not joins(k):
-            group = None
             out.append(k)
-        elif group is None or not group.join(k):
-            group = _RowGroup(k)
-            out.append(group)
+        elif not _join_rows(out, k):
+            out.append(_RowGroup(k))
     return [m for x in out for m in (x.kernels() if isinstance(x, _RowGroup) else (x,))]
+
+
+def _join_rows(out: list[Kernel | _RowGroup], k: Kernel) -> bool:
+    """Add ``k`` (the newest) to a group of the last WINDOW entries that it may join and move
+    up to (fuse_rows): the newest one that writes what it reads (its producer's, where the
+    values it reads were just computed), else the newest."""
+    mine = accesses(k)
+    touched = {n for n, _, _ in mine}
+    read = {n for n, _, w in mine if not w}
+    written = {n for n, _, w in mine if w}
+    reachable: list[_RowGroup] = []
+    for pos in range(len(out) - 1, max(-1, len(out) - 1 - WINDOW), -1):
+        x = out[pos]
+        if isinstance(x, _RowGroup):
+            if x.fits(k) is not None:
+                reachable.append(x)
+            theirs = {n: any(w for _, _, w in acc) for n, acc in x.access.items()}
+        else:
+            theirs = {}
+            for n, _, w in accesses(x):
+                theirs[n] = theirs.get(n, False) or w
+        if written & theirs.keys() or any(w for n, w in theirs.items() if n in touched):
+            break  # k cannot move up past x
+    if not reachable:
+        return False
+    producers = [g for g in reachable if read & {n for n, acc in g.access.items() if any(w for _, _, w in acc)}]
+    (producers or reachable)[0].join(k)
+    return True
 
 
 class _RowGroup:
@@ -295,17 +324,25 @@ class _RowGroup:
                         lambda sym, n: (apart if sym == self.sym else sym, n))
         return stmt, _row_accesses(stmt, self.sym, self.rows)
 
-    def join(self, k: Kernel) -> bool:
-        """Add ``k`` when it runs over the group's rows and every node written by it or a member
-        and touched by both is accessed only within the iteration's own row."""
+    def fits(self, k: Kernel) -> tuple[Stmt, dict[Node, list[tuple[Affine, bool, bool]]]] | None:
+        """``k`` row-wise and its accesses, when it runs over the group's rows and every node
+        written by it or a member and touched by both is accessed only within the iteration's
+        own row; else None."""
         if not k.parallel or k.parallel[0][1] != self.rows or len(self.stmts) >= MAX_STATEMENTS:
-            return False
+            return None
         stmt, access = self._rowwise(k)
         for node in self.access.keys() & access.keys():
             both = self.access[node] + access[node]
             if any(w for _, _, w in both) and not all(inside for _, inside, _ in both):
-                return False
-        self._add(k, stmt, access)
+                return None
+        return stmt, access
+
+    def join(self, k: Kernel) -> bool:
+        """Add ``k`` when it fits (``fits``)."""
+        fit = self.fits(k)
+        if fit is None:
+            return False
+        self._add(k, *fit)
         return True
 
     def _add(self, k: Kernel, stmt: Stmt, access: dict[Node, list[tuple[Affine, bool, bool]]]) -> None:

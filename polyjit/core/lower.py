@@ -1,6 +1,8 @@
 """Lowering: assignments -> the loop IR (core/loops.py).
 
 Steps, for a batch of computations:
+0. constant folding: uniform float constants (a filled seed, its scaled copies) become
+   literals in the assignments that read them (core/folding.py);
 1. memory-mode inference: which written nodes are inlined (VIRTUAL), which are
    scratch inside the batch (LOCAL) and which persist in the context;
 2. each remaining Accum/Fetch becomes one or two kernels: a parallel nest over
@@ -32,6 +34,7 @@ import numpy as np
 
 from polyjit.core import ir
 from polyjit.core.errors import InvalidProgramError
+from polyjit.core.folding import fold_constants
 from polyjit.core.fusion import fuse_epilogues, fuse_horizontal, fuse_rows, fuse_segments
 from polyjit.core.ir import Affine, MemoryMode, Node, Symbol
 from polyjit.core.loops import (
@@ -642,7 +645,7 @@ def lower(comps: Sequence[ir.Comp], names: Sequence[str], horizontal: bool = Tru
     after it that reads it; ``rows``: the kernels the target runs in row groups, adjacent ones
     over one outer loop merged; ``segments``: the kernels the target batches, independent ones
     run as segments of one launch (core/fusion.py)."""
-    comps = [_read_own_target_first(c) for c in comps]
+    comps = [_read_own_target_first(c) for c in fold_constants(comps)]
     inference = infer_modes(comps)
     lowerer = _Lowerer(inference)
     out: list[LoweredComp] = []

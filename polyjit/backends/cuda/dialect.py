@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from polyjit.core import dtypes, half, patterns
 from polyjit.core.codegen import Dialect, KernelSpec, Names
 from polyjit.core.dtypes import DType
@@ -99,6 +101,9 @@ class CudaDialect(Dialect):
         ]
 
     def float_literal(self, value: float, dt: DType) -> str:
+        if dt is dtypes.float32:
+            with np.errstate(over="ignore"):
+                value = float(np.float32(value))  # inf in float32, though not in float64
         if math.isnan(value):
             return "__int_as_float(0x7fc00000)" if dt is dtypes.float32 else "__longlong_as_double(0x7ff8000000000000LL)"
         if math.isinf(value):

@@ -51,7 +51,7 @@ def catalog() -> tuple[CatalogProgram, ...]:
     progs = [
         *elementwise.elementwise(), *elementwise.guarded_division(), *elementwise.casts(), *shapes.broadcasting(), *shapes.transposes(),
         *reductions.reductions(), *reductions.matmuls(), *writes.accumulate_onto_context(), *writes.writes(),
-        *writes.fusion(), *writes.own_target(), *writes.epilogues(), *writes.rows(), *writes.batches(), *structure.fetches(), *structure.rows_by_data(), *shapes.reshapes(), *structure.structure(), *structure.large(),
+        *writes.fusion(), *writes.own_target(), *writes.epilogues(), *writes.rows(), *writes.rows_past_independent(), *writes.folding(), *writes.batches(), *structure.fetches(), *structure.rows_by_data(), *shapes.reshapes(), *structure.structure(), *structure.large(),
         *half.half_programs(),
     ]
     names = [p.name for p in progs]

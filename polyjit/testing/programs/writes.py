@@ -309,6 +309,65 @@ def rows() -> list[CatalogProgram]:
     return out
 
 
+def rows_past_independent() -> list[CatalogProgram]:
+    """A row consumer that joins a row group further up, past kernels independent of it (a
+    cross-entropy gradient after the loss's own kernels joins its log-softmax), and one that
+    must not: the kernel between writes what it reads."""
+    out = []
+    for dt in (dtypes.float32, dtypes.float64):
+        q = functools.partial(values, dt, kind="quarter")
+        on = MemoryMode.ON_DEVICE
+        x, m, s = Node("x", (13, 27), dt), Node("m", (13, 1), dt), Node("s", (13, 27), dt, on)
+        z, lse = Node("z", (13, 1), dt), Node("lse", (13, 1), dt, on)
+        total, scale = Node("total", (), dt), Node("scale", (), dt, on)
+        g, e = Node("g", (13, 27), dt), Node("e", (13, 27), dt)
+        log_softmax = (_row_reduce(x, m, AccumOp.MAX), ir.apply(Op.SUB, x, m, into=s),
+                       _row_reduce(s, z, AccumOp.ADD, Op.EXP), ir.apply(Op.LOG, z, into=lse))
+        out.append(program(  # the sum of the lse over all rows runs between, independent of g
+            f"rows.joins_past_independent.{dt}", *log_softmax, ir.einsum("ij->", lse, into=total),
+            ir.apply(Op.SUB, s, lse, into=e), ir.apply(Op.EXP, e, into=g),
+            inputs=[(x, q(x.shape))], outputs=[s, lse, total, g],
+        ))
+        out.append(program(  # g scales by that sum: it waits for it, in a kernel of its own
+            f"rows.waits_for_what_runs_between.{dt}", *log_softmax, ir.einsum("ij->", lse, into=scale),
+            ir.apply(Op.SUB, s, lse, into=e), ir.apply(Op.MUL, e, scale, into=g),
+            inputs=[(x, q(x.shape))], outputs=[s, lse, scale, g],
+        ))
+    return out
+
+
+def folding() -> list[CatalogProgram]:
+    """Uniform constants folded into their readers (core/folding.py): a filled seed scaled
+    twice (1/3 rounds in each dtype as a kernel would round it), then read broadcast; a
+    folded infinity (1 over a filled zero) that x is divided by (zeros of x's sign); and an
+    exp of a fill, which stays a node (libm's and numpy's exp may differ in the last bit)."""
+    out = []
+    for dt in (dtypes.float32, dtypes.float64, dtypes.float16, dtypes.bfloat16):
+        q = functools.partial(values, dt, kind="quarter")
+        x, y = Node("x", (5, 7), dt), Node("y", (5, 7), dt)
+        seed, k1, k2 = Node("seed", (), dt), Node("k1", (), dt), Node("k2", (), dt)
+        zero, r, inf = Node("zero", (1,), dt), Node("r", (1,), dt), Node("over_inf", (5, 7), dt)
+        half, e, ye = Node("half", (), dt), Node("e", (), dt), Node("ye", (5, 7), dt)
+        below, picked = Node("below", (5, 7), dtypes.bool_), Node("picked", (5, 7), dt)
+        out.append(program(
+            f"fold.constants.{dt}", ir.fill(seed, 1.0), ir.apply(Op.MUL, seed, 0.0078125, into=k1),
+            ir.apply(Op.DIV, k1, 3.0, into=k2), ir.apply(Op.MUL, x, k2, into=y),
+            ir.fill(zero, 0.0), ir.apply(Op.DIV, 1.0, zero, into=r), ir.apply(Op.DIV, x, r, into=inf),
+            ir.fill(half, 0.5), ir.apply(Op.EXP, half, into=e), ir.apply(Op.MUL, x, e, into=ye),
+            inputs=[(x, q(x.shape))], outputs=[y, inf, ye],
+        ))
+        # a comparison of two folded values would compare literals of its result's dtype
+        # (bool): its operands stay nodes
+        seed, k1, k2 = Node("seed", (), dt), Node("k1", (), dt), Node("k2", (), dt)
+        out.append(program(
+            f"fold.compared.{dt}", ir.fill(seed, 1.0), ir.apply(Op.MUL, seed, 0.25, into=k1),
+            ir.apply(Op.MUL, seed, 0.5, into=k2),
+            ir.apply(Op.LT, k1, k2, into=below), ir.apply(Op.WHERE, below, x, 2.0, into=picked),
+            inputs=[(x, q(x.shape))], outputs=[picked],
+        ))
+    return out
+
+
 def batches() -> list[CatalogProgram]:
     """Independent elementwise kernels of different sizes (batched into one launch, each on its
     own segment, where the dialect batches: core/fusion.py ``fuse_segments``): an optimizer's
