@@ -465,3 +465,22 @@ def test_a_users_kernel_keeps_the_workers_stack_on_a_contended_machine() -> None
     proc = subprocess.run([sys.executable, "-c", BIG_STACK], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["1.0"]
+
+
+def test_a_raw_kernel_that_writes_part_of_a_new_node_leaves_the_rest_zero(cpu: Backend) -> None:
+    """A user's kernel may write any cells of its outputs: a node the link creates for it
+    starts at zero, never with what a freed context left in the reused memory."""
+    out = f64("part_out", (4096,))
+    src = "void part(double* out) {\n  out[0] = 1.0;\n  out[4095] = 2.0;\n}\n"
+    code = cpu.raw_kernel(src, "part", [raw.write(out)])
+    dev = cpu.get_device(0)
+    for _ in range(3):
+        secret = f64("secret", (1 << 15,))
+        with dev.make_context() as other:
+            other.init_from_host(secret, np.full(1 << 15, 123.0)).stream.synchronize()
+        with dev.make_context() as ctx:
+            r = ctx.link(code)
+            r.run()
+            want = np.zeros(4096)
+            want[0], want[-1] = 1.0, 2.0
+            np.testing.assert_array_equal(r.context.read(out), want)

@@ -156,6 +156,16 @@ class Context:
                     pid = dev.new_pool(plan.nbytes)
                     pools.append(pid)
                     buffers.update({n: BufferLoc(pid, plan.offsets[n]) for n in new_nodes})
+                    # New nodes start at zero, as the reference's do: one written at only some
+                    # cells (a slice, a row, an empty space, a user's kernel) must not show what
+                    # the memory held before (pools are reused: another context's data). Once
+                    # per link; nodes written whole are left alone.
+                    partial = {n for comp in comps for n in comp.partial} & set(new_nodes)
+                    for n in sorted(partial, key=lambda n: plan.offsets[n]):
+                        loc = buffers[n]
+                        enqueue(self.stream, (), (dev.tracker.state(loc),), f"zeroing new {n.label}",
+                                dev.driver.memset_zero, (self.stream.handle, dev.pool_handle(pid), loc.offset,
+                                                         n.nbytes), None)
                 const_nodes = set()
                 for comp in comps:
                     for node, values in comp.constants:

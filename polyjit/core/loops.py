@@ -294,6 +294,9 @@ class LoweredComp:
     scratch: tuple[Node, ...]  # LOCAL: stored only inside the batch
     constants: tuple[tuple[Node, np.ndarray], ...]
     merge_input: Node | None
+    # written, maybe not at every cell: a link zeroes them when it creates them (their cells
+    # start at zero, as the reference's; reused memory shows nothing old)
+    partial: tuple[Node, ...] = ()
 
     @property
     def statics(self) -> tuple[ir.StaticSymbol, ...]:

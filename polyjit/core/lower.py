@@ -517,6 +517,11 @@ def cell_symbols(a: ir.Accum) -> tuple[Symbol, ...] | None:
     return tuple(out)
 
 
+def _writes_all(a: ir.Accum) -> bool:
+    """Every cell of the lhs is written: a surjective index over a space that is not empty."""
+    return _is_surjective(a) and all(n > 0 for _, n in a.projections.product_space)
+
+
 def _is_surjective(a: ir.Accum) -> bool:
     """Every cell of the lhs is written."""
     for e, n in zip(a.projections.lhs, a.lhs.shape):
@@ -699,8 +704,11 @@ def lower(comps: Sequence[ir.Comp], names: Sequence[str], horizontal: bool = Tru
                         if modes[n] in (MemoryMode.ON_DEVICE, MemoryMode.MATERIALIZED))
         scratch = tuple(n for n in dict.fromkeys(ir.writes(leaf) for leaf in comp.leaves())
                         if modes[n] is MemoryMode.LOCAL) + tuple(partials)
+        partly_written = tuple(dict.fromkeys(
+            leaf.lhs for leaf in comp.leaves()
+            if isinstance(leaf, ir.Accum) and leaf.accum is None and not _writes_all(leaf)))
         out.append(
             LoweredComp(name, tuple(kernels), tuple(inputs), outputs, scratch, tuple(constants),
-                        next(iter(merges), None))
+                        next(iter(merges), None), partly_written)
         )
     return LoweredBatch(tuple(out), inference.modes)

@@ -201,6 +201,6 @@ def raw_code(backend: Backend, source: str | os.PathLike[str], name: str, params
         binary = driver_call(f"backend {backend.name}", f"compile of raw kernel {name}", driver.compile, src)
     except CompileError as e:
         raise CompileError(f"raw kernel {name} from {origin}: {e}", source=e.source, log=e.log) from e
-    comp = LoweredComp(name, (), reads, written, (), (), None)
+    comp = LoweredComp(name, (), reads, written, (), (), None, written)  # a user's kernel may write any cells
     batch = CodeBatch(backend, LoweredBatch((comp,), {}), src, binary, (name,), (checked,))
     return Code(batch, 0)
