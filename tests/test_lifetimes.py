@@ -534,20 +534,22 @@ def test_opencl_in_a_forked_child_says_why_it_has_no_devices() -> None:
 
 def test_a_new_node_written_in_part_reads_zeros_elsewhere_not_old_memory(backend: Backend) -> None:
     """A node a link creates starts at zero, as the reference's new nodes do: a write that
-    reaches two of its cells leaves the others zero, not what the reused memory held (here:
-    another context's data, freed just before)."""
+    reaches two of its cells, or a matrix's diagonal, leaves the others zero, not what the
+    reused memory held (here: another context's data, freed just before)."""
     from polyjit.core import dtypes
     from polyjit.core.reference import run_reference
 
     dev = backend.get_device(0)
-    c, i = Node("c", (4096,), dtypes.float32), ir.Symbol("i")
-    comp = ir.Comp.of(ir.Accum(c, None, Op.ID, (7.0,), ir.projections([(i, 2)], [i])))
-    code = backend.compile(comp, name="part")
-    for _ in range(3):
-        secret = Node("secret", (1 << 16,), dtypes.float32)
-        with dev.make_context() as other:
-            other.init_from_host(secret, np.full(1 << 16, 123.0, np.float32)).stream.synchronize()
-        with dev.make_context() as ctx:
-            r = ctx.link(code)
-            r.run()
-            np.testing.assert_array_equal(r.context.read(c), run_reference([comp], {})[c])
+    c, d, i = Node("c", (4096,), dtypes.float32), Node("d", (64, 64), dtypes.float32), ir.Symbol("i")
+    two_cells = ir.Comp.of(ir.Accum(c, None, Op.ID, (7.0,), ir.projections([(i, 2)], [i])))
+    diagonal = ir.Comp.of(ir.Accum(d, None, Op.ID, (7.0,), ir.projections([(i, 64)], [i, i])))
+    for comp, node in ((two_cells, c), (diagonal, d)):
+        code = backend.compile(comp, name="part")
+        for _ in range(3):
+            secret = Node("secret", (1 << 16,), dtypes.float32)
+            with dev.make_context() as other:
+                other.init_from_host(secret, np.full(1 << 16, 123.0, np.float32)).stream.synchronize()
+            with dev.make_context() as ctx:
+                r = ctx.link(code)
+                r.run()
+                np.testing.assert_array_equal(r.context.read(node), run_reference([comp], {})[node])

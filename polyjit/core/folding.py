@@ -125,7 +125,7 @@ def _value(leaf: ir.Accum | ir.Fetch) -> float | None:
         return float(scalar_value(leaf.value.value, node.dtype).astype(np.float64))
     if leaf.accum is not None or leaf.op not in FOLDABLE or leaf.tensor_operands:
         return None
-    if not _writes_every_cell(leaf):
+    if not ir.writes_every_cell(leaf):
         return None
     dts = ir.accum_operand_dtypes(leaf)
     args = [scalar_value(x, dt) for x, dt in zip(leaf.rhs, dts)]  # type: ignore[arg-type]
@@ -134,22 +134,3 @@ def _value(leaf: ir.Accum | ir.Fetch) -> float | None:
     # (x86's sqrt of a negative is a negative NaN).
     return None if math.isnan(value) else value
 
-
-def _writes_every_cell(a: ir.Accum) -> bool:
-    """The lhs index reaches every cell of the node: each axis longer than one is indexed by
-    a symbol of its own over the axis's whole extent."""
-    pr = a.projections
-    extent: dict[ir.Var, int] = dict(pr.product_space)
-    if 0 in extent.values():  # an empty space writes nothing
-        return False
-    seen: set[ir.Var] = set()
-    for index, n in zip(pr.lhs, a.lhs.shape):
-        if n == 1:
-            continue
-        if len(index.terms) != 1 or index.const != 0:
-            return False
-        (sym, coeff), = index.terms
-        if coeff != 1 or sym in seen or extent.get(sym) != n:
-            return False
-        seen.add(sym)
-    return True

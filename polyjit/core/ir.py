@@ -335,6 +335,27 @@ def _check_index_bounds(
             )
 
 
+def writes_every_cell(a: Accum) -> bool:
+    """Whether ``a`` writes every cell of its lhs: its space is not empty, and each lhs axis
+    longer than one is indexed by a loop symbol of its own (coefficient 1, no offset) over the
+    axis's whole extent (a diagonal ``c[i, i]`` reaches a few cells only)."""
+    pr = a.projections
+    extent: dict[Var, int] = dict(pr.product_space)
+    if 0 in extent.values():  # an empty space writes nothing
+        return False
+    seen: set[Var] = set()
+    for index, n in zip(pr.lhs, a.lhs.shape):
+        if n == 1:
+            continue
+        if len(index.terms) != 1 or index.const != 0:
+            return False
+        (sym, coeff), = index.terms
+        if coeff != 1 or sym in seen or extent.get(sym) != n:
+            return False
+        seen.add(sym)
+    return True
+
+
 def accum_operand_dtypes(a: Accum) -> list[DType]:
     """The dtype of each rhs operand; a Python scalar takes the dtype of the tensor values beside it."""
     value_positions = (1, 2) if a.op is Op.WHERE else range(len(a.rhs))

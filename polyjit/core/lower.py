@@ -517,11 +517,6 @@ def cell_symbols(a: ir.Accum) -> tuple[Symbol, ...] | None:
     return tuple(out)
 
 
-def _writes_all(a: ir.Accum) -> bool:
-    """Every cell of the lhs is written: a surjective index over a space that is not empty."""
-    return _is_surjective(a) and all(n > 0 for _, n in a.projections.product_space)
-
-
 def _is_surjective(a: ir.Accum) -> bool:
     """Every cell of the lhs is written."""
     for e, n in zip(a.projections.lhs, a.lhs.shape):
@@ -706,7 +701,7 @@ def lower(comps: Sequence[ir.Comp], names: Sequence[str], horizontal: bool = Tru
                         if modes[n] is MemoryMode.LOCAL) + tuple(partials)
         partly_written = tuple(dict.fromkeys(
             leaf.lhs for leaf in comp.leaves()
-            if isinstance(leaf, ir.Accum) and leaf.accum is None and not _writes_all(leaf)))
+            if isinstance(leaf, ir.Accum) and leaf.accum is None and not ir.writes_every_cell(leaf)))
         out.append(
             LoweredComp(name, tuple(kernels), tuple(inputs), outputs, scratch, tuple(constants),
                         next(iter(merges), None), partly_written)
