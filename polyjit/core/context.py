@@ -162,10 +162,7 @@ class Context:
                     # per link; nodes written whole are left alone.
                     partial = {n for comp in comps for n in comp.partial} & set(new_nodes)
                     for n in sorted(partial, key=lambda n: plan.offsets[n]):
-                        loc = buffers[n]
-                        enqueue(self.stream, (), (dev.tracker.state(loc),), f"zeroing new {n.label}",
-                                dev.driver.memset_zero, (self.stream.handle, dev.pool_handle(pid), loc.offset,
-                                                         n.nbytes), None)
+                        dev.memset_zero(pid, plan.offsets[n], n.nbytes, self.stream, f"zeroing new {n.label}")
                 const_nodes = set()
                 for comp in comps:
                     for node, values in comp.constants:

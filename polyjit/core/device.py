@@ -391,12 +391,15 @@ class Device:
         except KeyError:
             raise InvalidProgramError(f"{self.device_id} has no pool {pool_id} (freed?)") from None
 
-    def memset_zero(self, pool_id: int, offset: int, nbytes: int) -> None:
-        """Zero bytes of a pool, ordered after all work on it (on the default stream)."""
+    def memset_zero(self, pool_id: int, offset: int, nbytes: int, stream: Stream | None = None,
+                    what: str = "memset_zero") -> None:
+        """Zero bytes of a pool, ordered after all work on it (on ``stream``, else the default
+        stream); ``what`` names it in an error."""
+        stream = stream or self.default_stream
         with self.lock:
             states = (self.tracker.state(BufferLoc(pool_id, offset)),)
-            enqueue(self.default_stream, (), states, "memset_zero", self.driver.memset_zero,
-                    (self.default_stream.handle, self.pool_handle(pool_id), offset, nbytes), None)
+            enqueue(stream, (), states, what, self.driver.memset_zero,
+                    (stream.handle, self.pool_handle(pool_id), offset, nbytes), None)
 
     def new_pool(self, nbytes: int) -> int:
         with self.lock:

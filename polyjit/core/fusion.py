@@ -30,7 +30,7 @@ right before it, as the epilogue its tiles run (docs/architecture.md, "Epilogues
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence, Set
+from collections.abc import Callable, Iterable, Sequence, Set
 
 import attrs
 
@@ -276,27 +276,31 @@ def _join_rows(out: list[Kernel | _RowGroup], k: Kernel) -> bool:
     up to (fuse_rows): the newest one that writes what it reads (its producer's, where the
     values it reads were just computed), else the newest."""
     mine = accesses(k)
-    touched = {n for n, _, _ in mine}
+    touched, written = _touches(mine)
     read = {n for n, _, w in mine if not w}
-    written = {n for n, _, w in mine if w}
     reachable: list[_RowGroup] = []
     for pos in range(len(out) - 1, max(-1, len(out) - 1 - WINDOW), -1):
         x = out[pos]
-        if isinstance(x, _RowGroup):
-            if x.fits(k) is not None:
-                reachable.append(x)
-            theirs = {n: any(w for _, _, w in acc) for n, acc in x.access.items()}
-        else:
-            theirs = {}
-            for n, _, w in accesses(x):
-                theirs[n] = theirs.get(n, False) or w
-        if written & theirs.keys() or any(w for n, w in theirs.items() if n in touched):
-            break  # k cannot move up past x
+        if isinstance(x, _RowGroup) and x.fits(k) is not None:
+            reachable.append(x)
+        theirs, their_writes = x.touches() if isinstance(x, _RowGroup) else _touches(accesses(x))
+        if written & theirs or their_writes & touched:
+            break  # k cannot move up past x (they are not independent)
     if not reachable:
         return False
-    producers = [g for g in reachable if read & {n for n, acc in g.access.items() if any(w for _, _, w in acc)}]
+    producers = [g for g in reachable if read & g.touches()[1]]
     (producers or reachable)[0].join(k)
     return True
+
+
+def _touches(access: Iterable[tuple[Node, object, bool]]) -> tuple[set[Node], set[Node]]:
+    """The nodes these accesses touch, and those they write."""
+    touched, written = set(), set()
+    for node, _, write in access:
+        touched.add(node)
+        if write:
+            written.add(node)
+    return touched, written
 
 
 class _RowGroup:
@@ -350,6 +354,10 @@ class _RowGroup:
         self.stmts += stmt.body if isinstance(stmt, Seq) else (stmt,)  # a fused member's stores, flat
         for node, acc in access.items():
             self.access.setdefault(node, []).extend(acc)
+
+    def touches(self) -> tuple[set[Node], set[Node]]:
+        """The nodes the members touch, and those they write."""
+        return _touches((node, index, write) for node, acc in self.access.items() for index, _, write in acc)
 
     def kernels(self) -> list[Kernel]:
         """One kernel; or the members as they were when none has more than one cell per row
