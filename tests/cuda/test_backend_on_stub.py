@@ -165,6 +165,45 @@ def test_statics_and_graph_replay(backend: Any, schedule: str, stub_driver: stub
     ctx.finalize()
 
 
+def test_graph_captured_before_its_statics_are_bound(backend: Any, schedule: str) -> None:
+    """Statics may be bound after capture (the first replay sets them); a replay with a bad
+    binding raises and changes no kernel node, so the next good one runs what it says."""
+    from polyjit.core.errors import BindingError
+
+    rows, b = StaticSymbol("row", 4), StaticSymbol("b", 4)
+    i = Symbol("i")
+    src, acc, out = f32("src", (4, 300)), f32("acc", (300,)), f32("out", (300,))
+    add_row = ir.Accum(acc, AccumOp.ADD, Op.ID, (src,), ir.projections([(i, 300)], [i], [rows, i]),
+                       init_neutral=False)
+    pick = ir.Accum(out, None, Op.ID, (src,), ir.projections([(i, 300)], [i], [b, i]))
+    dev = backend.get_device(0)
+    hsrc = np.arange(1200, dtype=np.float32).reshape(4, 300)
+    ctx = dev.make_context().init_from_host(src, hsrc).init_from_host(acc, np.zeros(300, np.float32))
+    routines = ctx.link_batch(backend.compile_batch([ir.Comp.of(add_row), ir.Comp.of(pick)],
+                                                    names=["add_row", "pick"]))
+    plan = cuda.capture(routines)
+    with pytest.raises(BindingError, match="row"):
+        plan.replay()
+    plan.bindings[rows] = 1
+    with pytest.raises(BindingError, match="b"):
+        plan.replay()
+    plan.bind(b=2).replay()
+    want = hsrc[1].copy()
+    np.testing.assert_array_equal(routines[1].context.read(acc), want)
+    np.testing.assert_array_equal(routines[1].context.read(out), hsrc[2])
+    plan.bindings[rows], plan.bindings[b] = 3, 7  # b out of its range: nothing runs or changes
+    with pytest.raises(BindingError):
+        plan.replay()
+    plan.bindings[b] = 0
+    plan.replay()
+    want += hsrc[3]
+    np.testing.assert_array_equal(routines[1].context.read(acc), want)
+    np.testing.assert_array_equal(routines[1].context.read(out), hsrc[0])
+    plan.close()
+    routines[0].context.finalize()
+    ctx.finalize()
+
+
 def test_tensor_plans_replay_a_cuda_graph(backend: Any, schedule: str, stub_driver: stub.Driver) -> None:
     before = stub_driver.count("graph_launches")
     replays = scenarios.check_tensor_plans_replay_a_graph(backend)

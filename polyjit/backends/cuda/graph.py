@@ -48,8 +48,11 @@ class CudaGraph(Replay):
             r.check_merge()
             prepared = r.prepared()  # the routine's public launch record
             assert isinstance(prepared, PreparedLaunch)
-            statics = r.static_values(self.bindings) if r.statics else ()
-            self._last.append(statics)
+            # statics may be bound after capture: unbound ones are recorded as 0 and set
+            # (checked) by the first replay, which finds _last None and updates the nodes
+            bound = all(s in self.bindings for s in r.statics)
+            statics = r.static_values(self.bindings) if bound else (0,) * len(r.statics)
+            self._last.append(statics if bound else None)
             for ln in prepared.launches:
                 owner = self._definition if previous is None else previous
                 previous = owner.launch(ln.config, ln.kernel, *ln.arguments(statics))
@@ -66,18 +69,16 @@ class CudaGraph(Replay):
             raise MergeBufferMismatchError(
                 "a routine of this graph reads the merge buffer, which has grown and moved since "
                 "capture; capture again")
-        changed = set()
-        for k, r in enumerate(self.routines):
-            if r.statics:
-                values = r.static_values(self.bindings)
-                if values != self._last[k]:
-                    self._last[k] = values
-                    changed.add(k)
+        # every routine's statics are checked before any node changes: a bad binding leaves
+        # the graph as the last replay ran it
+        values = [r.static_values(self.bindings) if r.statics else () for r in self.routines]
+        changed = {k for k, v in enumerate(values) if v != self._last[k]}
         self._driver.make_current(self.device.ordinal)
         for k, node, ln in self._nodes:
             if k in changed:
-                self._graph[node].update(config=ln.config, kernel=ln.kernel,
-                                         args=ln.arguments(self._last[k] or ()))
+                self._graph[node].update(config=ln.config, kernel=ln.kernel, args=ln.arguments(values[k]))
+        for k in changed:
+            self._last[k] = values[k]
         self.enqueue_launch(self._graph.launch, self.stream.handle.core)
 
     def close(self) -> None:
