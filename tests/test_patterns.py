@@ -238,9 +238,10 @@ def test_an_elementwise_chain() -> None:
     ocl = _plan(_chain(n), OpenCLDialect())
     assert (ocl.kind, ocl.launch) == (ELEMENTWISE, LaunchShape((n,), (256,)))
     assert [[e for _, e in loops] for loops in ocl.dims] == [[n]]
-    cuda = _plan(_chain(n), CudaDialect())
-    assert (cuda.kind, cuda.launch, cuda.threads) == (ELEMENTWISE, LaunchShape((n,), (256,)), 256)
-    assert _plan(_chain(1 << 26), CudaDialect()).launch.global_size == (patterns.MAX_GRID_BLOCKS * 256,)  # grid-stride
+    cuda = _plan(_chain(n), CudaDialect())  # a million cells: 4 a thread per trip
+    assert (cuda.kind, cuda.launch, cuda.threads, cuda.unroll) == (ELEMENTWISE, LaunchShape((n // 4,), (256,)), 256, 4)
+    assert _plan(_chain(n - 1), CudaDialect()).unroll == 1
+    assert _plan(_chain(1 << 28), CudaDialect()).launch.global_size == (patterns.MAX_GRID_BLOCKS * 256,)  # grid-stride
     assert _plan(_chain(40), CudaDialect()).launch == LaunchShape((64,), (64,))  # a multiple of 32
 
 

@@ -137,6 +137,11 @@ class Dialect:
     shared_matmul_min_work = 32768
     work_group = 256  # work-items of a generic work-group (GPU mappings)
     max_work_group = 256  # of a group reduction's few, very long cells
+    # GRID_STRIDE: cells a thread takes per trip of an elementwise kernel of at least
+    # grid_stride_unroll_min_work cells (independent loads in flight: a memory-bound kernel
+    # needs several per thread to cover the latency of high-bandwidth memory)
+    grid_stride_unroll = 1
+    grid_stride_unroll_min_work = 1 << 20
     group_reductions = False  # a work-group per cell for few, long reductions
     matmul = False  # contractions as tiles
     matmul_dtypes: tuple[DType, ...] = (dtypes.float32, dtypes.float64)

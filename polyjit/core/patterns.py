@@ -220,6 +220,7 @@ class KernelPlan:
     x_vector: str | None = None  # "k" or "m": the side along which x loads vectors (None: scalars)
     y_vector: str | None = None  # "n" or "k"
     ordered_float: bool = False  # sums floats in loop order (the C dialect's GCC workaround)
+    unroll: int = 1  # GRID_STRIDE: cells a thread takes per trip, a block apart
 
     @property
     def threads(self) -> int:
@@ -468,8 +469,10 @@ def _gpu_plan(kernel: Kernel, d: Dialect) -> KernelPlan:
         work = kernel.work
         # a full work-group, or fewer threads (a multiple of 32) for a small nest
         threads = d.work_group if work >= d.work_group else max(32, _ceil_div(work, 32) * 32)
-        blocks = max(1, min(_ceil_div(work, threads), MAX_GRID_BLOCKS))
-        return KernelPlan(_kind(kernel), LaunchShape((blocks * threads,), (threads,)))
+        kind = _kind(kernel)
+        unroll = d.grid_stride_unroll if kind == ELEMENTWISE and work >= d.grid_stride_unroll_min_work else 1
+        blocks = max(1, min(_ceil_div(work, threads * unroll), MAX_GRID_BLOCKS))
+        return KernelPlan(kind, LaunchShape((blocks * threads,), (threads,)), unroll=unroll)
     dims = global_dims(kernel)
     extents = [math.prod(n for _, n in loops) for loops in dims]
     local: list[int] = []

@@ -40,6 +40,8 @@ def cuda_programs() -> tuple[CatalogProgram, ...]:
     mm("cuda.matmul.large_tiles_vec", "ik,kj->ij", (256, 64), (64, 256), (256, 256))
     mm("cuda.matmul.small_tiles_vec", "ik,kj->ij", (64, 48), (48, 128), (64, 128))
     mm("cuda.matmul.transposed_vec", "ki,jk->ij", (16, 256), (256, 16), (256, 256))
+    mm("cuda.matmul.x_transposed_vec", "ki,kj->ij", (16, 256), (16, 256), (256, 256))
+    mm("cuda.matmul.y_transposed_vec", "ik,jk->ij", (256, 16), (256, 16), (256, 256))
     mm("cuda.matmul.output_transposed", "ik,kj->ji", (128, 32), (32, 64), (64, 128))
     mm("cuda.matmul.batched_vec", "bik,bkj->bij", (2, 128, 64), (2, 64, 128), (2, 128, 128))
     mm("cuda.matmul.unaligned", "ik,kj->ij", (70, 61), (61, 97), (70, 97))

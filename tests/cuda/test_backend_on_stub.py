@@ -48,6 +48,25 @@ def test_conformance_catalog(backend: Any, stub_driver: stub.Driver) -> None:
     assert stub_driver.count("kernels_run") - before > 100
 
 
+def test_unrolled_grid_stride_nests(backend: Any, stub_driver: stub.Driver) -> None:
+    """Elementwise nests of a million cells take several cells a thread per trip; with that
+    threshold at one cell, every elementwise program (sizes that divide a trip and sizes
+    that do not, broadcasts, multi-dimensional nests) still computes what the reference does."""
+    from polyjit.testing.harness import run_programs
+
+    dialect = backend.driver.dialect
+    assert dialect.grid_stride_unroll > 1
+    dialect.grid_stride_unroll_min_work = 1
+    old = stub_driver.set_schedule(stub.TARGET_FIRST)
+    try:
+        progs = [p for p in scenarios.all_programs() if p.name.startswith(("elementwise.", "cuda.grid.", "large."))]
+        failures = run_programs(backend, progs)
+    finally:
+        stub_driver.set_schedule(old)
+        del dialect.grid_stride_unroll_min_work
+    assert not failures, "\n".join(str(f) for f in failures[:20])
+
+
 def test_host_copies_through_the_staging_ring(backend: Any, schedule: str) -> None:
     dev = backend.get_device(0)
     n = 700_001  # 2.8 MB: three chunks and more through a 1 MiB ring

@@ -4,9 +4,9 @@ blocks and threads.
 Every kernel is ``extern "C" __global__`` with ``__launch_bounds__`` of its plan's threads;
 buffer parameters are device pointers (pool base + offset, computed on the host), outputs
 first, then the inputs, then the merge buffer; statics are ``long long`` arguments after
-them. Parallel nests run on a 1-D grid-stride loop, so the driver may launch fewer blocks
-than the plan's launch shape says (it caps them at 32 per SM); CUDA's grid is the launch
-shape's global // local size. Tiled contractions are float32 only.
+them. Parallel nests run on a 1-D grid-stride loop (elementwise nests of a million cells or
+more take 4 cells a thread per trip); CUDA's grid is the launch shape's global // local
+size. Tiled contractions are float32 only.
 
 The half types are their bits (``unsigned short``), with no header: NVRTC has no
 cuda_fp16.h without a toolkit's include directory. On the device the conversions are the
@@ -61,15 +61,17 @@ class CudaDialect(Dialect):
     gpu = SPELLING
     work_group = 256  # threads of a grid-stride block and of most group reductions
     max_work_group = 1024  # a block per cell of a few very long reductions
+    # y = 2x on an H200 at 0.72 of cuMemcpyDtoD with 1 cell a trip, 0.90 with 2, 1.00 with 4
+    # (0.96 with 8): docs/benchmarks.md, session 13
+    grid_stride_unroll = 4
     group_reductions = True
     matmul = True
     matmul_dtypes = (dtypes.float32,)
     matmul_tiles = (TILES_LARGE, TILES_SMALL)
     matmul_min_side = 32
     matmul_min_work = 1 << 18  # multiply-adds
-    # __launch_bounds__(256, N) for tiled contractions: 1 lets them keep their ~150 registers
-    # with no spills (one block per SM); 2 caps them at 128 registers (a few bytes spill).
-    # Tune on a GPU.
+    # __launch_bounds__(256, N) for tiled contractions: the 128 x 128 tiles take 127 registers
+    # either way; on an H200 N = 1 and 2 ran a 4096 matmul alike (45.4 TFLOP/s)
     matmul_min_blocks_per_sm = 1
 
     half_spelling = half.HalfSpelling(

@@ -21,20 +21,18 @@ from polyjit.core.codegen import KernelSpec, LaunchShape
 from polyjit.core.errors import InvalidArgumentError, InvalidProgramError, UnsupportedError
 from polyjit.core.raw import RAW
 
-__all__ = ["BLOCKS_PER_SM", "EventHandle", "KernelLaunch", "Module", "Pool", "PreparedLaunch", "StreamHandle",
+__all__ = ["EventHandle", "KernelLaunch", "Module", "Pool", "PreparedLaunch", "StreamHandle",
            "grid_and_block", "prepare_launches"]
 
-BLOCKS_PER_SM = 32  # a grid-stride launch uses at most this many blocks per SM
 RAW_BLOCK = 256  # the most threads per block of a user's kernel launched without a block size
 
 
-def grid_and_block(launch: LaunchShape, sm_count: int | None = None) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-    """CUDA grid and block from an OpenCL-style launch shape; 1-D launches (grid-stride
-    kernels) are capped at ``BLOCKS_PER_SM * sm_count`` blocks."""
+def grid_and_block(launch: LaunchShape) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """CUDA grid and block from an OpenCL-style launch shape. A grid-stride kernel gets the
+    blocks its plan asks for (capped at MAX_GRID_BLOCKS by the plan): on an H200 capping them
+    at 32 per SM cost y = 2x 7% of its bandwidth (docs/benchmarks.md, session 13)."""
     local = tuple(launch.local_size or (1,) * len(launch.global_size))
     grid = [max(1, g // max(1, b)) for g, b in zip(launch.global_size, local)]
-    if len(grid) == 1 and sm_count:
-        grid[0] = max(1, min(grid[0], BLOCKS_PER_SM * sm_count))
     g3, b3 = (grid + [1, 1, 1])[:3], (list(local) + [1, 1, 1])[:3]
     return (g3[0], g3[1], g3[2]), (b3[0], b3[1], b3[2])
 
@@ -123,7 +121,7 @@ class PreparedLaunch:
 
 
 def prepare_launches(ordinal: int, module: Module, kernels: Sequence[tuple[KernelSpec, Sequence[tuple[Any, int]]]],
-                     sm_count: int, max_threads: int) -> PreparedLaunch:
+                     max_threads: int) -> PreparedLaunch:
     from cuda.core import LaunchConfig
 
     n_statics = len(kernels[0][0].statics) if kernels else 0
@@ -135,7 +133,7 @@ def prepare_launches(ordinal: int, module: Module, kernels: Sequence[tuple[Kerne
         if spec.plan.kind == RAW:
             grid, block = _raw_shape(spec, kernel, len(args), max_threads)
         else:
-            grid, block = grid_and_block(spec.launch, sm_count)
+            grid, block = grid_and_block(spec.launch)
         config = LaunchConfig(grid=grid, block=block, shmem_size=spec.launch.shared_bytes)
         launches.append(KernelLaunch(spec.name, kernel, config,
                                      tuple(np.uint64(pool.ptr + off) for pool, off in args)))
