@@ -100,6 +100,9 @@ class Reduce:
     # The values may be combined in any order (the partial results of a split reduction):
     # a dialect may keep several accumulators (vector lanes). Otherwise: in loop order.
     reassociable: bool = False
+    # One work-item combines them, in loop order, on every target (a GPU's group-per-cell
+    # tree would round differently): a scatter's sums, which promise the serial order.
+    ordered: bool = False
 
     @property
     def length(self) -> int:

@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import numpy as np
 
-from polyjit.core import ir
+from polyjit.core import dtypes, ir
 from polyjit.core.errors import InvalidProgramError
 from polyjit.core.folding import fold_constants
 from polyjit.core.fusion import fuse_epilogues, fuse_horizontal, fuse_rows, fuse_segments
@@ -359,8 +359,9 @@ def flat_index(node: Node, index: Sequence[Affine]) -> Affine:
 
 
 class _Lowerer:
-    def __init__(self, inference: Inference) -> None:
+    def __init__(self, inference: Inference, scatter_scan: int = 0) -> None:
         self.inference = inference
+        self.scatter_scan = scatter_scan
         self._fresh = 0
 
     def fresh_symbols(self, n: int) -> list[Symbol]:
@@ -459,7 +460,13 @@ class _Lowerer:
 
     def lower_scatter_add(self, name: str, node: Node, v: ir.ScatterAdd) -> list[Kernel]:
         """Zeros, then one serial kernel: for each index in row-major order, its row of values
-        added to the row it picks (rows picked twice add up in that order, on every target)."""
+        added to the row it picks (rows picked twice add up in that order, on every target).
+        Where the target scans indices cheaply (``scatter_scan``: a GPU's threads, each
+        comparing rows x updates indices at most), each cell instead sums the updates that pick
+        its row, in the same order, from zero: one parallel kernel, the same sums bit for bit."""
+        updates = math.prod(v.indices.shape)
+        if node.shape[0] * updates <= self.scatter_scan:
+            return [self.scatter_by_owner(name, node, v)]
         zero = self.fill_kernel(f"{name}_init", node, Const(0, node.dtype), f"{node.label} = 0")
         at = self.fresh_symbols(len(v.indices.shape))
         col = self.fresh_symbols(len(node.shape) - 1)
@@ -469,6 +476,23 @@ class _Lowerer:
         for sym, n in reversed([*zip(at, v.indices.shape), *zip(col, node.shape[1:])]):
             body = Loop(sym, n, body)
         return [zero, Kernel(name, (), body, f"{node.label} += rows of {v.values.label} at {v.indices.label}")]
+
+    def scatter_by_owner(self, name: str, node: Node, v: ir.ScatterAdd) -> Kernel:
+        """``node[row, j...] = sum over i (row-major) of where(clamp(indices[i]) == row,
+        values[i, j...], 0)``: adding 0 leaves a sum that started from +0 unchanged, so each
+        cell is the serial kernel's, whatever its updates hold."""
+        row, *col = self.fresh_symbols(len(node.shape))
+        at = self.fresh_symbols(len(v.indices.shape))
+        r, j = [ir.as_affine(s) for s in at], [ir.as_affine(s) for s in col]
+        i64 = dtypes.int64
+        picked: Expr = Call(ir.Op.CAST, (self.read(v.indices, r),), i64)
+        picked = Call(ir.Op.MAX, (Call(ir.Op.MIN, (picked, Const(node.shape[0] - 1, i64)), i64), Const(0, i64)), i64)
+        mine = Call(ir.Op.EQ, (picked, IndexValue(ir.as_affine(row), i64)), dtypes.bool_)
+        value = Call(ir.Op.WHERE, (mine, self.read(v.values, (*r, *j)), Const(0, node.dtype)), node.dtype)
+        body = Reduce(node, flat_index(node, (ir.as_affine(row), *j)), ir.AccumOp.ADD, Const(0, node.dtype),
+                      tuple(zip(at, v.indices.shape)), value, ordered=True)
+        nest = tuple(zip([row, *col], node.shape))
+        return Kernel(name, nest, body, f"{node.label} = rows of {v.values.label} at {v.indices.label}, by row")
 
     def lower_accum(self, name: str, a: ir.Accum) -> list[Kernel]:
         pr = a.projections
@@ -638,16 +662,18 @@ def split_long_reduction(k: Kernel) -> tuple[list[Kernel], Node | None]:
 def lower(comps: Sequence[ir.Comp], names: Sequence[str], horizontal: bool = True,
           epilogues: Callable[[Kernel], bool] | None = None,
           rows: Callable[[Kernel], bool] | None = None,
-          segments: Callable[[Kernel], bool] | None = None) -> LoweredBatch:
+          segments: Callable[[Kernel], bool] | None = None,
+          scatter_scan: int = 0) -> LoweredBatch:
     """Lower a batch of computations into kernels (the names must be C identifiers);
     ``horizontal``: merge elementwise kernels of one iteration space; ``epilogues``: the
     contractions the target tiles with an epilogue, each merged with the elementwise kernel
     after it that reads it; ``rows``: the kernels the target runs in row groups, adjacent ones
     over one outer loop merged; ``segments``: the kernels the target batches, independent ones
-    run as segments of one launch (core/fusion.py)."""
+    run as segments of one launch (core/fusion.py); ``scatter_scan``: scatters of at most this
+    many rows x updates are computed by row (:meth:`_Lowerer.scatter_by_owner`)."""
     comps = [_read_own_target_first(c) for c in fold_constants(comps)]
     inference = infer_modes(comps)
-    lowerer = _Lowerer(inference)
+    lowerer = _Lowerer(inference, scatter_scan)
     out: list[LoweredComp] = []
     for comp, name in zip(comps, names):
         kernels: list[Kernel] = []

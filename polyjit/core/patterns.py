@@ -428,7 +428,7 @@ MAX_GRID_YZ = 65535  # CUDA's grid limit in y and z
 def wants_group_reduce(kernel: Kernel) -> bool:
     """Few cells and long reductions: a group per cell."""
     r = kernel.body
-    if not isinstance(r, Reduce) or not r.loops or r.length < GROUP_MIN_LENGTH:
+    if not isinstance(r, Reduce) or not r.loops or r.length < GROUP_MIN_LENGTH or r.ordered:
         return False
     if not kernel.parallel:
         return True

@@ -203,7 +203,8 @@ class Backend:
         dialect = self.driver.dialect
         tiled = (lambda k: plan_kernel(k, dialect).contraction is not None) if dialect.matmul_epilogues else None
         lowered = lower([comp_list[k] for k in keep], c_names, epilogues=tiled,
-                        rows=lambda k: row_fusable(k, dialect), segments=lambda k: segmentable(k, dialect))
+                        rows=lambda k: row_fusable(k, dialect), segments=lambda k: segmentable(k, dialect),
+                        scatter_scan=dialect.scatter_scan)
         source = generate(lowered, dialect)
         log_source(f"{self.name} batch {', '.join(c_names[:3])}{'...' if len(c_names) > 3 else ''}", source.text,
                    {"c": ".c", "opencl": ".cl", "cuda": ".cu"}.get(source.dialect, ".txt"))

@@ -1,0 +1,91 @@
+"""A scatter-add computed by row (core/lower.py ``scatter_by_owner``, what GPU dialects ask
+for with ``scatter_scan``): one parallel kernel whose cells each sum the updates that pick
+their row, in row-major order from zero, is the serial kernel bit for bit, whatever the
+indices (repeated, out of range: clamped) and the values (NaN, infinities, signed zeros)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from polyjit.backends import get_backend
+from polyjit.backends.cuda.dialect import CudaDialect
+from polyjit.core import dtypes, ir
+from polyjit.core.ir import Node
+from polyjit.core.loops import Reduce
+from polyjit.core.lower import lower
+from polyjit.core.patterns import GROUP_REDUCTION, REDUCTION, plan_kernel
+
+
+def _scatter(rows: int, cols: tuple[int, ...], updates: tuple[int, ...],
+             index_dtype: dtypes.DType = dtypes.int32) -> tuple[Node, Node, Node, ir.Comp]:
+    idx = Node("idx", updates, index_dtype)
+    vals = Node("vals", (*updates, *cols))
+    table = Node("table", (rows, *cols))
+    return idx, vals, table, ir.Comp.of(ir.scatter_add(idx, vals, into=table))
+
+
+def test_the_lowering_picks_by_row_up_to_the_scan_it_is_given() -> None:
+    *_, comp = _scatter(27, (16,), (128, 8))
+    serial = lower([comp], ["s"]).kernels
+    assert len(serial) == 2 and not serial[1].parallel  # zeros, then one serial kernel
+    (by_row,) = lower([comp], ["s"], scatter_scan=27 * 1024).kernels
+    assert isinstance(by_row.body, Reduce) and by_row.body.ordered and by_row.work == 27 * 16
+    assert len(lower([comp], ["s"], scatter_scan=27 * 1024 - 1).kernels) == 2
+    # on a GPU: a thread per cell, in order; never a group's tree
+    assert plan_kernel(by_row, CudaDialect()).kind == REDUCTION
+    *_, long_comp = _scatter(2, (1,), (1 << 16,))
+    (few_cells,) = lower([long_comp], ["s"], scatter_scan=1 << 20).kernels
+    assert plan_kernel(few_cells, CudaDialect()).kind != GROUP_REDUCTION
+
+
+@pytest.fixture(scope="module")
+def cpu() -> Iterator[object]:
+    yield get_backend("cpu")
+
+
+def _run(backend: object, comp: ir.Comp, table: Node, feeds: dict[Node, np.ndarray], scan: int) -> np.ndarray:
+    dialect = backend.driver.dialect  # type: ignore[attr-defined]
+    dialect.scatter_scan = scan
+    try:
+        code = backend.compile(comp, name="scatter")  # type: ignore[attr-defined]
+    finally:
+        del dialect.scatter_scan
+    ctx = backend.get_device(0).make_context()  # type: ignore[attr-defined]
+    for node, value in feeds.items():
+        ctx = ctx.init_from_host(node, value)
+    r = ctx.link(code)
+    r.run()
+    out = r.context.read(table)
+    r.context.finalize()
+    return out
+
+
+SPECIAL = [np.nan, np.inf, -np.inf, -0.0, 0.0, 1e30, -1e30, 1e-30, 3.0, -3.0]
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 9), cols=st.sampled_from([(1,), (3,), (2, 3)]),
+       updates=st.sampled_from([(1,), (7,), (4, 5)]), seed=st.integers(0, 2**32 - 1),
+       index_dtype=st.sampled_from([dtypes.int32, dtypes.int64]))
+def test_by_row_is_the_serial_kernel_bit_for_bit(cpu: object, rows: int, cols: tuple[int, ...],
+                                                  updates: tuple[int, ...], seed: int,
+                                                  index_dtype: dtypes.DType) -> None:
+    rng = np.random.default_rng(seed)
+    idx, vals, table, comp = _scatter(rows, cols, updates, index_dtype)
+    iv = rng.integers(-2, rows + 2, updates).astype(index_dtype.np)  # repeats and clamped ones
+    vv = (rng.standard_normal((*updates, *cols)) * rng.choice([1e-3, 1.0, 1e3])).astype(np.float32)
+    special = rng.random(vv.shape) < 0.2
+    vv[special] = rng.choice(SPECIAL, int(special.sum()))
+    feeds = {idx: iv, vals: vv}
+    serial = _run(cpu, comp, table, feeds, scan=0)
+    by_row = _run(cpu, comp, table, feeds, scan=1 << 30)
+    want = np.zeros((rows, *cols), np.float32)
+    with np.errstate(all="ignore"):
+        np.add.at(want, np.clip(iv, 0, rows - 1), vv)  # in row-major order, float32 sums
+    assert serial.tobytes() == want.tobytes()
+    assert by_row.tobytes() == serial.tobytes()
