@@ -20,16 +20,18 @@ no such feature, each use marked with which.
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from polyjit.backends.cuda.devices import (  # _cu: polyjit/bench/cuda.py's bare calls use cuda.driver._cu()
+from polyjit.backends.cuda.devices import (  # polyjit/bench/cuda.py's bare calls use cuda.driver._cu()
     BASE_ALIGNMENT,
     CudaDriverError,
-    _cu,  # noqa: F401
+    _cu,
+    _ok,
     discover,
     versions,
 )
@@ -231,7 +233,7 @@ class CudaDriver(DriverDefaults):
             recycled = free.pop()
         except IndexError:
             recycled = None
-        self.make_current(stream.ordinal)
+        self._devices[stream.ordinal].set_current()  # make_current, inlined: a stream's device is known
         if recycled is None:
             from cuda.core import EventOptions
 
@@ -279,7 +281,9 @@ class CudaDriver(DriverDefaults):
         return Buffer.from_handle(ptr, nbytes)
 
     def _copy(self, dst: int, src: int, nbytes: int, stream: StreamHandle) -> None:
-        self._view(dst, nbytes).copy_from(self._view(src, nbytes), stream=stream.core)
+        # raw cuMemcpyAsync (unified addresses: host, device, peer): every host copy passes
+        # here, and two cuda.core Buffer views a copy cost more than the call (a hot path)
+        _ok(_cu().cuMemcpyAsync(dst, src, nbytes, stream.handle), "cuMemcpyAsync")
 
     def _ring(self, ordinal: int) -> Staging:
         ring = self._staging.get(ordinal)
@@ -368,15 +372,16 @@ class CudaDriver(DriverDefaults):
         return prepare_launches(ordinal, module, kernels, int(props["max_threads_per_block"]))
 
     def launch(self, stream: StreamHandle, prepared: PreparedLaunch, statics: Sequence[int]) -> None:
-        # cuda.core's launch: 0.74 us a call on the stub against 0.39 us for a raw cuLaunchKernel
-        # with packed parameters; a GPU driver's own launch costs several times either.
-        from cuda.core import launch
-
-        tail = [np.int64(v) for v in statics]
-        self.make_current(prepared.ordinal)  # cuda.core launches in the thread's current context
+        # cuda.core's launch: on an H200 4.29 us a call against 4.18 us for a raw cuLaunchKernel
+        # with parameters packed once (docs/benchmarks.md, session 13): no reason to leave it
+        launch = _core_launch()
+        self._devices[prepared.ordinal].set_current()  # cuda.core launches in the thread's current context
         for ln in prepared.launches:
             try:
-                launch(stream.core, ln.config, ln.kernel, *ln.pointers, *tail)
+                if statics:
+                    launch(stream.core, ln.config, ln.kernel, *ln.pointers, *(np.int64(v) for v in statics))
+                else:
+                    launch(stream.core, ln.config, ln.kernel, *ln.pointers)
             except Exception as e:
                 raise CudaDriverError(f"launching {ln.name} (grid {ln.grid}, block {ln.block}) on "
                                       f"cuda:{prepared.ordinal} failed: {e}") from e
@@ -388,3 +393,11 @@ class CudaDriver(DriverDefaults):
                 ring.close()
             self._staging.clear()
 
+
+@functools.cache
+def _core_launch() -> Any:
+    """cuda.core's ``launch``, imported once (the package imports without cuda.core; an
+    import statement in the launch path cost 0.3 us a launch)."""
+    from cuda.core import launch
+
+    return launch
