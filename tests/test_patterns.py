@@ -265,7 +265,8 @@ def test_a_big_reduction_into_many_cells() -> None:
     cpu = _plan(comp, CPU)
     assert (cpu.kind, cpu.shape, cpu.team) == (REDUCTION, "", 1)
     assert _plan(comp, OpenCLDialect()).kind == REDUCTION  # 256 values a cell: too short for a group
-    assert _plan(comp, CudaDialect()).launch == LaunchShape((4096,), (256,))
+    assert _plan(comp, CudaDialect()).launch == LaunchShape((4096,), (32,))  # spread: 128 blocks
+    assert _plan(_reduce("ij->i", (1 << 16, 64), (1 << 16,)), CudaDialect()).launch.local_size == (256,)
     full = _plans(_reduce("i->", (1 << 20,), ()), CPU)  # split: partial results, then one thread
     assert [(p.kind, p.team) for p in full] == [(REDUCTION, 1), (SERIAL, 0)]
     unsplit = _plan(_reduce("i->", (65_537 * 2,), ()), CPU)  # no divisor fits: OpenMP threads share the loop

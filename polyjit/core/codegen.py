@@ -144,6 +144,10 @@ class Dialect:
     # Scatter-adds of at most this many rows x updates are computed by row, in parallel (each
     # cell scans every update's index; 0: never): core/lower.py scatter_by_owner
     scatter_scan = 0
+    # GRID_STRIDE: a reduction with a thread per cell runs on at least this many blocks (of
+    # 32 threads or more) when it has the cells: each thread's loop is long, and a few full
+    # blocks would leave most of a GPU's multiprocessors idle (0: full blocks)
+    reduction_min_blocks = 0
     grid_stride_unroll_min_work = 1 << 20
     group_reductions = False  # a work-group per cell for few, long reductions
     matmul = False  # contractions as tiles

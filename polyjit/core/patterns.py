@@ -470,6 +470,8 @@ def _gpu_plan(kernel: Kernel, d: Dialect) -> KernelPlan:
         # a full work-group, or fewer threads (a multiple of 32) for a small nest
         threads = d.work_group if work >= d.work_group else max(32, _ceil_div(work, 32) * 32)
         kind = _kind(kernel)
+        if kind == REDUCTION and d.reduction_min_blocks:  # a serial loop per cell: cells spread
+            threads = min(threads, max(32, _ceil_div(_ceil_div(work, d.reduction_min_blocks), 32) * 32))
         unroll = d.grid_stride_unroll if kind == ELEMENTWISE and work >= d.grid_stride_unroll_min_work else 1
         blocks = max(1, min(_ceil_div(work, threads * unroll), MAX_GRID_BLOCKS))
         return KernelPlan(kind, LaunchShape((blocks * threads,), (threads,)), unroll=unroll)

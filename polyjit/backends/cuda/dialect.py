@@ -66,6 +66,7 @@ class CudaDialect(Dialect):
     grid_stride_unroll = 4
     # char_lm's embedding gradient (27 rows x 1024 updates) was one serial thread: 670 us on an H200
     scatter_scan = 1 << 22
+    reduction_min_blocks = 128  # about an H100's or H200's multiprocessors (132)
     group_reductions = True
     matmul = True
     matmul_dtypes = (dtypes.float32,)
