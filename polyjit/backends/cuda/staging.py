@@ -49,10 +49,6 @@ def host_copy(dst: np.ndarray, src: np.ndarray) -> None:
         f.result()
 
 
-def _fill(part: np.ndarray, view: np.ndarray) -> None:
-    host_copy(view, part)
-
-
 def _drain(part: np.ndarray, view: np.ndarray) -> None:
     host_copy(part, view)
 
@@ -99,41 +95,38 @@ class Staging:
         seg[2].sync()
         self._complete(seg)
 
-    def stage(self, stream: Any, n: int, fill: Callable[[np.ndarray], None] | None,
-              dma: Callable[[int], None], completion: Callable[[np.ndarray], None] | None) -> None:
-        """Take ``n`` bytes of the ring, ``fill`` them (host side), enqueue ``dma(address)`` on
-        ``stream``, record an event behind it, and remember ``completion`` (called with the
-        segment's bytes once the event is done)."""
+    def _reserve(self, n: int) -> int:
+        """Take ``n`` bytes of the ring (lock held): the start of a segment no DMA in flight
+        uses, waiting for the oldest segments in its way."""
         size = (n + 255) // 256 * 256
-        with self.lock:
-            if len(self.segments) > RECLAIM_AFTER:  # asking an event costs 1.5 us on an H200
-                self._reclaim_done()
-            if self.head + size > self.nbytes:
-                self.head = 0
-            start, end = self.head, self.head + size
-            while self.segments and any(s[0] < end and start < s[1] for s in self.segments):
-                self._retire_oldest()
-            self.head = end
-            view = self.view[start : start + n]
-            if fill is not None:
-                fill(view)
-            dma(self.ptr + start)
-            done = None if completion is None else (lambda: completion(view))
-            self.segments.append([start, end, self._record(stream), done])
-            if done is not None:
-                self.pending += 1
+        segments = self.segments
+        if len(segments) > RECLAIM_AFTER:  # asking an event costs 1.5 us on an H200
+            self._reclaim_done()
+        # Segments lie in the ring in the order they were taken, oldest first, from past the
+        # head round to it: only the oldest can be in the way, and once it is not, none is.
+        # Wrapping to 0 skips the tail from the head on, which the oldest segments hold.
+        tail, wrap = self.head, self.head + size > self.nbytes
+        start = 0 if wrap else self.head
+        end = start + size
+        while segments:
+            s0 = segments[0]
+            if not ((wrap and s0[0] >= tail) or (s0[0] < end and start < s0[1])):
+                break
+            self._retire_oldest()
+        self.head = end
+        return start
 
     def to_device(self, stream: Any, dst: int, src: np.ndarray) -> None:
-        """Enqueue ``src`` (uint8, C-contiguous) -> device address ``dst``, chunk by chunk."""
+        """Enqueue ``src`` (uint8, C-contiguous) -> device address ``dst``, chunk by chunk: the
+        host copies a chunk into the ring, then the DMA takes it from there."""
         n, chunk = src.nbytes, self.chunk
         for off in range(0, n, chunk):
             m = min(chunk, n - off)
-            part = src[off : off + m]
-
-            def dma(ptr: int, at: int = dst + off, m: int = m) -> None:
-                self._copy(at, ptr, m, stream)
-
-            self.stage(stream, m, functools.partial(_fill, part), dma, None)
+            with self.lock:
+                start = self._reserve(m)
+                host_copy(self.view[start : start + m], src[off : off + m])
+                self._copy(dst + off, self.ptr + start, m, stream)
+                self.segments.append([start, start + m, self._record(stream), None])
 
     def to_host(self, stream: Any, out: np.ndarray, src: int) -> None:
         """Enqueue device address ``src`` -> ``out`` (uint8); the bytes land when the stream's
@@ -141,11 +134,13 @@ class Staging:
         n, chunk = out.nbytes, self.chunk
         for off in range(0, n, chunk):
             m = min(chunk, n - off)
-
-            def dma(ptr: int, at: int = src + off, m: int = m) -> None:
-                self._copy(ptr, at, m, stream)
-
-            self.stage(stream, m, None, dma, functools.partial(_drain, out[off : off + m]))
+            with self.lock:
+                start = self._reserve(m)
+                self._copy(self.ptr + start, src + off, m, stream)
+                view = self.view[start : start + m]
+                self.segments.append([start, start + m, self._record(stream),
+                                      functools.partial(_drain, out[off : off + m], view)])
+                self.pending += 1
 
     def poll(self) -> None:
         """Run the completions whose events are done."""
