@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from polyjit.backends import get_backend
 from polyjit.backends.cuda.dialect import CudaDialect
 from polyjit.core import dtypes, ir
+from polyjit.core.codegen import generate
 from polyjit.core.ir import Node
 from polyjit.core.loops import Reduce
 from polyjit.core.lower import lower
@@ -39,6 +40,8 @@ def test_the_lowering_picks_by_row_up_to_the_scan_it_is_given() -> None:
     # on a GPU: a thread per cell, in order; never a group's tree
     on_gpu = plan_kernel(by_row, CudaDialect())
     assert on_gpu.kind == REDUCTION and on_gpu.launch.local_size == (32,)  # 14 blocks: spread over SMs
+    text = generate(lower([comp], ["s"], scatter_scan=1 << 22), CudaDialect()).text
+    assert "#pragma unroll 4\n      for (int64_t" in text  # 4 trips of its loop: their loads in flight together
     *_, long_comp = _scatter(2, (1,), (1 << 16,))
     (few_cells,) = lower([long_comp], ["s"], scatter_scan=1 << 20).kernels
     assert plan_kernel(few_cells, CudaDialect()).kind != GROUP_REDUCTION

@@ -68,6 +68,9 @@ class GpuSpelling:
     global_id: str = ""  # the global id in dim "{d}" (GLOBAL_IDS)
     unroll: str = "#pragma unroll"
     host_tiles: tuple[str, TileEmitter] | None = None  # (macro, variant compiled when it is defined)
+    # before the outer loop of a reduction a thread runs for its cell: unrolled, its loads are
+    # in flight together rather than one trip's at a time ("": no pragma)
+    cell_reduction: str = ""
 
 
 def emit_body(em: Emitter, kernel: Kernel, plan: KernelPlan, names: Names, s: GpuSpelling) -> list[str]:
@@ -141,7 +144,9 @@ def emit_grid_stride(em: Emitter, kernel: Kernel, plan: KernelPlan, names: Names
         lines = [f"  for ({ft} pj_flat = ({ft}){s.group_ids[0]} * {s.size} + {s.local}; pj_flat < {work}{suf}; "
                  f"pj_flat += ({ft}){s.groups} * {s.size}) {{"]
         lines += decompose("pj_flat", kernel.parallel, names, suf, "    ", s)
-        lines += em.stmt(kernel.body, 2)
+        body = kernel.body
+        lines += (em.reduce(body, 2, s.cell_reduction) if isinstance(body, Reduce) and s.cell_reduction
+                  else em.stmt(body, 2))
         lines.append("  }")
         return lines
     threads = plan.threads
