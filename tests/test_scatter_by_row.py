@@ -42,6 +42,9 @@ def test_the_lowering_picks_by_row_up_to_the_scan_it_is_given() -> None:
     assert on_gpu.kind == REDUCTION and on_gpu.launch.local_size == (32,)  # 14 blocks: spread over SMs
     text = generate(lower([comp], ["s"], scatter_scan=1 << 22), CudaDialect()).text
     assert "#pragma unroll 4\n      for (int64_t" in text  # 4 trips of its loop: their loads in flight together
+    bias = Node("g", (128, 27))
+    single = generate(lower([ir.Comp.of(ir.einsum("ij->j", bias, into=Node("b", (27,))))], ["b"]), CudaDialect())
+    assert "#pragma unroll " not in single.text  # one loop: nvcc unrolls all of it unasked, a pragma would cap it
     *_, long_comp = _scatter(2, (1,), (1 << 16,))
     (few_cells,) = lower([long_comp], ["s"], scatter_scan=1 << 20).kernels
     assert plan_kernel(few_cells, CudaDialect()).kind != GROUP_REDUCTION

@@ -44,9 +44,9 @@ SPELLING = GpuSpelling(
     pointer="{const}{t}* __restrict__",
     vector_load="*reinterpret_cast<const {v}*>(&{p})",
     vector_store="*reinterpret_cast<{v}*>(&{p}) = {x};",
-    # char_lm's scatter by row (1024 updates a cell) issued 16 loads a trip, then waited: with
-    # 4 trips unrolled, 64 (tests/test_scatter_by_row.py; docs/benchmarks.md, session 13)
-    cell_reduction="#pragma unroll 4",
+    # char_lm's scatter by row (128 x 8 updates a cell) issued 16 loads a trip, then waited:
+    # with 4 trips unrolled, 64 (36.5 -> 22.5 us on an H200; docs/benchmarks.md, session 13)
+    cell_reduction="#pragma unroll {n}",
 )
 
 
