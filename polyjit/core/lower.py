@@ -694,6 +694,7 @@ def lower(comps: Sequence[ir.Comp], names: Sequence[str], horizontal: bool = Tru
             )
             if accumulates_onto_context and target not in written:
                 inputs[target] = None
+            first_write = target not in written
             written.add(target)
             if inference.modes[target] is MemoryMode.VIRTUAL:
                 continue
@@ -701,6 +702,12 @@ def lower(comps: Sequence[ir.Comp], names: Sequence[str], horizontal: bool = Tru
                 constants.append((target, leaf.value.values))
                 continue
             kname = f"{name}_{k}"
+            if (first_write and inference.modes[target] is MemoryMode.LOCAL and isinstance(leaf, ir.Accum)
+                    and leaf.accum is None and not ir.writes_every_cell(leaf)):
+                # scratch shares memory within a run: a node written at some cells starts at
+                # zero, as the reference's does, not with what an earlier scratch node left
+                kernels.append(lowerer.fill_kernel(f"{kname}_zero", target, Const(0, target.dtype),
+                                                   f"{target.label} = 0"))
             raw = lowerer.lower_fetch(kname, leaf) if isinstance(leaf, ir.Fetch) else lowerer.lower_accum(kname, leaf)
             for kern in raw:
                 pieces, partial = split_long_reduction(simplify(kern))

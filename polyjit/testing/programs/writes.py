@@ -114,6 +114,16 @@ def writes() -> list[CatalogProgram]:
     diag_read = ir.Accum(dvec, None, Op.ID, (dread,), ir.projections([(i, 6)], [i], [i, i]))
     out.append(program("read.diagonal", diag_read,
                        inputs=[(dread, values(dtypes.float64, dread.shape))], outputs=[dvec]))
+    # scratch written at two cells after other scratch died: its other cells are zero, not
+    # what the scratch before it left in the memory they share
+    sx = f32("sx", (64,))
+    s1, s2 = Node("s1", (64,), dtypes.float32, MemoryMode.LOCAL), Node("s2", (64,), dtypes.float32, MemoryMode.LOCAL)
+    tot, so = f32("stot", ()), f32("so", (64,))
+    out.append(program("write.scratch_in_part_after_scratch",
+                       ir.apply(Op.MUL, sx, 5.0, into=s1), ir.einsum("i->", s1, into=tot),
+                       ir.Accum(s2, None, Op.ID, (tot,), ir.projections([(i, 2)], [i], [])),
+                       ir.apply(Op.MUL, s2, 1.0, into=so),
+                       inputs=[(sx, values(dtypes.float32, sx.shape, "quarter"))], outputs=[so]))
     return out
 
 
