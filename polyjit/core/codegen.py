@@ -244,10 +244,14 @@ class Dialect:
             with np.errstate(over="ignore"):
                 value = float(np.float32(value))  # 1e40 is inf in float32: INFINITY, not "inff"
         if math.isnan(value):
-            return "NAN"
+            return self.special_float(dt, "nan")
         if math.isinf(value):
-            return "INFINITY" if value > 0 else "(-INFINITY)"
+            return self.special_float(dt, "inf" if value > 0 else "-inf")
         return f"{value!r}f" if dt is dtypes.float32 else repr(float(value))
+
+    def special_float(self, dt: DType, which: str) -> str:
+        """NaN ("nan"), or an infinity ("inf", "-inf"), of a float type, as this language spells it."""
+        return {"nan": "NAN", "inf": "INFINITY", "-inf": "(-INFINITY)"}[which]
 
     def pragma(self, template: str | None, collapse: int, accum: ir.AccumOp | None = None) -> str | None:
         """A pragma template with its collapse clause (and reduction operator) filled in."""

@@ -17,10 +17,6 @@ tests' host builds) they are core/half.py's portable ones, which give the same b
 
 from __future__ import annotations
 
-import math
-
-import numpy as np
-
 from polyjit.core import dtypes, half, patterns
 from polyjit.core.codegen import Dialect, KernelSpec, Names
 from polyjit.core.dtypes import DType
@@ -108,18 +104,14 @@ class CudaDialect(Dialect):
             "",
         ]
 
-    def float_literal(self, value: float, dt: DType) -> str:
+    def special_float(self, dt: DType, which: str) -> str:
+        # the bits: NVRTC has no math.h macros without a toolkit's headers
         if dt is dtypes.float32:
-            with np.errstate(over="ignore"):
-                value = float(np.float32(value))  # inf in float32, though not in float64
-        if math.isnan(value):
-            return "__int_as_float(0x7fc00000)" if dt is dtypes.float32 else "__longlong_as_double(0x7ff8000000000000LL)"
-        if math.isinf(value):
-            if dt is dtypes.float32:
-                return "__int_as_float(0x7f800000)" if value > 0 else "__int_as_float(0xff800000)"
-            bits = "0x7ff0000000000000LL" if value > 0 else "(long long)0xfff0000000000000ULL"
-            return f"__longlong_as_double({bits})"
-        return super().float_literal(value, dt)
+            bits = {"nan": "0x7fc00000", "inf": "0x7f800000", "-inf": "0xff800000"}[which]
+            return f"__int_as_float({bits})"
+        bits = {"nan": "0x7ff8000000000000LL", "inf": "0x7ff0000000000000LL",
+                "-inf": "(long long)0xfff0000000000000ULL"}[which]
+        return f"__longlong_as_double({bits})"
 
     def kernel_open(self, spec: KernelSpec, names: Names) -> list[str]:
         params = []
