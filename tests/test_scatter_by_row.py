@@ -97,3 +97,31 @@ def test_by_row_is_the_serial_kernel_bit_for_bit(cpu: object, rows: int, cols: t
     nan = np.isnan(want)  # a NaN's sign and payload are the hardware's, not numpy's
     assert np.array_equal(np.isnan(serial), nan) and serial[~nan].tobytes() == want[~nan].tobytes()
     assert by_row.tobytes() == serial.tobytes()
+
+
+def test_what_keeps_the_serial_kernel_or_its_order() -> None:
+    """From a hostile review: a half type's table rounds after every update (a sum by row
+    would round once: 1000 + 63 x 0.1 gave 1006.5 in float16, the serial kernel 1000); a
+    table of one row has no parallel loop, and its long sum must not be split into partial
+    sums; an empty inner loop has nothing to unroll."""
+    idx, vals = Node("idx", (8,), dtypes.int32), Node("vals", (8, 2), dtypes.float16)
+    half = ir.Comp.of(ir.scatter_add(idx, vals, into=Node("table", (4, 2), dtypes.float16)))
+    assert len(lower([half], ["s"], scatter_scan=1 << 30).kernels) == 2  # zeros, then serial
+    *_, one_row = _scatter(1, (), (1 << 16,))
+    (k,) = lower([one_row], ["s"], scatter_scan=1 << 30).kernels
+    assert isinstance(k.body, Reduce) and k.body.ordered and not k.body.reassociable
+    *_, empty = _scatter(3, (2,), (4, 0))
+    generate(lower([empty], ["s"], scatter_scan=1 << 30), CudaDialect())
+    x = Node("x", (64, 4, 0))
+    generate(lower([ir.Comp.of(ir.einsum("ijk->i", x, into=Node("r", (64,))))], ["r"]), CudaDialect())
+
+
+def test_one_row_of_many_updates_is_summed_in_order(cpu: object) -> None:
+    idx, vals, table, comp = _scatter(1, (), (1 << 16,))
+    rng = np.random.default_rng(5)
+    feeds = {idx: np.zeros(1 << 16, np.int32), vals: rng.standard_normal(1 << 16).astype(np.float32) * 100}
+    serial = _run(cpu, comp, table, feeds, scan=0)
+    by_row = _run(cpu, comp, table, feeds, scan=1 << 30)
+    want = np.zeros(1, np.float32)
+    np.add.at(want, feeds[idx], feeds[vals])
+    assert serial.tobytes() == want.tobytes() and by_row.tobytes() == serial.tobytes()

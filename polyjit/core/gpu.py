@@ -174,6 +174,8 @@ def _cell_reduction_pragma(r: Reduce, s: GpuSpelling) -> str | None:
     if not s.cell_reduction or len(r.loops) < 2:
         return None
     inner = math.prod(n for _, n in r.loops[1:])
+    if inner == 0:  # an empty inner loop: nothing to unroll
+        return None
     trips = min(8, max(2, 32 // inner))
     return s.cell_reduction.format(n=trips) if r.loops[0][1] > trips else None
 

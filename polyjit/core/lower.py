@@ -463,9 +463,11 @@ class _Lowerer:
         added to the row it picks (rows picked twice add up in that order, on every target).
         Where the target scans indices cheaply (``scatter_scan``: a GPU's threads, each
         comparing rows x updates indices at most), each cell instead sums the updates that pick
-        its row, in the same order, from zero: one parallel kernel, the same sums bit for bit."""
+        its row, in the same order, from zero: one parallel kernel, the same sums (a half
+        type's table keeps the serial kernel: it rounds after every update, a sum would round
+        once)."""
         updates = math.prod(v.indices.shape)
-        if node.shape[0] * updates <= self.scatter_scan:
+        if node.shape[0] * updates <= self.scatter_scan and not node.dtype.is_half:
             return [self.scatter_by_owner(name, node, v)]
         zero = self.fill_kernel(f"{name}_init", node, Const(0, node.dtype), f"{node.label} = 0")
         at = self.fresh_symbols(len(v.indices.shape))
@@ -480,7 +482,11 @@ class _Lowerer:
     def scatter_by_owner(self, name: str, node: Node, v: ir.ScatterAdd) -> Kernel:
         """``node[row, j...] = sum over i (row-major) of where(clamp(indices[i]) == row,
         values[i, j...], 0)``: adding 0 leaves a sum that started from +0 unchanged, so each
-        cell is the serial kernel's, whatever its updates hold."""
+        cell is the serial kernel's, whatever its updates hold, where the values are loads.
+        Values computed inline (a product) may differ in the last bit where a compiler fuses
+        the serial kernel's ``cell + x * y`` into one FMA (NVCC does); here the product is
+        rounded first, as the reference rounds it. The Reduce is ``ordered``: never split
+        into partial sums or shared by threads."""
         row, *col = self.fresh_symbols(len(node.shape))
         at = self.fresh_symbols(len(v.indices.shape))
         r, j = [ir.as_affine(s) for s in at], [ir.as_affine(s) for s in col]
@@ -631,7 +637,8 @@ def split_long_reduction(k: Kernel) -> tuple[list[Kernel], Node | None]:
     a chunk, the vector width: chunks are ``reassociable``), never by the thread count.
     Returns the kernels and the new scratch node of partial results (None: left whole)."""
     r = k.body
-    if k.parallel or not isinstance(r, Reduce) or math.prod(n for _, n in r.loops) < SPLIT_MIN_LENGTH:
+    if (k.parallel or not isinstance(r, Reduce) or r.ordered
+            or math.prod(n for _, n in r.loops) < SPLIT_MIN_LENGTH):
         return [k], None
     split = _split_parts(r.loops)
     if split is None:

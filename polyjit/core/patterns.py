@@ -310,7 +310,8 @@ def _loops_plan(kernel: Kernel, d: Dialect) -> KernelPlan:
         # a short outer loop: share the next ones too
         team = len(nest) - 1 if len(nest) > 1 and nest[0][1] < 64 else 1
         return KernelPlan(_kind(kernel), launch, shape, team, math.prod(n for _, n in nest[:team]))
-    if not nest and isinstance(body, Reduce) and body.loops and body.length >= OMP_REDUCTION_MIN_LENGTH:
+    if (not nest and isinstance(body, Reduce) and body.loops and body.length >= OMP_REDUCTION_MIN_LENGTH
+            and not body.ordered):
         # OpenMP threads share the reduced loops (a reduction clause): one call, no range
         return KernelPlan(REDUCTION, launch, shape, len(body.loops))
     return KernelPlan(_kind(kernel), launch, shape)
