@@ -223,6 +223,50 @@ def test_graph_captured_before_its_statics_are_bound(backend: Any, schedule: str
     ctx.finalize()
 
 
+def test_a_graph_update_that_fails_midway_is_redone_whole(backend: Any, schedule: str) -> None:
+    """A replay whose kernel-node updates fail after the first of a routine's two nodes leaves
+    that routine marked unknown: going back to the earlier bindings updates both nodes again
+    (else the first kept the failed replay's static)."""
+    rows = StaticSymbol("row", 4)
+    i = Symbol("i")
+    src, acc = f32("src", (4, 300)), f32("acc", (300,))
+    src2, acc2 = f32("src2", (4, 4096)), f32("acc2", ())
+    comp = ir.Comp.of(  # an elementwise kernel and a block reduction: two kernels, two graph nodes
+        ir.Accum(acc, AccumOp.ADD, Op.ID, (src,), ir.projections([(i, 300)], [i], [rows, i]), init_neutral=False),
+        ir.Accum(acc2, AccumOp.MAX, Op.ID, (src2,), ir.projections([(i, 4096)], [], [rows, i])))
+    dev = backend.get_device(0)
+    hsrc = np.arange(1200, dtype=np.float32).reshape(4, 300)
+    hsrc2 = np.arange(4 * 4096, dtype=np.float32).reshape(4, 4096)
+    ctx = (dev.make_context().init_from_host(src, hsrc).init_from_host(acc, np.zeros(300, np.float32))
+           .init_from_host(src2, hsrc2))
+    r = ctx.link(backend.compile(comp, name="two"))
+    plan = cuda.capture([r], bindings={rows: 1})
+    assert plan.kernel_count == 2
+    plan.replay()
+    graph = plan._graph
+    calls = []
+
+    class Failing:  # the second node update of the next replay fails
+        def __getitem__(self, node: Any) -> Any:
+            calls.append(node)
+            if len(calls) == 2:
+                raise RuntimeError("injected: node update failed")
+            return graph[node]
+
+    plan._graph = Failing()
+    plan.bindings[rows] = 2
+    with pytest.raises(RuntimeError, match="injected"):
+        plan.replay()
+    plan._graph = graph
+    plan.bindings[rows] = 1  # back to what the graph last ran with
+    plan.replay()
+    np.testing.assert_array_equal(r.context.read(acc), hsrc[1] * 2)
+    assert r.context.read(acc2) == hsrc2[1].max()
+    plan.close()
+    r.context.finalize()
+    ctx.finalize()
+
+
 def test_tensor_plans_replay_a_cuda_graph(backend: Any, schedule: str, stub_driver: stub.Driver) -> None:
     before = stub_driver.count("graph_launches")
     replays = scenarios.check_tensor_plans_replay_a_graph(backend)

@@ -74,9 +74,14 @@ class CudaGraph(Replay):
         values = [r.static_values(self.bindings) if r.statics else () for r in self.routines]
         changed = {k for k, v in enumerate(values) if v != self._last[k]}
         self._driver.make_current(self.device.ordinal)
-        for k, node, ln in self._nodes:
-            if k in changed:
-                self._graph[node].update(config=ln.config, kernel=ln.kernel, args=ln.arguments(values[k]))
+        try:
+            for k, node, ln in self._nodes:
+                if k in changed:
+                    self._graph[node].update(config=ln.config, kernel=ln.kernel, args=ln.arguments(values[k]))
+        except BaseException:
+            for k in changed:  # some of their nodes may hold the new values: update all next time
+                self._last[k] = None
+            raise
         for k in changed:
             self._last[k] = values[k]
         self.enqueue_launch(self._graph.launch, self.stream.handle.core)
