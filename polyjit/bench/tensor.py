@@ -51,6 +51,7 @@ from polyjit.bench.peers import (
 )
 from polyjit.bench.steps import PlanStep, finish
 from polyjit.bench.timing import best_of
+from polyjit.core.errors import UnsupportedError
 from polyjit.demo.datasets import context_windows, encode_text
 from polyjit.tensor.plan import Mode
 
@@ -143,10 +144,28 @@ def char_lm_plan(batch: int, mode: Mode, device: str = "cpu") -> tuple[pt.Plan, 
 
 
 def bench_char_lm_on(batch: int, steps: int, device: str) -> dict[str, float]:
-    """char_lm's samples/s on a device other than the CPU (no peers there)."""
+    """char_lm's samples/s on a device other than the CPU (no peers there), and where a step's
+    time goes: the host's enqueueing (inputs, routines) and, where the device times events,
+    its own time for a step (the plan's replays back to back, no host work between)."""
     plan, data = char_lm_plan(batch, "compiled", device)
     step = PlanStep(lambda: plan.step(**data()), plan)
-    return {"compiled_samples_s": best_rates({"lm": step}, batch, steps)["lm"]}
+    out = {"compiled_samples_s": best_rates({"lm": step}, batch, steps)["lm"]}
+    host, wall = host_and_wall(plan, data, steps)
+    out.update(step_us=batch / out["compiled_samples_s"] * 1e6, enqueue_us=host * 1e6, enqueue_sync_us=wall * 1e6)
+    replays = plan._linked.part_replays if plan._linked is not None else None
+    if replays:
+        stream = plan.context.stream
+        try:
+            start = stream.record(timing=True)
+            for _ in range(steps):
+                for r in replays:
+                    r.replay()
+            end = stream.record(timing=True)
+            out["device_step_us"] = start.elapsed_time(end) * 1e3 / steps
+        except UnsupportedError:
+            pass  # a backend that cannot time events
+    plan.close()
+    return out
 
 
 def host_and_wall(plan: pt.Plan, data: Callable[[], dict[str, Array]], steps: int) -> tuple[float, float]:
