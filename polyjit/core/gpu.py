@@ -284,22 +284,24 @@ def _shared_tiles(em: Emitter, plan: KernelPlan, names: Names, s: GpuSpelling) -
         f"    for (int pj_j = 0; pj_j < {TN}; ++pj_j) pj_c[pj_i][pj_j] = {zero};",
         "  }",
     ]
-    # with vector loads on both sides, the next slice's loads are issued into registers before
-    # this slice's multiply-adds (in flight while they run) and stored to local memory after
-    if plan.x_vector is not None and plan.y_vector is not None:
-        a_tile = _VectorTile("A", plan.x_vector, BM, BK, am, ak, NT, vec, s)
-        b_tile = _VectorTile("B", plan.y_vector, BN, BK, bn, bk, NT, vec, s)
-        lines += [*a_tile.declare(), *b_tile.declare(), *a_tile.load("0", "pj_m0", 1),
-                  *b_tile.load("0", "pj_n0", 1),
+    a_tile = _VectorTile("A", plan.x_vector, BM, BK, am, ak, NT, vec, s) if plan.x_vector else None
+    b_tile = _VectorTile("B", plan.y_vector, BN, BK, bn, bk, NT, vec, s) if plan.y_vector else None
+    lines += [*(a_tile.declare() if a_tile else []), *(b_tile.declare() if b_tile else [])]
+    if a_tile and b_tile:
+        # with vector loads on both sides, the next slice's loads are issued into registers
+        # before this slice's multiply-adds (in flight while they run), stored to local memory after
+        lines += [*a_tile.load("0", "pj_m0", 1), *b_tile.load("0", "pj_n0", 1),
                   f"  for ({L} pj_k0 = 0; pj_k0 < {K}{LL}; pj_k0 += {BK}) {{",
                   *a_tile.store(2), *b_tile.store(2), f"    {s.barrier}",
                   f"    if (pj_k0 + {BK} < {K}{LL}) {{",
                   *a_tile.load(f"pj_k0 + {BK}", "pj_m0", 3), *b_tile.load(f"pj_k0 + {BK}", "pj_n0", 3),
                   "    }"]
-    else:
+    else:  # each slice loaded, then stored, before its multiply-adds
         lines.append(f"  for ({L} pj_k0 = 0; pj_k0 < {K}{LL}; pj_k0 += {BK}) {{")
-        lines += _tile_loader("A", plan.x_vector, BM, BK, am, ak, M, K, "pj_m0", NT, vec, zero, s)
-        lines += _tile_loader("B", plan.y_vector, BN, BK, bn, bk, N, K, "pj_n0", NT, vec, zero, s)
+        for mover, which, BO, co, ck, extent, o0 in ((a_tile, "A", BM, am, ak, M, "pj_m0"),
+                                                     (b_tile, "B", BN, bn, bk, N, "pj_n0")):
+            lines += ([*mover.load("pj_k0", o0, 2), *mover.store(2)] if mover
+                      else _scalar_tile_loader(which, BO, BK, co, ck, extent, K, o0, NT, zero, s))
         lines.append(f"    {s.barrier}")
     fma = em.d.math_call("fma", dt, ["pj_a[pj_i]", "pj_b[pj_j]", "pj_c[pj_i][pj_j]"])
     lines += [f"    {s.unroll}", f"    for (int pj_kk = 0; pj_kk < {BK}; ++pj_kk) {{",
@@ -392,27 +394,13 @@ class _VectorTile:
             self.s.vector_store.format(v=self.vtype, p=f"{dst}[pj_k * {self.BO} + pj_o]", x=reg)])
 
 
-def _tile_loader(which: str, vec: str | None, BO: int, BK: int, co: int, ck: int, extent: int, K: int,
-                 o0: str, NT: int, vtype: str, zero: str, s: GpuSpelling) -> list[str]:
+def _scalar_tile_loader(which: str, BO: int, BK: int, co: int, ck: int, extent: int, K: int,
+                        o0: str, NT: int, zero: str, s: GpuSpelling) -> list[str]:
     """Load one BK x BO tile of A (outer = m) or B (outer = n) into pj_As / pj_Bs, laid out
-    [k][outer] (outer contiguous). ``co``, ``ck``: the operand's strides along outer and k."""
+    [k][outer] (outer contiguous), element by element, bounds-checked (an operand with no
+    vector side: :class:`_VectorTile` moves the others). ``co``, ``ck``: the operand's
+    strides along outer and k; the contiguous side (if any) varies fastest across threads."""
     src, dst, LL = f"pj_{which}", f"pj_{which}s", s.long_suffix
-    if vec == "k":  # contiguous along k: a vector is 4 k's of one row; stored transposed
-        load = s.vector_load.format(v=vtype, p=f"{src}[({o0} + pj_o) * {co}{LL} + (pj_k0 + pj_k)]")
-        return [f"    for (int pj_e = pj_tid; pj_e < {BO * BK // 4}; pj_e += {NT}) {{",
-                f"      const int pj_o = pj_e / {BK // 4};",
-                f"      const int pj_k = (pj_e % {BK // 4}) * 4;",
-                f"      const {vtype} pj_v = {load};",
-                *(f"      {dst}[(pj_k + {q}) * {BO} + pj_o] = pj_v.{lane};" for q, lane in enumerate("xyzw")),
-                "    }"]
-    if vec is not None:  # contiguous along the outer side: a vector is 4 rows of one k
-        load = s.vector_load.format(v=vtype, p=f"{src}[(pj_k0 + pj_k) * {ck}{LL} + ({o0} + pj_o)]")
-        return [f"    for (int pj_e = pj_tid; pj_e < {BO * BK // 4}; pj_e += {NT}) {{",
-                f"      const int pj_k = pj_e / {BO // 4};",
-                f"      const int pj_o = (pj_e % {BO // 4}) * 4;",
-                f"      {s.vector_store.format(v=vtype, p=f'{dst}[pj_k * {BO} + pj_o]', x=load)}",
-                "    }"]
-    # scalar, bounds-checked; the contiguous side (if any) varies fastest across threads
     k_fast = ck == 1 or co != 1
     split = ([f"      const int pj_o = pj_e / {BK};", f"      const int pj_k = pj_e % {BK};"] if k_fast
              else [f"      const int pj_k = pj_e / {BO};", f"      const int pj_o = pj_e % {BO};"])

@@ -48,9 +48,15 @@ def cuda_programs() -> tuple[CatalogProgram, ...]:
     mm("cuda.matmul.unaligned_large", "ik,kj->ij", (300, 9), (9, 260), (300, 260))
     mm("cuda.matmul.accumulate", "ik,kj->ij", (64, 64), (64, 64), (64, 64), init_neutral=False,
        runs=({}, {}))
+    # one operand with vector loads, the other element by element (its rows 66 apart)
+    i, j, k = Symbol("i"), Symbol("j"), Symbol("k")
+    for name, xs, ys, xi, yi in (("x_only", (64, 64), (64, 66), [i, k], [k, j]),
+                                 ("y_only", (64, 66), (64, 64), [i, k], [k, j])):
+        x, y, c = f32("x", xs), f32("y", ys), f32("c", (64, 64))
+        acc = ir.Accum(c, AccumOp.ADD, Op.MUL, (x, y), ir.projections([(i, 64), (j, 64), (k, 64)], [i, j], xi, yi))
+        out.append(program(f"cuda.matmul.vector_{name}", acc, inputs=[(x, q32(xs)), (y, q32(ys))], outputs=[c]))
     # a static symbol in the A operand: c[i, j] = sum_k x[$b, i, k] * w[k, j]
     bsym = StaticSymbol("b", 3)
-    i, j, k = Symbol("i"), Symbol("j"), Symbol("k")
     x, w, c = f32("x", (3, 64, 32)), f32("w", (32, 128)), f32("c", (64, 128))
     acc = ir.Accum(c, AccumOp.ADD, Op.MUL, (x, w),
                    ir.projections([(i, 64), (j, 128), (k, 32)], [i, j], [bsym, i, k], [k, j]))
