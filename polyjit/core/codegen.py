@@ -141,6 +141,7 @@ class Dialect:
     # grid_stride_unroll_min_work cells (independent loads in flight: a memory-bound kernel
     # needs several per thread to cover the latency of high-bandwidth memory)
     grid_stride_unroll = 1
+    grid_stride_unroll_min_work = 1 << 20
     # Scatter-adds of at most this many rows x updates are computed by row, in parallel (each
     # cell scans every update's index; 0: never): core/lower.py scatter_by_owner
     scatter_scan = 0
@@ -148,7 +149,6 @@ class Dialect:
     # 32 threads or more) when it has the cells: each thread's loop is long, and a few full
     # blocks would leave most of a GPU's multiprocessors idle (0: full blocks)
     reduction_min_blocks = 0
-    grid_stride_unroll_min_work = 1 << 20
     group_reductions = False  # a work-group per cell for few, long reductions
     matmul = False  # contractions as tiles
     matmul_dtypes: tuple[DType, ...] = (dtypes.float32, dtypes.float64)

@@ -666,6 +666,11 @@ def split_long_reduction(k: Kernel) -> tuple[list[Kernel], Node | None]:
 # The batch
 
 
+def _writes_in_part(leaf: ir.Accum | ir.Fetch) -> bool:
+    """An assignment (no accumulation) that may leave some cells of its node unwritten."""
+    return isinstance(leaf, ir.Accum) and leaf.accum is None and not ir.writes_every_cell(leaf)
+
+
 def lower(comps: Sequence[ir.Comp], names: Sequence[str], horizontal: bool = True,
           epilogues: Callable[[Kernel], bool] | None = None,
           rows: Callable[[Kernel], bool] | None = None,
@@ -709,8 +714,7 @@ def lower(comps: Sequence[ir.Comp], names: Sequence[str], horizontal: bool = Tru
                 constants.append((target, leaf.value.values))
                 continue
             kname = f"{name}_{k}"
-            if (first_write and inference.modes[target] is MemoryMode.LOCAL and isinstance(leaf, ir.Accum)
-                    and leaf.accum is None and not ir.writes_every_cell(leaf)):
+            if first_write and inference.modes[target] is MemoryMode.LOCAL and _writes_in_part(leaf):
                 # scratch shares memory within a run: a node written at some cells starts at
                 # zero, as the reference's does, not with what an earlier scratch node left
                 kernels.append(lowerer.fill_kernel(f"{kname}_zero", target, Const(0, target.dtype),
@@ -739,9 +743,7 @@ def lower(comps: Sequence[ir.Comp], names: Sequence[str], horizontal: bool = Tru
                         if modes[n] in (MemoryMode.ON_DEVICE, MemoryMode.MATERIALIZED))
         scratch = tuple(n for n in dict.fromkeys(ir.writes(leaf) for leaf in comp.leaves())
                         if modes[n] is MemoryMode.LOCAL) + tuple(partials)
-        partly_written = tuple(dict.fromkeys(
-            leaf.lhs for leaf in comp.leaves()
-            if isinstance(leaf, ir.Accum) and leaf.accum is None and not ir.writes_every_cell(leaf)))
+        partly_written = tuple(dict.fromkeys(ir.writes(leaf) for leaf in comp.leaves() if _writes_in_part(leaf)))
         out.append(
             LoweredComp(name, tuple(kernels), tuple(inputs), outputs, scratch, tuple(constants),
                         next(iter(merges), None), partly_written)

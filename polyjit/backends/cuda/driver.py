@@ -375,13 +375,11 @@ class CudaDriver(DriverDefaults):
         # cuda.core's launch: on an H200 4.29 us a call against 4.18 us for a raw cuLaunchKernel
         # with parameters packed once (docs/benchmarks.md, session 13): no reason to leave it
         launch = _core_launch()
+        tail = tuple(np.int64(v) for v in statics) if statics else ()
         self._devices[prepared.ordinal].set_current()  # cuda.core launches in the thread's current context
         for ln in prepared.launches:
             try:
-                if statics:
-                    launch(stream.core, ln.config, ln.kernel, *ln.pointers, *(np.int64(v) for v in statics))
-                else:
-                    launch(stream.core, ln.config, ln.kernel, *ln.pointers)
+                launch(stream.core, ln.config, ln.kernel, *ln.pointers, *tail)
             except Exception as e:
                 raise CudaDriverError(f"launching {ln.name} (grid {ln.grid}, block {ln.block}) on "
                                       f"cuda:{prepared.ordinal} failed: {e}") from e
