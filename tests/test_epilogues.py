@@ -7,10 +7,12 @@ merge."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from catalog_check import backend_or_skip, kernel_comments
 
 from polyjit.core import ir
+from polyjit.core.errors import InvalidProgramError
 from polyjit.core.fusion import _onto
 from polyjit.core.ir import Symbol
 from polyjit.testing.programs import by_name
@@ -51,3 +53,53 @@ def test_a_merged_nest_is_written_in_the_contraction_symbols() -> None:
     assert env is not None and env[f] == ir.affine((4, i), (1, j)) and env[k] == ir.as_affine(k)
     assert _onto(((f, 12),), ((i, 4), (j, 4))) is None  # other extents
     assert _onto(((f, 6), (k, 2)), ((i, 3), (j, 4))) is None  # runs that do not line up
+
+
+# -- private sums (core/fusion.py private_sums) --------------------------------------------
+
+
+@pytest.mark.parametrize(("program", "private"), [
+    ("epilogue.update_in_place.float32", ["g"]),  # the gradient: only the momentum update reads it
+    ("epilogue.relu_mask.float32", ["mc"]),
+    ("fusion.matmul_bias_relu", ["mm"]),
+    ("epilogue.bias_relu.float32", []),  # the product is kept (ON_DEVICE)
+    ("epilogue.sum_read_again.float64", []),  # a row sum reads the product too
+    ("epilogue.sum_read_by_next_comp.float32", []),  # ... in the next computation
+])
+def test_which_sums_stay_in_the_tiles(program: str, private: list[str]) -> None:
+    """A contraction's sum that is scratch and that only its epilogue reads is private to its
+    kernel; anything else that reads it, in the batch, or after it, keeps it stored."""
+    p = by_name(program)
+    batch = backend_or_skip("cpu").compile_batch(list(p.comps), names=[f"c{k}" for k in range(len(p.comps))])
+    assert [n.name for k in batch.lowered.kernels for n in k.private] == private
+
+
+def test_a_private_sum_is_never_stored() -> None:
+    """The tiles hand the epilogue the sums from a local array: the sum's buffer (the kernel's
+    first, b0) is never written. The values are the reference's (the catalog, every backend)."""
+    p = by_name("epilogue.update_in_place.float32")
+    text = backend_or_skip("cpu").compile(p.comps[0], name="epi").source
+    tile_kernel = text[text.index("void epi_0("):]
+    tile_kernel = tile_kernel[:tile_kernel.index("\n}\n")]
+    assert "pj_cell[pj_er][pj_ec]" in tile_kernel and "&b0[" not in tile_kernel and "b0[" not in tile_kernel.replace(
+        "pj_bufs[0]", "")
+
+
+def test_a_context_holding_a_private_sum_refuses_the_link() -> None:
+    """A sum kept in the kernel never reaches memory: a context that holds its node (and would
+    show a stale value after the run) gets a clear error, and stays usable."""
+    backend = backend_or_skip("cpu")
+    a, d, g, m = (ir.Node(nm, shape) for nm, shape in (("a", (30, 14)), ("d", (30, 50)), ("g", (14, 50)),
+                                                     ("m", (14, 50))))
+    comp = ir.Comp.of(ir.einsum("ki,kj->ij", a, d, into=g), ir.apply(ir.Op.ADD, m, g, into=m))
+    code = backend.compile(comp, name="upd")
+    assert [n.name for k in code.batch.lowered.kernels for n in k.private] == ["g"]
+    ctx = backend.get_device(0).make_context()
+    for n in (a, d, m):
+        ctx = ctx.init_from_host(n, np.ones(n.shape, np.float32))
+    held = ctx.init_from_host(g, np.zeros(g.shape, np.float32))
+    with pytest.raises(InvalidProgramError, match=r"keeps g#\d+ inside a kernel.*mark it ON_DEVICE"):
+        held.link(code)
+    routine = ctx.link(code)  # without g in the context it links, and runs
+    routine.run()
+    np.testing.assert_allclose(routine.context.read(m), np.full(m.shape, 31, np.float32))

@@ -345,6 +345,9 @@ class Emitter:
         self.d = dialect
         self.names = names
         self.hoisted: dict[tuple[ir.Node, int], str] = {}  # constant-index loads read once (emit_loops)
+        # A kernel's private nodes (Kernel.private) where a shape holds them, read there: the
+        # value of the one cell every load of them reads (the cell the statement works on)
+        self.held: dict[ir.Node, str] = {}
 
     # -- expressions ---------------------------------------------------------
 
@@ -394,6 +397,8 @@ class Emitter:
         if isinstance(e, Load):
             if not e.index.terms and e.row is None and (e.node, e.index.const) in self.hoisted and not e.merge:
                 return self.hoisted[(e.node, e.index.const)]
+            if e.node in self.held and not e.merge:
+                return self.held[e.node]
             base = self.names.merge if e.merge else self.names.buffer(e.node)
             return self.load(e.node, self.element(base, e.index, e.row))
         if isinstance(e, Const):

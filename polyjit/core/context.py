@@ -191,6 +191,13 @@ class Context:
             for node in comp.inputs:
                 if node not in self.buffers and node not in written:
                     raise NodeNotInContextError(_missing(node, self, f"computation {comp.name} reads it"))
+            for node in (n for k in comp.kernels for n in k.private):
+                if node in self.buffers:
+                    raise InvalidProgramError(
+                        f"computation {comp.name} keeps {node.label} inside a kernel (a sum only the "
+                        f"elementwise work fused after it reads: LOCAL scratch, never stored), but "
+                        f"this context on {self.device.device_id} holds {node.label}, whose buffer would "
+                        f"then not change; mark it ON_DEVICE or MATERIALIZED to keep its value")
             for node in (*comp.outputs, *comp.scratch):
                 if node in self.constants:
                     raise ReadOnlyNodeError(

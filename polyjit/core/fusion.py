@@ -24,7 +24,8 @@ Anything else stays as it was. Fusion never changes a value: each store computes
 expression from the same values as before.
 
 :func:`fuse_epilogues` (at the end) merges an elementwise kernel into the tiled contraction
-right before it, as the epilogue its tiles run (docs/architecture.md, "Epilogues").
+right before it, as the epilogue its tiles run (docs/architecture.md, "Epilogues"), and
+:func:`private_sums` marks the sums that only their epilogue reads.
 """
 
 from __future__ import annotations
@@ -221,6 +222,40 @@ def _epilogue(p: Kernel, e: Kernel) -> Kernel | None:
         return None
     comment = f"{p.comment}; {e.comment}" if e.comment else p.comment
     return Kernel(p.name, p.parallel, Seq((r, *renamed)), comment)
+
+
+def private_sums(kernels: Sequence[Kernel], scratch: Set[Node]) -> list[Kernel]:
+    """``kernels`` (every kernel of a batch, in order), each contraction with an epilogue
+    marked (``Kernel.private``) when its sum is scratch that no other kernel reads: the
+    epilogue is its only reader, at the cell just summed, so a target may hand the epilogue
+    the sums where it holds them (the CPU's tiles: a local array) and never store them. The
+    MLP's weight gradient is such a sum, read only by the optimizer update in its epilogue:
+    stored, it costs a write of the whole gradient each step, and on two cores that each
+    wrote part of it in the last step, the transfer of half its cache lines between them."""
+    readers: dict[Node, int] = {}
+    for k in kernels:
+        for n in k.inputs:
+            readers[n] = readers.get(n, 0) + 1
+    out = []
+    for k in kernels:
+        b = k.body
+        first = b.body[0] if isinstance(b, Seq) and len(b.body) > 1 else None
+        if isinstance(first, Reduce) and first.init is not None and first.node in scratch \
+                and readers.get(first.node) == 1 and _read_at_cell(k, first):
+            k = attrs.evolve(k, private=(first.node,))
+        out.append(k)
+    return out
+
+
+def _read_at_cell(k: Kernel, r: Reduce) -> bool:
+    """The kernel reads ``r``'s sum, and only at the cell ``r`` writes (after it), and writes
+    it nowhere else."""
+    body = k.body
+    assert isinstance(body, Seq)
+    rest = body.body[1:]
+    reads = [x for st in rest for x in walk_exprs(st) if isinstance(x, Load) and x.node is r.node]
+    writes = [w for st in rest for w in walk_stmts(st) if isinstance(w, (Store, Reduce)) and w.node is r.node]
+    return bool(reads) and not writes and all(not x.merge and x.row is None and x.index == r.index for x in reads)
 
 
 def _onto(nest: tuple[tuple[Symbol, int], ...], onto: tuple[tuple[Symbol, int], ...]) -> dict[ir.Var, Affine] | None:

@@ -151,6 +151,10 @@ class Kernel:
     parallel: tuple[tuple[Symbol, int], ...]
     body: Stmt
     comment: str = ""
+    # Scratch nodes this kernel writes and only it reads, each at the cell it writes (a
+    # contraction's sum that only its epilogue reads: core/fusion.py, private_sums). No other
+    # kernel and nothing after the run sees them: a target may keep them out of memory.
+    private: tuple[Node, ...] = ()
 
     @property
     def stores(self) -> list[Store | Reduce]:

@@ -35,7 +35,13 @@ import numpy as np
 from polyjit.core import dtypes, ir
 from polyjit.core.errors import InvalidProgramError
 from polyjit.core.folding import fold_constants
-from polyjit.core.fusion import fuse_epilogues, fuse_horizontal, fuse_rows, fuse_segments
+from polyjit.core.fusion import (
+    fuse_epilogues,
+    fuse_horizontal,
+    fuse_rows,
+    fuse_segments,
+    private_sums,
+)
 from polyjit.core.ir import Affine, MemoryMode, Node, Symbol
 from polyjit.core.loops import (
     Call,
@@ -748,4 +754,13 @@ def lower(comps: Sequence[ir.Comp], names: Sequence[str], horizontal: bool = Tru
             LoweredComp(name, tuple(kernels), tuple(inputs), outputs, scratch, tuple(constants),
                         next(iter(merges), None), partly_written)
         )
+    if epilogues is not None:
+        out = _private_sums(out, {n for n, m in inference.modes.items() if m is MemoryMode.LOCAL})
     return LoweredBatch(tuple(out), inference.modes)
+
+
+def _private_sums(comps: list[LoweredComp], scratch: set[Node]) -> list[LoweredComp]:
+    """The computations with their contractions' private sums marked (fusion.private_sums),
+    readers counted over the whole batch."""
+    marked = iter(private_sums([k for c in comps for k in c.kernels], scratch))
+    return [attrs.evolve(c, kernels=tuple(next(marked) for _ in c.kernels)) for c in comps]

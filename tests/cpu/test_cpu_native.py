@@ -365,6 +365,24 @@ def test_large_memcpy_and_memset_use_team(rt: NativeRuntime) -> None:
         rt.stream_destroy(s)
 
 
+@pytest.mark.parametrize("dst_off,src_off,n", [(0, 0, 256 << 10), (3, 0, (256 << 10) + 7), (1, 5, 300_001),
+                                                (15, 9, (1 << 20) + 63), (8, 8, (5 << 20) + 17)])
+def test_streamed_copies_and_fills_at_any_alignment(
+    rt: NativeRuntime, stream: int, dst_off: int, src_off: int, n: int
+) -> None:
+    """Copies and fills from 256 KiB on store around the caches (runtime.c, put_bytes): a
+    head up to 16-byte alignment, 64-byte blocks, a tail; nothing before or after is touched."""
+    rng = np.random.default_rng(n)
+    src = rng.integers(0, 255, src_off + n, dtype=np.uint8)
+    dst = np.full(dst_off + n + 64, 0xAB, dtype=np.uint8)
+    rt.sync(stream, rt.memcpy(stream, ptr(dst) + dst_off, ptr(src) + src_off, n))
+    np.testing.assert_array_equal(dst[dst_off:dst_off + n], src[src_off:])
+    assert (dst[:dst_off] == 0xAB).all() and (dst[dst_off + n:] == 0xAB).all()
+    rt.sync(stream, rt.memset(stream, ptr(dst) + dst_off, 0x5C, n - 1))
+    assert (dst[dst_off:dst_off + n - 1] == 0x5C).all()
+    assert dst[dst_off + n - 1] == src[-1] and (dst[dst_off + n:] == 0xAB).all() and (dst[:dst_off] == 0xAB).all()
+
+
 def test_alloc_failure_returns_zero(rt: NativeRuntime) -> None:
     assert rt.alloc(1 << 62, 64) == 0
     assert rt.alloc(64, 3) == 0  # not a power of two

@@ -50,6 +50,9 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #define PJ_EXPORT __attribute__((visibility("default")))
 
@@ -600,11 +603,45 @@ static void stream_unref(pj_stream* s) {
     }
 }
 
+/* Copies and fills of at least this many bytes store around the caches (put_bytes). */
+#define PJ_STREAM_BYTES (256u << 10)
+
+/* Copy n bytes from src to dst, or set them to value when src is NULL. From PJ_STREAM_BYTES
+ * on, with non-temporal stores: a plain store first fetches the line it writes, and a line
+ * that another core holds (the last step's kernels read a plan's input buffer on both cores)
+ * is fetched from that core, one at a time. On the 2-vCPU EPYC VM an 800 KB input copy took
+ * 66 us a step that way (70-350 us alone with both cores having read the destination), and
+ * 31-43 us streamed (docs/benchmarks.md, session 14). The data is then not in the cache: the
+ * kernel that reads it next fetches it from memory, as it would have most of it anyway. */
+static void put_bytes(void* dst, const void* src, int value, size_t n) {
+#if defined(__SSE2__)
+    if (n >= PJ_STREAM_BYTES) {
+        char* d = (char*)dst;
+        const char* s = (const char*)src;
+        size_t head = (16 - ((uintptr_t)d & 15)) & 15; /* to 16-byte alignment, as movntdq needs */
+        if (s) memcpy(d, s, head); else memset(d, value, head);
+        d += head;
+        if (s) s += head;
+        n -= head;
+        const size_t body = n & ~(size_t)63;
+        const __m128i fill = _mm_set1_epi8((char)value);
+        for (size_t i = 0; i < body; i += 64) {
+            for (size_t k = 0; k < 64; k += 16)
+                _mm_stream_si128((__m128i*)(d + i + k), s ? _mm_loadu_si128((const __m128i*)(s + i + k)) : fill);
+        }
+        _mm_sfence(); /* the streamed stores are visible before the task is marked done */
+        if (s) memcpy(d + body, s + body, n - body); else memset(d + body, value, n - body);
+        return;
+    }
+#endif
+    if (src) memcpy(dst, src, n); else memset(dst, value, n);
+}
+
 /* Copy n bytes from src to dst, or set them to value when src is NULL: in 1 MiB chunks
    shared by the OpenMP team when the range is large. */
 static void parallel_bytes(void* dst, const void* src, int value, size_t n) {
     if (n < PJ_PARALLEL_COPY || omp_get_max_threads() < 2) {
-        if (src) memcpy(dst, src, n); else memset(dst, value, n);
+        put_bytes(dst, src, value, n);
         return;
     }
     const size_t chunk = 1u << 20;
@@ -613,8 +650,7 @@ static void parallel_bytes(void* dst, const void* src, int value, size_t n) {
     for (long c = 0; c < nchunks; c++) {
         size_t off = (size_t)c * chunk;
         size_t len = n - off < chunk ? n - off : chunk;
-        if (src) memcpy((char*)dst + off, (const char*)src + off, len);
-        else memset((char*)dst + off, value, len);
+        put_bytes((char*)dst + off, src ? (const char*)src + off : NULL, value, len);
     }
 }
 

@@ -283,6 +283,10 @@ def _tile(em: Emitter, plan: KernelPlan, names: Names, rows: int, vecs: int, tai
         return f"__builtin_memcpy(&{dst}, &{src}, sizeof(pj_vec));"
 
     lines = [f"pj_vec acc[{rows}][{nvt}];"]
+    # A sum only the epilogue reads (Kernel.private) goes to a local array, not memory
+    held = bool(c.epilogue) and c.reduce.node in c.kernel.private
+    if held:
+        lines.append(f"{ty} pj_cell[{rows}][{nvt * lanes}] __attribute__((aligned({em.d.vector_bytes})));")
     for r in range(rows):
         for v in range(nvt):
             if c.reduce.init is not None:
@@ -303,14 +307,20 @@ def _tile(em: Emitter, plan: KernelPlan, names: Names, rows: int, vecs: int, tai
     lines.append("}")
     for r in range(rows):
         for v in range(nvt):
-            lines += ["{", f"  const int64_t {i} = pj_i0 + {r}, {j} = pj_j0 + {v * lanes};",
-                      f"  {store(out, f'acc[{r}][{v}]', v)}", "}"]
+            if held:
+                lines.append(f"__builtin_memcpy(&pj_cell[{r}][{v * lanes}], &acc[{r}][{v}], sizeof(pj_vec));")
+            else:
+                lines += ["{", f"  const int64_t {i} = pj_i0 + {r}, {j} = pj_j0 + {v * lanes};",
+                          f"  {store(out, f'acc[{r}][{v}]', v)}", "}"]
     if c.epilogue:  # each cell of the tile, its sum just stored (in the L1 cache): j innermost
+        if held:
+            em.held[c.reduce.node] = "pj_cell[pj_er][pj_ec]"
         lines += [f"for (int64_t pj_er = 0; pj_er < {rows}; ++pj_er) {{",
                   f"  const int64_t {i} = pj_i0 + pj_er;",
                   f"  for (int64_t pj_ec = 0; pj_ec < {vecs * lanes + tail}; ++pj_ec) {{",
                   f"    const int64_t {j} = pj_j0 + pj_ec;",
                   *em.stmt(Seq(c.epilogue), 2), "  }", "}"]
+        em.held.clear()
     return lines
 
 

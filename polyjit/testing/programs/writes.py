@@ -208,6 +208,16 @@ def epilogues() -> list[CatalogProgram]:
             ir.apply(Op.MUL, bc, bbias, into=bo),
             inputs=[(ba, q(ba.shape)), (bb, q(bb.shape)), (bbias, q(bbias.shape))], outputs=[bc, bo],
         ))
+        # scratch products that another kernel reads as well (here, or in the next computation):
+        # the tiles run the epilogue and still store the product (core/fusion.py private_sums)
+        ra, rw, rs = Node("ra", (20, 33), dt), Node("rw", (33, 40), dt), Node("rs", (20, 40), dt)
+        ro, rsum = Node("ro", (20, 40), dt), Node("rsum", (20, 1), dt)
+        product, scaled = ir.einsum("ik,kj->ij", ra, rw, into=rs), ir.apply(Op.MUL, rs, 2.0, into=ro)
+        total = _row_reduce(rs, rsum, AccumOp.ADD)
+        ins = [(ra, q(ra.shape)), (rw, q(rw.shape))]
+        out.append(program(f"epilogue.sum_read_again.{dt}", product, scaled, total, inputs=ins, outputs=[ro, rsum]))
+        out.append(program(f"epilogue.sum_read_by_next_comp.{dt}", inputs=ins, outputs=[ro, rsum],
+                           comps=[ir.Comp.of(product, scaled), ir.Comp.of(total)]))
     return out
 
 
