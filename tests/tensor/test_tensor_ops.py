@@ -236,6 +236,26 @@ def test_compiled_forward_and_gradients_match_the_reference() -> None:
     plan.close()
 
 
+def test_relu_gradient_at_zero_and_nan_and_its_place_in_the_epilogue() -> None:
+    """relu's gradient masks by its output (out > 0 exactly where x > 0): 0, -0.0 and NaN
+    inputs pass no gradient, on the reference and compiled. The pre-activation then has one
+    reader: a layer's bias and relu run in its product's epilogue, and it is never stored."""
+    x = pt.param("x", (6,), init=np.array([-1.0, -0.0, 0.0, np.nan, 1e-30, 2.0], np.float32))
+    (g,) = pt.grad(pt.sum(pt.relu(x) * pt.constant(np.arange(1.0, 7.0, dtype=np.float32))), [x])
+    want = np.array([0, 0, 0, 0, 5, 6], np.float32)
+    np.testing.assert_array_equal(evaluate({"g": g})[0]["g"], want)
+    plan = pt.compile({"g": g})
+    np.testing.assert_array_equal(plan.run()["g"], want)
+    plan.close()
+    a, y = pt.input("a", (24, 20)), pt.input("y", (24,), "int32")
+    mlp = pt.MLP("m", [20, 32, 5], seed=0)
+    step = pt.compile(loss=pt.cross_entropy(mlp(a), y), optimizer=pt.SGD(0.1)).build()
+    comments = [k.comment for k in step.program.batch(step.backend, "compiled").lowered.kernels]
+    assert any("add= mul" in c and "relu" in c for c in comments), comments  # x @ w, + b, relu: one kernel
+    assert not any(c.startswith("relu") for c in comments), comments
+    step.close()
+
+
 def test_cross_entropy_of_an_empty_batch_and_of_one_row() -> None:
     """The loss picks each row's logit by a gather: an empty batch (nothing to pick) sums to
     zero, and one row of logits with a 0-d label is -log softmax at the label."""

@@ -123,7 +123,10 @@ _RULES: dict[Op, _Rule] = {
     Op.SQRT: lambda g, out, x: [g * 0.5 / out],
     Op.TANH: lambda g, out, x: [g * (1.0 - out * out)],
     Op.SIGMOID: lambda g, out, x: [g * out * (1.0 - out)],
-    Op.RELU: lambda g, out, x: [where(greater(x[0], 0.0), g, 0.0)],
+    # from the output, as PyTorch's threshold_backward: out > 0 exactly where x > 0 (NaN and
+    # -0.0 included), and the input then has one reader, so a layer's bias and relu run in
+    # its product's epilogue and the pre-activation is never stored
+    Op.RELU: lambda g, out, x: [where(greater(out, 0.0), g, 0.0)],
     Op.ABS: lambda g, out, x: [where(greater_equal(x[0], 0.0), g, -g)],
     Op.POW: lambda g, out, x: _pow_grads(g, out, x[0], x[1]),
     Op.MAX: lambda g, out, x: _mask_grads(_ge(x[0], x[1]), g),
