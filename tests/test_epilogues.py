@@ -65,6 +65,8 @@ def test_a_merged_nest_is_written_in_the_contraction_symbols() -> None:
     ("epilogue.bias_relu.float32", []),  # the product is kept (ON_DEVICE)
     ("epilogue.sum_read_again.float64", []),  # a row sum reads the product too
     ("epilogue.sum_read_by_next_comp.float32", []),  # ... in the next computation
+    ("rows.joins_past_independent.float32", []),  # a row group starts with a sum (its max): no tile
+    ("rows.waits_for_what_runs_between.float64", []),
 ])
 def test_which_sums_stay_in_the_tiles(program: str, private: list[str]) -> None:
     """A contraction's sum that is scratch and that only its epilogue reads is private to its

@@ -51,7 +51,7 @@ from polyjit.core.loops import (
     walk_exprs,
     walk_stmts,
 )
-from polyjit.core.patterns import elementwise_stores, fusable
+from polyjit.core.patterns import elementwise_stores, fusable, match_contraction
 
 WINDOW = 16  # entries of the schedule a kernel looks back over for a group to join
 MAX_STATEMENTS = 16  # stores of one fused kernel
@@ -224,14 +224,16 @@ def _epilogue(p: Kernel, e: Kernel) -> Kernel | None:
     return Kernel(p.name, p.parallel, Seq((r, *renamed)), comment)
 
 
-def private_sums(kernels: Sequence[Kernel], scratch: Set[Node]) -> list[Kernel]:
-    """``kernels`` (every kernel of a batch, in order), each contraction with an epilogue
-    marked (``Kernel.private``) when its sum is scratch that no other kernel reads: the
-    epilogue is its only reader, at the cell just summed, so a target may hand the epilogue
-    the sums where it holds them (the CPU's tiles: a local array) and never store them. The
-    MLP's weight gradient is such a sum, read only by the optimizer update in its epilogue:
-    stored, it costs a write of the whole gradient each step, and on two cores that each
-    wrote part of it in the last step, the transfer of half its cache lines between them."""
+def private_sums(kernels: Sequence[Kernel], scratch: Set[Node], tiled: Callable[[Kernel], bool]) -> list[Kernel]:
+    """``kernels`` (every kernel of a batch, in order), each contraction the target tiles with
+    an epilogue (``tiled``, as for :func:`fuse_epilogues`) marked (``Kernel.private``) when
+    its sum is scratch that no other kernel reads: the epilogue is its only reader, at the
+    cell just summed, so the target may hand the epilogue the sums where it holds them (the
+    CPU's tiles: a local array) and never store them. The MLP's weight gradient is such a
+    sum, read only by the optimizer update in its epilogue: stored, it costs a write of the
+    whole gradient each step, and on two cores that each wrote part of it in the last step,
+    the transfer of half its cache lines between them. Other kernels that start with a sum
+    (a row group's max) are left as they are."""
     readers: dict[Node, int] = {}
     for k in kernels:
         for n in k.inputs:
@@ -241,8 +243,10 @@ def private_sums(kernels: Sequence[Kernel], scratch: Set[Node]) -> list[Kernel]:
         b = k.body
         first = b.body[0] if isinstance(b, Seq) and len(b.body) > 1 else None
         if isinstance(first, Reduce) and first.init is not None and first.node in scratch \
-                and readers.get(first.node) == 1 and _read_at_cell(k, first):
-            k = attrs.evolve(k, private=(first.node,))
+                and readers.get(first.node) == 1 and _read_at_cell(k, first) and tiled(k):
+            c = match_contraction(k)
+            if c is not None and c.epilogue and c.reduce is first:
+                k = attrs.evolve(k, private=(first.node,))
         out.append(k)
     return out
 

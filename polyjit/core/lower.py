@@ -755,12 +755,12 @@ def lower(comps: Sequence[ir.Comp], names: Sequence[str], horizontal: bool = Tru
                         next(iter(merges), None), partly_written)
         )
     if epilogues is not None:
-        out = _private_sums(out, {n for n, m in inference.modes.items() if m is MemoryMode.LOCAL})
+        out = _private_sums(out, {n for n, m in inference.modes.items() if m is MemoryMode.LOCAL}, epilogues)
     return LoweredBatch(tuple(out), inference.modes)
 
 
-def _private_sums(comps: list[LoweredComp], scratch: set[Node]) -> list[LoweredComp]:
+def _private_sums(comps: list[LoweredComp], scratch: set[Node], tiled: Callable[[Kernel], bool]) -> list[LoweredComp]:
     """The computations with their contractions' private sums marked (fusion.private_sums),
     readers counted over the whole batch."""
-    marked = iter(private_sums([k for c in comps for k in c.kernels], scratch))
+    marked = iter(private_sums([k for c in comps for k in c.kernels], scratch, tiled))
     return [attrs.evolve(c, kernels=tuple(next(marked) for _ in c.kernels)) for c in comps]

@@ -366,16 +366,19 @@ def test_large_memcpy_and_memset_use_team(rt: NativeRuntime) -> None:
 
 
 @pytest.mark.parametrize("dst_off,src_off,n", [(0, 0, 256 << 10), (3, 0, (256 << 10) + 7), (1, 5, 300_001),
-                                                (15, 9, (1 << 20) + 63), (8, 8, (5 << 20) + 17)])
-def test_streamed_copies_and_fills_at_any_alignment(
-    rt: NativeRuntime, stream: int, dst_off: int, src_off: int, n: int
+                                                (15, 9, (1 << 20) + 63), (7, 1, 1536 << 10), (8, 8, (5 << 20) + 17)])
+@pytest.mark.parametrize("inward", [True, False])
+def test_copies_in_and_out_at_any_alignment(
+    rt: NativeRuntime, stream: int, dst_off: int, src_off: int, n: int, inward: bool
 ) -> None:
-    """Copies and fills from 256 KiB on store around the caches (runtime.c, put_bytes): a
-    head up to 16-byte alignment, 64-byte blocks, a tail; nothing before or after is touched."""
+    """Host-to-device copies (memcpy_in) of 256 KiB to 1.5 MiB store around the caches
+    (runtime.c, put_bytes): a head up to 16-byte alignment, 64-byte blocks, a tail; other
+    copies and larger ones are plain. Either way nothing before or after is touched."""
     rng = np.random.default_rng(n)
     src = rng.integers(0, 255, src_off + n, dtype=np.uint8)
     dst = np.full(dst_off + n + 64, 0xAB, dtype=np.uint8)
-    rt.sync(stream, rt.memcpy(stream, ptr(dst) + dst_off, ptr(src) + src_off, n))
+    copy = rt.memcpy_in if inward else rt.memcpy
+    rt.sync(stream, copy(stream, ptr(dst) + dst_off, ptr(src) + src_off, n))
     np.testing.assert_array_equal(dst[dst_off:dst_off + n], src[src_off:])
     assert (dst[:dst_off] == 0xAB).all() and (dst[dst_off + n:] == 0xAB).all()
     rt.sync(stream, rt.memset(stream, ptr(dst) + dst_off, 0x5C, n - 1))

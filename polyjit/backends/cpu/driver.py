@@ -170,7 +170,7 @@ class CpuDriver:
         self.rt.memset(stream, pool + offset, 0, nbytes)
 
     def copy_from_host(self, stream: int, pool: int, offset: int, array: np.ndarray) -> None:
-        self.rt.memcpy(stream, pool + offset, array.ctypes.data, array.nbytes)
+        self.rt.memcpy_in(stream, pool + offset, array.ctypes.data, array.nbytes)
 
     def copy_to_host(self, stream: int, pool: int, offset: int, array: np.ndarray) -> None:
         self.rt.memcpy(stream, array.ctypes.data, pool + offset, array.nbytes)

@@ -104,6 +104,7 @@ class NativeRuntime:
     #: ``int`` where a pointer is expected would be truncated to 32 bits.
     launch_seq_raw: Callable[[ctypes.c_void_p, Any, int, Any, int], int]
     memcpy: Callable[[int, int, int, int], int]
+    memcpy_in: Callable[[int, int, int, int], int]
     memset: Callable[[int, int, int, int], int]
     wait: Callable[[int, int, int], int]
     last_ticket: Callable[[int], int]
@@ -140,6 +141,9 @@ class NativeRuntime:
         self.launch_seq_raw = raw
         self.memcpy = _bind(
             lib, "pj_memcpy", _c_u64, [_c_void_p, _c_void_p, _c_void_p, ctypes.c_size_t]
+        )
+        self.memcpy_in = _bind(
+            lib, "pj_memcpy_in", _c_u64, [_c_void_p, _c_void_p, _c_void_p, ctypes.c_size_t]
         )
         self.memset = _bind(
             lib, "pj_memset", _c_u64, [_c_void_p, _c_void_p, ctypes.c_int, ctypes.c_size_t]

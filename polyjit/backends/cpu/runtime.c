@@ -87,7 +87,7 @@ struct pj_stream;
 
 typedef struct {
     int kind;
-    int value; /* MEMSET byte */
+    int value; /* MEMSET: the byte; MEMCPY: 1 for a streamed copy (pj_memcpy_in) */
     union {
         struct {
             pj_kernel fn;
@@ -603,45 +603,52 @@ static void stream_unref(pj_stream* s) {
     }
 }
 
-/* Copies and fills of at least this many bytes store around the caches (put_bytes). */
-#define PJ_STREAM_BYTES (256u << 10)
+/* Host-to-device copies of this many bytes store around the caches (put_bytes). */
+#define PJ_STREAM_MIN_BYTES (256u << 10)
+#define PJ_STREAM_MAX_BYTES (1536u << 10)
 
-/* Copy n bytes from src to dst, or set them to value when src is NULL. From PJ_STREAM_BYTES
- * on, with non-temporal stores: a plain store first fetches the line it writes, and a line
- * that another core holds (the last step's kernels read a plan's input buffer on both cores)
- * is fetched from that core, one at a time. On the 2-vCPU EPYC VM an 800 KB input copy took
- * 66 us a step that way (70-350 us alone with both cores having read the destination), and
- * 31-43 us streamed (docs/benchmarks.md, session 14). The data is then not in the cache: the
- * kernel that reads it next fetches it from memory, as it would have most of it anyway. */
-static void put_bytes(void* dst, const void* src, int value, size_t n) {
+/* Copy n bytes from src to dst, or set them to value when src is NULL; a `streamed` copy (a
+ * host-to-device copy: pj_memcpy_in) of PJ_STREAM_MIN_BYTES to PJ_STREAM_MAX_BYTES with
+ * non-temporal stores. A plain store first fetches the line it writes, and a line that
+ * another core holds (the last step's kernels read a plan's input buffer on both cores)
+ * comes from that core, one at a time: on the 2-vCPU EPYC VM the MLP's 800 KB input copy
+ * took 66 us a step that way (70-350 us alone, with both cores having read the
+ * destination), 31-43 us streamed. A plan's run of x * 2 on 256 KiB to 1.5 MiB inputs took
+ * 0.72-0.87 of its plain time streamed, in every run; from 1.75 MiB on, streamed copies were
+ * slower in some runs (the memory's write bandwidth, 1.09-1.41x) and faster in others
+ * (docs/benchmarks.md, session 14). Other copies keep plain stores: into a destination this
+ * core holds (a result copied into the same host array run after run), streaming loses. */
+static void put_bytes(void* dst, const void* src, int value, size_t n, int streamed) {
 #if defined(__SSE2__)
-    if (n >= PJ_STREAM_BYTES) {
+    if (streamed && src && n >= PJ_STREAM_MIN_BYTES && n <= PJ_STREAM_MAX_BYTES) {
         char* d = (char*)dst;
         const char* s = (const char*)src;
-        size_t head = (16 - ((uintptr_t)d & 15)) & 15; /* to 16-byte alignment, as movntdq needs */
-        if (s) memcpy(d, s, head); else memset(d, value, head);
+        const size_t head = (16 - ((uintptr_t)d & 15)) & 15; /* to 16-byte alignment, as movntdq needs */
+        memcpy(d, s, head);
         d += head;
-        if (s) s += head;
+        s += head;
         n -= head;
         const size_t body = n & ~(size_t)63;
-        const __m128i fill = _mm_set1_epi8((char)value);
         for (size_t i = 0; i < body; i += 64) {
             for (size_t k = 0; k < 64; k += 16)
-                _mm_stream_si128((__m128i*)(d + i + k), s ? _mm_loadu_si128((const __m128i*)(s + i + k)) : fill);
+                _mm_stream_si128((__m128i*)(d + i + k), _mm_loadu_si128((const __m128i*)(s + i + k)));
         }
         _mm_sfence(); /* the streamed stores are visible before the task is marked done */
-        if (s) memcpy(d + body, s + body, n - body); else memset(d + body, value, n - body);
+        memcpy(d + body, s + body, n - body);
         return;
     }
+#else
+    (void)streamed;
 #endif
     if (src) memcpy(dst, src, n); else memset(dst, value, n);
 }
 
 /* Copy n bytes from src to dst, or set them to value when src is NULL: in 1 MiB chunks
    shared by the OpenMP team when the range is large. */
-static void parallel_bytes(void* dst, const void* src, int value, size_t n) {
+static void parallel_bytes(void* dst, const void* src, int value, size_t n, int streamed) {
+    streamed = streamed && n <= PJ_STREAM_MAX_BYTES; /* by the whole copy's size, not a chunk's */
     if (n < PJ_PARALLEL_COPY || omp_get_max_threads() < 2) {
-        put_bytes(dst, src, value, n);
+        put_bytes(dst, src, value, n, streamed);
         return;
     }
     const size_t chunk = 1u << 20;
@@ -650,7 +657,7 @@ static void parallel_bytes(void* dst, const void* src, int value, size_t n) {
     for (long c = 0; c < nchunks; c++) {
         size_t off = (size_t)c * chunk;
         size_t len = n - off < chunk ? n - off : chunk;
-        put_bytes((char*)dst + off, src ? (const char*)src + off : NULL, value, len);
+        put_bytes((char*)dst + off, src ? (const char*)src + off : NULL, value, len, streamed);
     }
 }
 
@@ -768,11 +775,11 @@ static int consume(pj_stream* s, uint64_t until, int helper) {
                 break;
             case PJ_MEMCPY:
                 omp_set_num_threads(s->all_threads);
-                parallel_bytes(t->u.copy.dst, t->u.copy.src, 0, t->u.copy.n);
+                parallel_bytes(t->u.copy.dst, t->u.copy.src, 0, t->u.copy.n, t->value);
                 break;
             case PJ_MEMSET:
                 omp_set_num_threads(s->all_threads);
-                parallel_bytes(t->u.copy.dst, NULL, t->value, t->u.copy.n);
+                parallel_bytes(t->u.copy.dst, NULL, t->value, t->u.copy.n, 0);
                 break;
             case PJ_WAIT:
                 wait_done(t->u.wait.other, t->u.wait.ticket);
@@ -986,18 +993,28 @@ PJ_EXPORT uint64_t pj_launch_seq(void* sp, const pj_launch_desc* descs, int n,
     return ticket;
 }
 
-PJ_EXPORT uint64_t pj_memcpy(void* sp, void* dst, const void* src, size_t n) {
-    pj_stream* s = (pj_stream*)sp;
+static uint64_t enqueue_copy(pj_stream* s, void* dst, const void* src, size_t n, int streamed) {
     uint64_t ticket;
     pthread_mutex_lock(&s->prod_mu);
     pj_task* t = reserve(s, &ticket);
     t->kind = PJ_MEMCPY;
+    t->value = streamed;
     t->u.copy.dst = dst;
     t->u.copy.src = src;
     t->u.copy.n = n;
     publish(s, ticket);
     pthread_mutex_unlock(&s->prod_mu);
     return ticket;
+}
+
+PJ_EXPORT uint64_t pj_memcpy(void* sp, void* dst, const void* src, size_t n) {
+    return enqueue_copy((pj_stream*)sp, dst, src, n, 0);
+}
+
+/* A copy into a buffer that the stream's kernels read next (a host-to-device copy): from
+ * PJ_STREAM_MIN_BYTES to PJ_STREAM_MAX_BYTES, it stores around the caches (put_bytes). */
+PJ_EXPORT uint64_t pj_memcpy_in(void* sp, void* dst, const void* src, size_t n) {
+    return enqueue_copy((pj_stream*)sp, dst, src, n, 1);
 }
 
 PJ_EXPORT uint64_t pj_memset(void* sp, void* dst, int value, size_t n) {
