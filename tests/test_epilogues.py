@@ -105,3 +105,18 @@ def test_a_context_holding_a_private_sum_refuses_the_link() -> None:
     routine = ctx.link(code)  # without g in the context it links, and runs
     routine.run()
     np.testing.assert_allclose(routine.context.read(m), np.full(m.shape, 31, np.float32))
+
+
+def test_a_context_holding_an_inlined_node_refuses_the_link() -> None:
+    """The same for a VIRTUAL node (inlined into its reader, never stored): before, the
+    context's buffer of it silently kept its old value."""
+    backend = backend_or_skip("cpu")
+    a, v, o = ir.Node("a", (4, 4)), ir.Node("v", (4, 4)), ir.Node("o", (4, 4))
+    comp = ir.Comp.of(ir.apply(ir.Op.MUL, a, 2.0, into=v), ir.apply(ir.Op.ADD, v, 1.0, into=o), embedded=[o])
+    code = backend.compile(comp, name="vv")
+    ctx = backend.get_device(0).make_context().init_from_host(a, np.ones((4, 4), np.float32))
+    with pytest.raises(InvalidProgramError, match=r"inlines v#\d+ .*mark it ON_DEVICE"):
+        ctx.init_from_host(v, np.zeros((4, 4), np.float32)).link(code)
+    routine = ctx.link(code)
+    routine.run()
+    np.testing.assert_array_equal(routine.context.read(o), np.full((4, 4), 3, np.float32))

@@ -144,7 +144,7 @@ class Context:
                 f"compile it with {dev.device_id}'s backend"
             )
         comps = batch.lowered.comps
-        self._check_link(comps)
+        self._check_link(comps, batch.lowered.modes)
         new_nodes, requests = _plan_requests(comps, batch.source.kernels, self.buffers, dev.info.base_alignment)
         plan = slab.plan(requests, dev.info.base_alignment)
         with dev.lock:
@@ -185,7 +185,13 @@ class Context:
                 child.finalize()  # a failed prepare: give the new pools back now
                 raise
 
-    def _check_link(self, comps: Sequence[LoweredComp]) -> None:
+    def _check_link(self, comps: Sequence[LoweredComp], modes: Mapping[Node, MemoryMode]) -> None:
+        for node, mode in modes.items():  # a held node the batch never stores would go stale
+            if mode is MemoryMode.VIRTUAL and node in self.buffers:
+                raise InvalidProgramError(
+                    f"the batch inlines {node.label} into its reader (VIRTUAL, never stored), but this "
+                    f"context on {self.device.device_id} holds {node.label}, whose buffer would then "
+                    f"not change; mark it ON_DEVICE or MATERIALIZED to keep its value")
         written: set[Node] = set()
         for comp in comps:
             for node in comp.inputs:
