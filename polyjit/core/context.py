@@ -186,24 +186,22 @@ class Context:
                 raise
 
     def _check_link(self, comps: Sequence[LoweredComp], modes: Mapping[Node, MemoryMode]) -> None:
-        for node, mode in modes.items():  # a held node the batch never stores would go stale
-            if mode is MemoryMode.VIRTUAL and node in self.buffers:
+        # nodes the batch never stores: a context that holds one would show a stale value
+        never_stored = {n: f"inlines {n.label} into its reader (VIRTUAL)"
+                        for n, m in modes.items() if m is MemoryMode.VIRTUAL}
+        never_stored |= {n: f"keeps {n.label} inside a kernel (a sum only the elementwise work fused "
+                            f"after it reads: LOCAL scratch)" for c in comps for k in c.kernels for n in k.private}
+        for node, how in never_stored.items():
+            if node in self.buffers:
                 raise InvalidProgramError(
-                    f"the batch inlines {node.label} into its reader (VIRTUAL, never stored), but this "
-                    f"context on {self.device.device_id} holds {node.label}, whose buffer would then "
-                    f"not change; mark it ON_DEVICE or MATERIALIZED to keep its value")
+                    f"the batch {how}, never storing it, but this context on {self.device.device_id} "
+                    f"holds {node.label}, whose buffer would then not change; mark it ON_DEVICE or "
+                    f"MATERIALIZED to keep its value")
         written: set[Node] = set()
         for comp in comps:
             for node in comp.inputs:
                 if node not in self.buffers and node not in written:
                     raise NodeNotInContextError(_missing(node, self, f"computation {comp.name} reads it"))
-            for node in (n for k in comp.kernels for n in k.private):
-                if node in self.buffers:
-                    raise InvalidProgramError(
-                        f"computation {comp.name} keeps {node.label} inside a kernel (a sum only the "
-                        f"elementwise work fused after it reads: LOCAL scratch, never stored), but "
-                        f"this context on {self.device.device_id} holds {node.label}, whose buffer would "
-                        f"then not change; mark it ON_DEVICE or MATERIALIZED to keep its value")
             for node in (*comp.outputs, *comp.scratch):
                 if node in self.constants:
                     raise ReadOnlyNodeError(

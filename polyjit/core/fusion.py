@@ -214,11 +214,9 @@ def _epilogue(p: Kernel, e: Kernel) -> Kernel | None:
     if env is None:
         return None
     renamed = [map_stmt(st, lambda a: a.substitute(env)) for st in stmts]
-    c = r.node
-    reads = [x for st in renamed for x in walk_exprs(st) if isinstance(x, Load) and x.node is c]
-    if not reads or any(x.merge or x.row is not None or x.index != r.index for x in reads):
+    if not _reads_sum_at_its_cell(renamed, r):
         return None
-    if {st.node for st in renamed if isinstance(st, Store)} & (set(p.inputs) | {c}):
+    if {st.node for st in renamed if isinstance(st, Store)} & (set(p.inputs) | {r.node}):
         return None
     comment = f"{p.comment}; {e.comment}" if e.comment else p.comment
     return Kernel(p.name, p.parallel, Seq((r, *renamed)), comment)
@@ -240,25 +238,19 @@ def private_sums(kernels: Sequence[Kernel], scratch: Set[Node], tiled: Callable[
             readers[n] = readers.get(n, 0) + 1
     out = []
     for k in kernels:
-        b = k.body
-        first = b.body[0] if isinstance(b, Seq) and len(b.body) > 1 else None
-        if isinstance(first, Reduce) and first.init is not None and first.node in scratch \
-                and readers.get(first.node) == 1 and _read_at_cell(k, first) and tiled(k):
-            c = match_contraction(k)
-            if c is not None and c.epilogue and c.reduce is first:
-                k = attrs.evolve(k, private=(first.node,))
+        c = match_contraction(k)
+        if (c is not None and c.epilogue and c.reduce.init is not None and c.reduce.node in scratch
+                and readers.get(c.reduce.node) == 1 and _reads_sum_at_its_cell(c.epilogue, c.reduce) and tiled(k)):
+            k = attrs.evolve(k, private=(c.reduce.node,))
         out.append(k)
     return out
 
 
-def _read_at_cell(k: Kernel, r: Reduce) -> bool:
-    """The kernel reads ``r``'s sum, and only at the cell ``r`` writes (after it), and writes
-    it nowhere else."""
-    body = k.body
-    assert isinstance(body, Seq)
-    rest = body.body[1:]
-    reads = [x for st in rest for x in walk_exprs(st) if isinstance(x, Load) and x.node is r.node]
-    writes = [w for st in rest for w in walk_stmts(st) if isinstance(w, (Store, Reduce)) and w.node is r.node]
+def _reads_sum_at_its_cell(after: Sequence[Stmt], r: Reduce) -> bool:
+    """The statements ``after`` the sum ``r`` read it, and only at the cell ``r`` writes (its
+    final sum: no row picked by data, no merge buffer), and write it nowhere."""
+    reads = [x for st in after for x in walk_exprs(st) if isinstance(x, Load) and x.node is r.node]
+    writes = [w for st in after for w in walk_stmts(st) if isinstance(w, (Store, Reduce)) and w.node is r.node]
     return bool(reads) and not writes and all(not x.merge and x.row is None and x.index == r.index for x in reads)
 
 
