@@ -5,7 +5,8 @@
 - the one contraction matcher (its roles, and the row-major layout tiles need);
 - which KernelPlan (kind, shape, tiles, launch shape) each dialect gives: an elementwise chain,
   a small and a big reduction, few long reductions, a matmul big enough for tiles and one
-  too small, and on the CPU a column reduction, a staged reduction and streaming stores.
+  too small, and on the CPU a column reduction, a staged reduction, streaming stores and
+  block transposes.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from polyjit.core.patterns import (
     STAGED,
     STREAMING,
     TILES_LARGE,
+    TRANSPOSE,
     KernelPlan,
     LaunchShape,
     plan_kernel,
@@ -336,6 +338,23 @@ def test_a_staged_reduction_on_the_cpu() -> None:
     plain = _plan(_reduce("ij->i", (64, 1000), (64,)), CPU)  # nothing costly to stage
     assert (plain.shape, plain.ordered_float) == ("", True)
     assert _plan(comp, CudaDialect()).shape == ""
+
+
+def test_a_stored_transpose_of_4_byte_values_on_the_cpu() -> None:
+    def t(spec: str, shape: tuple[int, ...], out_shape: tuple[int, ...], dtype: str = "float32") -> KernelPlan:
+        return _plan(ir.Comp.of(ir.einsum(spec, Node("x", shape, dtype), into=Node("o", out_shape, dtype))), CPU)
+
+    small = t("ij->ji", (128, 64), (64, 128))
+    assert (small.kind, small.shape, small.team) == (ELEMENTWISE, TRANSPOSE, 0)
+    big = t("ij->ji", (300, 500), (500, 300))  # 38 x 63 blocks, the last ones cut, shared
+    assert (big.shape, big.team, big.chunks) == (TRANSPOSE, 2, 38 * 63)
+    assert t("bij->bji", (3, 16, 24), (3, 24, 16)).shape == TRANSPOSE  # a batch axis outside
+    assert t("ij->ji", (40, 20), (20, 40), "int32").shape == TRANSPOSE  # the bits move, whatever they mean
+    assert t("ij->ji", (40, 20), (20, 40), "float64").shape == ""
+    assert t("ij->ji", (40, 4), (4, 40)).shape == ""  # narrower than a block
+    assert t("ijk->kji", (8, 8, 8), (8, 8, 8)).shape == ""  # contiguous along neither inner loop
+    assert t("ij->ij", (64, 64), (64, 64)).shape == ""  # a copy
+    assert _plan(_reduce("ij->ji", (64, 64), (64, 64)), Dialect()).shape == ""
 
 
 def test_the_plan_travels_on_the_kernel_spec() -> None:

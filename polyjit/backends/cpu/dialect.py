@@ -1,6 +1,7 @@
 """The CPU backend's C dialect: C99 + OpenMP spelled for this host (its vector width, AVX
 intrinsics, float32 exp and tanh that vectorize), and the shapes only the CPU writes
-(``tiles.py``: register tiles, column and staged reductions, streaming stores), which
+(``tiles.py``: register tiles, column and staged reductions, streaming stores, block
+transposes), which
 core/patterns.py gives the kernels they suit."""
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class CpuDialect(Dialect):
             out += tiles.tail_helpers(dt, self.type_name(dt), self.vector_bytes)
         if dtypes.float32 in {d.compute for d in batch_dtypes}:  # half types compute in float32
             out += tiles.FLOAT32_MATH
-        out += [tiles.SCRATCH_HELPER, tiles.SCRATCH_TAG_HELPER]
+        out += [tiles.SCRATCH_HELPER, tiles.SCRATCH_TAG_HELPER, tiles.TRANSPOSE_HELPER]
         return out + super().helper_definitions(batch_dtypes)
 
     def math_call(self, fn: str, dt: dtypes.DType, args: Sequence[str]) -> str:
