@@ -247,7 +247,8 @@ def race(model: str, contenders: Sequence[str], batch: int, contention: Sequence
 
 def flatten(result: dict[str, Any], contention: Sequence[int]) -> dict[str, Any]:
     """A race's result as one group of a benchmark report: ``<contender>_samples_s``, ...,
-    absent peers as strings, and polyjit against the best peer (alone and per load)."""
+    absent peers as strings, polyjit against the best peer (alone and per load), and alone
+    against ``jax.jit`` (issue 14's char_lm target) where it ran."""
     out: dict[str, Any] = {}
     for name, value in result.items():
         if isinstance(value, str):
@@ -263,6 +264,8 @@ def flatten(result: dict[str, Any], contention: Sequence[int]) -> dict[str, Any]
             if peers[top].get(key):
                 out[f"best_peer{suffix}"] = top
                 out[f"polyjit_vs_best_peer{suffix}"] = ours.get(key, 0.0) / peers[top][key]
+        if peers.get("jax", {}).get("samples_s"):
+            out["polyjit_vs_jax"] = ours.get("samples_s", 0.0) / peers["jax"]["samples_s"]
     return out
 
 

@@ -33,3 +33,19 @@ def test_bench_matmul_reports_the_peak_beside_the_matmul() -> None:
     assert r["rel_error"] < 1e-5
     assert r["fma_peak_GFLOPs"] > 0
     assert r["polyjit_of_peak"] == pytest.approx(r["polyjit_GFLOPs"] / r["fma_peak_GFLOPs"])
+
+
+def test_a_race_report_names_the_best_peer_and_jax() -> None:
+    """flatten: each contender's figures, polyjit against the best peer per load, and alone
+    against jax.jit (char_lm's 2.5x target) only where jax ran."""
+    from polyjit.bench.peers import flatten
+
+    race = {"polyjit": {"samples_s": 300.0, "samples_s_busy1": 150.0},
+            "numpy": {"samples_s": 100.0, "samples_s_busy1": 60.0},
+            "jax": {"samples_s": 120.0, "samples_s_busy1": 50.0},
+            "torch": "not installed"}
+    out = flatten(race, [1])
+    assert (out["best_peer"], out["best_peer_busy1"]) == ("jax", "numpy")
+    assert out["polyjit_vs_best_peer"] == pytest.approx(2.5) and out["polyjit_vs_best_peer_busy1"] == pytest.approx(2.5)
+    assert out["polyjit_vs_jax"] == pytest.approx(2.5) and out["torch"] == "not installed"
+    assert "polyjit_vs_jax" not in flatten({k: v for k, v in race.items() if k != "jax"}, [1])
