@@ -355,6 +355,8 @@ def test_a_stored_transpose_of_4_byte_values_on_the_cpu() -> None:
     assert t("ijk->kji", (8, 8, 8), (8, 8, 8)).shape == ""  # contiguous along neither inner loop
     assert t("ij->ij", (64, 64), (64, 64)).shape == ""  # a copy
     assert _plan(_reduce("ij->ji", (64, 64), (64, 64)), Dialect()).shape == ""
+    sse = _plan(_reduce("ij->ji", (64, 64), (64, 64)), CpuDialect(vector_bytes=16))
+    assert sse.shape == ""  # 32-byte vectors without AVX: slower than the plain loop
 
 
 def test_the_plan_travels_on_the_kernel_spec() -> None:

@@ -308,12 +308,10 @@ def _loops_plan(kernel: Kernel, d: Dialect) -> KernelPlan:
         shape = STAGED
     elif STREAMING in shapes and streams(kernel, d.vector_bytes):
         shape = STREAMING
-    elif TRANSPOSE in shapes and block_transpose(kernel):
-        # blocks of TRANSPOSE_BLOCK x TRANSPOSE_BLOCK, which threads share like tiles
-        nest = kernel.parallel
-        loops = [n for _, n in nest[:-2]] + [-(-n // TRANSPOSE_BLOCK) for _, n in nest[-2:]]
+    elif TRANSPOSE in shapes and d.vector_bytes >= 32 and block_transpose(kernel):
+        blocks = transpose_loops(kernel)  # threads share them as they share tiles
         big = kernel.total_work >= d.omp_min_work
-        return KernelPlan(ELEMENTWISE, launch, TRANSPOSE, len(loops) if big else 0, math.prod(loops) if big else 1)
+        return KernelPlan(ELEMENTWISE, launch, TRANSPOSE, len(blocks) if big else 0, math.prod(blocks) if big else 1)
     nest, body = kernel.parallel, kernel.body
     if nest and kernel.total_work >= d.omp_min_work:
         # a short outer loop: share the next ones too
@@ -386,7 +384,7 @@ def row_fusable(kernel: Kernel, d: Dialect) -> bool:
     """Whether ``kernel`` may join a row group on ``d`` (core/fusion.py, ``fuse_rows``): a
     parallel nest whose rows (its iterations per outer iteration) are at most the dialect's
     ``row_group_max_row``, no merge buffer, no scatter, and no shape that needs the kernel
-    alone (tiles, column blocks, streaming stores, group reductions)."""
+    alone (tiles, column blocks, streaming stores, block transposes, group reductions)."""
     if not kernel.parallel or kernel.work == 0 or kernel.merge_input is not None or d.row_group_max_row <= 0:
         return False
     if kernel.total_work // kernel.parallel[0][1] > d.row_group_max_row:
@@ -423,11 +421,18 @@ def block_transpose(kernel: Kernel) -> bool:
     src = body.value
     if not isinstance(src, Load) or src.merge or src.row is not None or src.node is body.node:
         return False
-    if src.node.dtype is not body.node.dtype or body.node.dtype.itemsize != 4 or body.node.dtype.is_half:
+    if src.node.dtype is not body.node.dtype or body.node.dtype.itemsize != 4:
         return False
     (a, na), (b, nb) = kernel.parallel[-2:]
     return (min(na, nb) >= TRANSPOSE_BLOCK and body.index.coeff(b) == 1 and src.index.coeff(a) == 1
             and body.index.coeff(a) != 1 and src.index.coeff(b) not in (0, 1))
+
+
+def transpose_loops(kernel: Kernel) -> list[int]:
+    """A block transpose's loops: the outer axes, then its blocks along a and along b (the
+    range threads share is their product, which the emitter decodes)."""
+    nest = kernel.parallel
+    return [n for _, n in nest[:-2]] + [-(-n // TRANSPOSE_BLOCK) for _, n in nest[-2:]]
 
 
 def fusable(kernel: Kernel) -> bool:

@@ -2,7 +2,7 @@
 
 - ``driver.py``: the Driver (pools, streams, events, load, launch);
 - ``dialect.py``: the C dialect (spellings) and ``tiles.py`` what only the CPU does with
-  kernels (vector tiles, column and staged reductions, streaming stores);
+  kernels (vector tiles, column and staged reductions, streaming stores, block transposes);
 - ``native.py`` + ``runtime.c``: the stream runtime in C; ``compiler.py``: the C compiler
   through the verified compile cache; ``host.py``: this host's CPU.
 """

@@ -49,6 +49,7 @@ from polyjit.core.patterns import (
     TRANSPOSE_BLOCK,
     KernelPlan,
     stageable,
+    transpose_loops,
 )
 
 # float32 exp and tanh that GCC vectorizes (libm's expf/tanhf are calls, one lane at a time:
@@ -432,29 +433,33 @@ def streaming(em: Emitter, kernel: Kernel, plan: KernelPlan, names: Names) -> li
 # transpose
 
 # An 8x8 block of 4-byte values transposed in eight 32-byte vectors: pairs of rows interleave
-# by 1, then by 2, then by 4 lanes (24 shuffles). GCC's generic vectors: AVX permutes on x86,
-# NEON on Arm; the bits move untouched, so every 4-byte type (NaN payloads too) shares it.
+# by 1, then by 2, then by 4 lanes (24 shuffles); AVX permutes (patterns.block_transpose asks
+# for 32-byte vectors: without AVX, GCC's code for them was 5x slower than the plain loop).
+# The bits move untouched, so every 4-byte type (NaN payloads too) shares it. GCC spells a
+# constant shuffle __builtin_shuffle, clang __builtin_shufflevector (GCC has it from 12 only).
 TRANSPOSE_HELPER = ("pj_transpose8", """\
 typedef uint32_t pj_u32x8 __attribute__((vector_size(32)));
 typedef int32_t pj_i32x8 __attribute__((vector_size(32)));
+#if defined(__clang__)
+#define PJ_SHUFFLE8(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define PJ_SHUFFLE8(a, b, ...) __builtin_shuffle(a, b, (pj_i32x8){__VA_ARGS__})
+#endif
 static inline void pj_transpose8(pj_u32x8* r) {  /* r[i][j] <- r[j][i] */
-  const pj_i32x8 lo1 = {0, 8, 1, 9, 4, 12, 5, 13}, hi1 = {2, 10, 3, 11, 6, 14, 7, 15};
-  const pj_i32x8 lo2 = {0, 1, 8, 9, 4, 5, 12, 13}, hi2 = {2, 3, 10, 11, 6, 7, 14, 15};
-  const pj_i32x8 lo4 = {0, 1, 2, 3, 8, 9, 10, 11}, hi4 = {4, 5, 6, 7, 12, 13, 14, 15};
   pj_u32x8 s[8], u[8];
   for (int k = 0; k < 8; k += 2) {
-    s[k] = __builtin_shuffle(r[k], r[k + 1], lo1);
-    s[k + 1] = __builtin_shuffle(r[k], r[k + 1], hi1);
+    s[k] = PJ_SHUFFLE8(r[k], r[k + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+    s[k + 1] = PJ_SHUFFLE8(r[k], r[k + 1], 2, 10, 3, 11, 6, 14, 7, 15);
   }
   for (int k = 0; k < 8; k += 4) {
-    u[k] = __builtin_shuffle(s[k], s[k + 2], lo2);
-    u[k + 1] = __builtin_shuffle(s[k], s[k + 2], hi2);
-    u[k + 2] = __builtin_shuffle(s[k + 1], s[k + 3], lo2);
-    u[k + 3] = __builtin_shuffle(s[k + 1], s[k + 3], hi2);
+    u[k] = PJ_SHUFFLE8(s[k], s[k + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+    u[k + 1] = PJ_SHUFFLE8(s[k], s[k + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+    u[k + 2] = PJ_SHUFFLE8(s[k + 1], s[k + 3], 0, 1, 8, 9, 4, 5, 12, 13);
+    u[k + 3] = PJ_SHUFFLE8(s[k + 1], s[k + 3], 2, 3, 10, 11, 6, 7, 14, 15);
   }
   for (int k = 0; k < 4; ++k) {
-    r[k] = __builtin_shuffle(u[k], u[k + 4], lo4);
-    r[k + 4] = __builtin_shuffle(u[k], u[k + 4], hi4);
+    r[k] = PJ_SHUFFLE8(u[k], u[k + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+    r[k + 4] = PJ_SHUFFLE8(u[k], u[k + 4], 4, 5, 6, 7, 12, 13, 14, 15);
   }
 }""".splitlines())
 
@@ -468,7 +473,8 @@ def transpose(em: Emitter, kernel: Kernel, plan: KernelPlan, names: Names) -> li
     blk = TRANSPOSE_BLOCK
     (a_sym, na), (b_sym, nb) = kernel.parallel[-2:]
     a, b = names.var(a_sym), names.var(b_sym)
-    loops = [(names.var(s), n) for s, n in kernel.parallel[:-2]] + [("pj_ab", -(-na // blk)), ("pj_bb", -(-nb // blk))]
+    outer = [names.var(s) for s, _ in kernel.parallel[:-2]]
+    loops = list(zip([*outer, "pj_ab", "pj_bb"], transpose_loops(kernel), strict=True))
     lines, depth = _open_nest(loops, plan.team > 0)
     p = "  " * depth
     out = em.element(names.buffer(body.node), body.index, None)
