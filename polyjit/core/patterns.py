@@ -309,9 +309,10 @@ def _loops_plan(kernel: Kernel, d: Dialect) -> KernelPlan:
     elif STREAMING in shapes and streams(kernel, d.vector_bytes):
         shape = STREAMING
     elif TRANSPOSE in shapes and d.vector_bytes >= 32 and block_transpose(kernel):
-        blocks = transpose_loops(kernel)  # threads share them as they share tiles
+        block_loops = transpose_loops(kernel)  # threads share them as they share tiles
         big = kernel.total_work >= d.omp_min_work
-        return KernelPlan(ELEMENTWISE, launch, TRANSPOSE, len(blocks) if big else 0, math.prod(blocks) if big else 1)
+        return KernelPlan(ELEMENTWISE, launch, TRANSPOSE, len(block_loops) if big else 0,
+                          math.prod(block_loops) if big else 1)
     nest, body = kernel.parallel, kernel.body
     if nest and kernel.total_work >= d.omp_min_work:
         # a short outer loop: share the next ones too
