@@ -130,15 +130,6 @@ class Optimizer:
         raise NotImplementedError
 
 
-def _last_first(params: list[Tensor], grads: list[Tensor]) -> list[tuple[Tensor, Tensor]]:
-    """The parameters' updates, last parameter first: the order backprop finishes their
-    gradients in (PyTorch's DDP buckets follow it too). The last layers' small updates then
-    run while the host thread is still in Python after the loss, and the first layer's large
-    weight-gradient product, which that thread helps with, comes last (the MLP step on two
-    cores: 0.976 of its time; docs/benchmarks.md, session 15)."""
-    return list(zip(params, grads))[::-1]
-
-
 class SGD(Optimizer):
     """``v = momentum*v + g (+ weight_decay*p); p -= lr * v`` (PyTorch's form; nesterov optional)."""
 
@@ -156,7 +147,7 @@ class SGD(Optimizer):
 
     def _updates(self, params: list[Tensor], grads: list[Tensor]) -> list[Write]:
         writes = []
-        for p, g in _last_first(params, grads):
+        for p, g in zip(params, grads):
             if self.weight_decay:
                 g = g + self.weight_decay * p
             if self.momentum:
@@ -188,7 +179,7 @@ class Adam(Optimizer):
         # Scalars read by every parameter's update (computed once per step, after t advances),
         # cast once to each other dtype of the parameters (a half type's t counts in float32).
         scalars = {t.dtype: (self.lr / (1.0 - ops.pow(b1, t)), 1.0 / ops.sqrt(1.0 - ops.pow(b2, t)))}
-        for p, g in _last_first(params, grads):
+        for p, g in zip(params, grads):
             if p.dtype not in scalars:
                 first, second = scalars[t.dtype]
                 scalars[p.dtype] = (ops.cast(first, p.dtype), ops.cast(second, p.dtype))

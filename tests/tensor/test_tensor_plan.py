@@ -83,19 +83,6 @@ def test_optimizers_match_numpy(make: Any) -> None:
     plan.close()
 
 
-@pytest.mark.parametrize("make", [lambda: pt.SGD(0.1, momentum=0.9), lambda: pt.AdamW(0.05)], ids=["sgd", "adamw"])
-def test_updates_are_written_last_parameter_first(make: Any) -> None:
-    """Backprop's order: the last parameter's update first (its gradient is ready first), the
-    first layer's last; the optimizer's state keeps one tensor per (parameter, kind)."""
-    mlp = pt.MLP("order", [6, 5, 3], seed=0)
-    params = list(mlp.params)
-    opt = make()
-    writes = opt.updates(params, [pt.full(p.shape, 1.0, p.dtype) for p in params])
-    written = [w.target for w in writes if any(w.target is p for p in params)]
-    assert [t.name for t in written] == [p.name for p in reversed(params)]
-    assert len(opt._state) == len(params) * (1 if isinstance(opt, pt.SGD) else 2)
-
-
 def test_training_step_matches_the_reference_interpreter() -> None:
     _, _, _, loss = _classifier()
     plan = pt.compile(loss=loss, optimizer=pt.AdamW(0.01))
