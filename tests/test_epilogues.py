@@ -1,7 +1,8 @@
 """Epilogue fusion (core/fusion.py ``fuse_epilogues``): on a dialect that tiles contractions
-with an epilogue (the CPU's register tiles), an elementwise kernel right after a contraction
-that reads its product at the cell each iteration writes runs on each output tile, in the
-contraction's kernel; anything else stays apart. The values of every case are checked
+with an epilogue (the CPU's register tiles), an elementwise kernel after a contraction (right
+after it, or past kernels independent of it) that reads its product at the cell each
+iteration writes runs on each output tile, in the contraction's kernel; anything else stays
+apart. The values of every case are checked
 against the reference by the catalog (``epilogue.*``) on every backend; here, which kernels
 merge."""
 
@@ -22,6 +23,8 @@ from polyjit.testing.programs import by_name
 @pytest.mark.parametrize(("program", "kernels"), [
     ("epilogue.bias_relu", 1),  # bias and relu on each tile; the product is stored too
     ("epilogue.update_in_place", 2),  # momentum on each tile; the weight's update reads it after
+    ("epilogue.update_after_other_gradients", 4),  # the momentum moves up past independent kernels
+    ("epilogue.update_behind_a_reader", 3),  # a kernel between reads the weight: apart
     ("epilogue.batched_bias", 1),  # a batched product
     ("epilogue.relu_mask", 1),  # a relu's backward mask (where) on the product
     ("epilogue.consumer_writes_operand", 2),  # later tiles read the operand: apart
@@ -30,8 +33,10 @@ from polyjit.testing.programs import by_name
 def test_which_consumers_run_on_the_tiles(program: str, kernels: int, dt: str) -> None:
     comments = kernel_comments("cpu", f"{program}.{dt}")
     assert len(comments) == kernels, comments
-    if kernels == 1 or program == "epilogue.update_in_place":
+    if kernels == 1 or program in ("epilogue.update_in_place", "epilogue.update_after_other_gradients"):
         assert "add= mul; " in comments[0]  # the product's kernel carries its consumer
+    if program == "epilogue.update_behind_a_reader":
+        assert all("add= mul; " not in c for c in comments), comments
 
 
 def test_the_epilogue_runs_inside_the_tile_kernel() -> None:

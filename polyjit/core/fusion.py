@@ -183,17 +183,32 @@ def _gather(schedule: list[_Entry], pos: int, new: _Entry) -> bool:
 
 def fuse_epilogues(kernels: Sequence[Kernel], tiled: Callable[[Kernel], bool]) -> list[Kernel]:
     """The kernels of one computation, in order, with each elementwise kernel that reads the
-    output of the tiled contraction right before it (``tiled``: the dialect tiles this
-    kernel, with epilogues) merged into it as the contraction's epilogue (a ``Seq``: the sum,
-    then the elementwise stores; see :func:`_epilogue`)."""
+    output of a tiled contraction (``tiled``: the dialect tiles this kernel, with epilogues)
+    merged into it as the contraction's epilogue (a ``Seq``: the sum, then the elementwise
+    stores; see :func:`_epilogue`). The contraction may be up to ``WINDOW`` kernels back when
+    the elementwise kernel is independent of those between, which it then moves up past: an
+    optimizer step computes every gradient before the first update, so a weight's update comes
+    after the gradients of the layers before it."""
     out: list[Kernel] = []
     for k in kernels:
-        fused = _epilogue(out[-1], k) if out and tiled(out[-1]) else None
-        if fused is not None:
-            out[-1] = fused
-        else:
+        if not _join_epilogue(out, k, tiled):
             out.append(k)
     return out
+
+
+def _join_epilogue(out: list[Kernel], e: Kernel, tiled: Callable[[Kernel], bool]) -> bool:
+    """Merge ``e`` into the nearest of ``out``'s last ``WINDOW`` kernels that takes it as an
+    epilogue, if ``e`` may move up to it (independent of every kernel in between)."""
+    moving: _Entry | None = None
+    for pos in range(len(out) - 1, max(-1, len(out) - 1 - WINDOW), -1):
+        fused = _epilogue(out[pos], e) if tiled(out[pos]) else None
+        if fused is not None:
+            out[pos] = fused
+            return True
+        moving = moving or _Entry.of(e)
+        if not moving.independent(_Entry.of(out[pos])):
+            return False
+    return False
 
 
 def _epilogue(p: Kernel, e: Kernel) -> Kernel | None:

@@ -413,6 +413,7 @@ def compile(
     """
     named = _named_outputs(outputs)
     writes = []
+    grads: list[Tensor] = []
     if loss is not None:
         _check_tensor(loss, "loss")
         if loss.shape != ():
@@ -427,9 +428,14 @@ def compile(
         wrt = list(params) if params is not None else trainable_params(loss)
         scale = _loss_scale(loss_scale)
         seed = None if scale == 1.0 else full((), scale, loss.dtype, name="loss_scale")
-        writes = optimizer.updates(wrt, grad(loss, wrt, seed=seed), grad_scale=1.0 / scale)
+        grads = grad(loss, wrt, seed=seed)
+        writes = optimizer.updates(wrt, grads, grad_scale=1.0 / scale)
     elif loss_scale != 1.0:
         raise InvalidProgramError("loss_scale scales the gradients of an optimizer step: it needs an optimizer")
-    program = Program(named, writes, name=name)
+    # Every gradient is of the parameters before the step: computed before the first write
+    # (computed lazily instead, a gradient that reads a parameter updated earlier in the list
+    # read its new value: ``z = (y @ v) @ w1 + x @ w0`` stepped wrong for half of the orders
+    # of ``params``).
+    program = Program(named, writes, name=name, computed_first=grads)
     dev = share.device if device is None and share is not None else resolve_device(device)
     return Plan(program, dev, mode=mode, share=share)

@@ -50,12 +50,19 @@ _IDENT = re.compile(r"[^A-Za-z0-9_]")
 
 
 class Program:
-    """Outputs and persistent writes of a tensor graph, in an order that respects every read."""
+    """Outputs and persistent writes of a tensor graph, in an order that respects every read.
 
-    def __init__(self, outputs: Mapping[str, Tensor], writes: Sequence[Write] = (), name: str = "plan") -> None:
+    The outputs come first, then ``computed_first`` (an optimizer step's gradients: they are
+    of the state before the step, whatever order the writes come in), then the writes in
+    order, each value computed as late as it can be: it reads the state the earlier writes
+    left (an optimizer's bias corrections read the step count it has just advanced)."""
+
+    def __init__(self, outputs: Mapping[str, Tensor], writes: Sequence[Write] = (), name: str = "plan",
+                 computed_first: Sequence[Tensor] = ()) -> None:
         self.name = _IDENT.sub("_", name) or "plan"
         self.outputs = dict(outputs)
         self.writes = tuple(writes)
+        self.computed_first = tuple(computed_first)
         self.steps: list[Step] = []
         seen: set[Tensor] = set()
         every: list[Tensor] = []
@@ -70,6 +77,7 @@ class Program:
                     self.steps.append(Step(f"{t.name}", t.assigns, t.node))
 
         emit(list(self.outputs.values()))
+        emit(list(self.computed_first))
         for w in self.writes:  # values computed late read state as the earlier writes left it
             emit([w.value])
             direct = ir.apply(ir.Op.ID, w.value.node, into=w.target.node)

@@ -34,13 +34,15 @@ def evaluate(
     *,
     state: Mapping[str, Any] | None = None,
     writes: Sequence[Write] = (),
+    computed_first: Sequence[Tensor] = (),
 ) -> tuple[dict[str, Array], dict[str, Array]]:
     """Run the graph once; returns (outputs by name, persistent state after the writes by name).
 
     ``inputs`` feed the input tensors by name; ``state`` overrides the initial
-    value of parameters and state by name.
+    value of parameters and state by name; ``writes`` and ``computed_first`` as a
+    :class:`Program` takes them (a plan's: ``plan.program.writes``, ``plan.program.computed_first``).
     """
-    program = Program(outputs, writes, name="reference")
+    program = Program(outputs, writes, name="reference", computed_first=computed_first)
     inputs = dict(inputs or {})
     overrides = dict(state or {})
     env: dict[Any, Array] = {}

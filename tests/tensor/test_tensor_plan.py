@@ -4,6 +4,7 @@ runs, pipelining, shared parameters, reset and state."""
 from __future__ import annotations
 
 import gc
+import itertools
 import tracemalloc
 from typing import Any
 
@@ -83,13 +84,42 @@ def test_optimizers_match_numpy(make: Any) -> None:
     plan.close()
 
 
+@pytest.mark.parametrize("order", list(itertools.permutations(["w0", "v", "w1"])), ids="-".join)
+def test_a_step_is_the_same_whatever_the_order_of_params(order: tuple[str, ...]) -> None:
+    """Every gradient is of the parameters before the step. ``v``'s gradient reads ``w1``
+    (``z = (y @ v) @ w1 + x @ w0``); computed lazily before its own update, it read the new
+    ``w1`` whenever ``w1`` came earlier in ``params``: half of the orders stepped ``v`` wrong.
+    Checked against the gradients written out in numpy."""
+    rng = np.random.default_rng(1)
+    init = {"w0": rng.standard_normal((3, 2)), "v": rng.standard_normal((3, 3)), "w1": rng.standard_normal((3, 2))}
+    xs, ys = rng.standard_normal((4, 3)), rng.standard_normal((4, 3))
+    z = (ys @ init["v"]) @ init["w1"] + xs @ init["w0"]
+    dz = 2 * z
+    want = {"w0": init["w0"] - 0.1 * (xs.T @ dz), "w1": init["w1"] - 0.1 * ((ys @ init["v"]).T @ dz),
+            "v": init["v"] - 0.1 * (ys.T @ (dz @ init["w1"].T))}
+    ps = {k: pt.param(k, v.shape, init=v, dtype="float64") for k, v in init.items()}
+    x, y = pt.input("x", (4, 3), "float64"), pt.input("y", (4, 3), "float64")
+    loss = pt.sum(((y @ ps["v"]) @ ps["w1"] + x @ ps["w0"]) ** 2.0)
+    plan = pt.compile(loss=loss, optimizer=pt.SGD(0.1), params=[ps[k] for k in order])
+    plan.step(x=xs, y=ys)
+    got = plan.state_dict()
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-12, atol=1e-12, err_msg=k)
+    _, after = evaluate({"loss": loss}, {"x": xs, "y": ys}, writes=plan.program.writes,
+                        computed_first=plan.program.computed_first)
+    for k in want:
+        np.testing.assert_allclose(after[k], want[k], rtol=1e-12, atol=1e-12, err_msg=f"reference {k}")
+    plan.close()
+
+
 def test_training_step_matches_the_reference_interpreter() -> None:
     _, _, _, loss = _classifier()
     plan = pt.compile(loss=loss, optimizer=pt.AdamW(0.01))
     batch = _batches(1)[0]
     before = plan.state_dict()
     got = plan.step(**batch)
-    outs, after = evaluate({"loss": loss}, batch, state=before, writes=plan.program.writes)
+    outs, after = evaluate({"loss": loss}, batch, state=before, writes=plan.program.writes,
+                           computed_first=plan.program.computed_first)
     np.testing.assert_allclose(got, outs["loss"], rtol=1e-6)
     for name, value in plan.state_dict().items():
         np.testing.assert_allclose(value, after[name], rtol=1e-5, atol=1e-7, err_msg=name)

@@ -175,6 +175,28 @@ def epilogues() -> list[CatalogProgram]:
             ir.apply(Op.ADD, mom, g, into=mom), ir.apply(Op.SUB, wt, mom, into=wt),
             inputs=[(a, q(a.shape)), (d, q(d.shape)), (mom, q(mom.shape)), (wt, q(wt.shape))], outputs=[mom, wt],
         ))
+        # an optimizer step computes every gradient first: the update comes after another
+        # layer's gradient (a product and a column sum, independent of it) and moves up to its
+        # own product; the second update comes after a kernel that reads the first weight
+        # (the next layer's input), so it must stay behind it
+        ua, ud, ug = Node("ua", (30, 14), dt), Node("ud", (30, 50), dt), Node("ug", (14, 50), dt)
+        um, uw = Node("um", (14, 50), dt), Node("uw", (14, 50), dt)
+        ob, oe, og = Node("ob", (30, 20), dt), Node("oe", (30, 6), dt), Node("og", (20, 6), dt)
+        os_ = Node("os", (6,), dt)
+        out.append(program(
+            f"epilogue.update_after_other_gradients.{dt}", ir.einsum("ki,kj->ij", ua, ud, into=ug),
+            ir.einsum("ki,kj->ij", ob, oe, into=og), ir.einsum("ij->j", oe, into=os_),
+            ir.apply(Op.ADD, um, ug, into=um), ir.apply(Op.SUB, uw, um, into=uw),
+            inputs=[(ua, q(ua.shape)), (ud, q(ud.shape)), (ob, q(ob.shape)), (oe, q(oe.shape)),
+                    (um, q(um.shape)), (uw, q(uw.shape))], outputs=[og, os_, um, uw],
+        ))
+        va, vd, vg = Node("va", (30, 14), dt), Node("vd", (30, 50), dt), Node("vg", (14, 50), dt)
+        vw, vr = Node("vw", (14, 50), dt), Node("vr", (50,), dt)
+        out.append(program(
+            f"epilogue.update_behind_a_reader.{dt}", ir.einsum("ki,kj->ij", va, vd, into=vg),
+            ir.einsum("ij->j", vw, into=vr), ir.apply(Op.SUB, vw, vg, into=vw),
+            inputs=[(va, q(va.shape)), (vd, q(vd.shape)), (vw, q(vw.shape))], outputs=[vr, vw],
+        ))
         # the consumer writes an operand of the product: later tiles must read the old values
         sa, sw, sc = Node("sa", (24, 24), dt), Node("sw", (24, 40), dt), Node("sc", (24, 40), dt, ON)
         out.append(program(
