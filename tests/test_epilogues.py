@@ -24,7 +24,8 @@ from polyjit.testing.programs import by_name
     ("epilogue.bias_relu", 1),  # bias and relu on each tile; the product is stored too
     ("epilogue.update_in_place", 2),  # momentum on each tile; the weight's update reads it after
     ("epilogue.update_after_other_gradients", 4),  # the momentum moves up past independent kernels
-    ("epilogue.update_behind_a_reader", 3),  # a kernel between reads the weight: apart
+    ("epilogue.update_behind_a_reader", 2),  # a kernel between reads the weight: it moves up
+    ("epilogue.update_behind_a_dependent_reader", 3),  # ... and reads the product: all apart
     ("epilogue.batched_bias", 1),  # a batched product
     ("epilogue.relu_mask", 1),  # a relu's backward mask (where) on the product
     ("epilogue.consumer_writes_operand", 2),  # later tiles read the operand: apart
@@ -35,7 +36,9 @@ def test_which_consumers_run_on_the_tiles(program: str, kernels: int, dt: str) -
     assert len(comments) == kernels, comments
     if kernels == 1 or program in ("epilogue.update_in_place", "epilogue.update_after_other_gradients"):
         assert "add= mul; " in comments[0]  # the product's kernel carries its consumer
-    if program == "epilogue.update_behind_a_reader":
+    if program == "epilogue.update_behind_a_reader":  # the reader first, then the product and update
+        assert "add= id" in comments[0] and "add= mul; " in comments[1], comments
+    if program == "epilogue.update_behind_a_dependent_reader":
         assert all("add= mul; " not in c for c in comments), comments
 
 

@@ -23,8 +23,8 @@ Kernels merge when, and only when:
 Anything else stays as it was. Fusion never changes a value: each store computes the same
 expression from the same values as before.
 
-:func:`fuse_epilogues` (at the end) merges an elementwise kernel into the tiled contraction
-right before it, as the epilogue its tiles run (docs/architecture.md, "Epilogues"), and
+:func:`fuse_epilogues` (at the end) merges an elementwise kernel into a tiled contraction
+before it, as the epilogue its tiles run (docs/architecture.md, "Epilogues"), and
 :func:`private_sums` marks the sums that only their epilogue reads.
 """
 
@@ -185,10 +185,9 @@ def fuse_epilogues(kernels: Sequence[Kernel], tiled: Callable[[Kernel], bool]) -
     """The kernels of one computation, in order, with each elementwise kernel that reads the
     output of a tiled contraction (``tiled``: the dialect tiles this kernel, with epilogues)
     merged into it as the contraction's epilogue (a ``Seq``: the sum, then the elementwise
-    stores; see :func:`_epilogue`). The contraction may be up to ``WINDOW`` kernels back when
-    the elementwise kernel is independent of those between, which it then moves up past: an
-    optimizer step computes every gradient before the first update, so a weight's update comes
-    after the gradients of the layers before it."""
+    stores; see :func:`_epilogue`). The contraction may be up to ``WINDOW`` kernels back (an
+    optimizer step computes every gradient before the first update, so a weight's update
+    comes after the gradients of other layers): see :func:`_join_epilogue`."""
     out: list[Kernel] = []
     for k in kernels:
         if not _join_epilogue(out, k, tiled):
@@ -198,16 +197,23 @@ def fuse_epilogues(kernels: Sequence[Kernel], tiled: Callable[[Kernel], bool]) -
 
 def _join_epilogue(out: list[Kernel], e: Kernel, tiled: Callable[[Kernel], bool]) -> bool:
     """Merge ``e`` into the nearest of ``out``'s last ``WINDOW`` kernels that takes it as an
-    epilogue, if ``e`` may move up to it (independent of every kernel in between)."""
-    moving: _Entry | None = None
+    epilogue. ``e`` moves up past the kernels in between that it is independent of; those it
+    is not (the MLP's ``w^T`` for the hidden gradient reads the weight its update writes) move
+    up above the contraction, if they are independent of it and of the kernels they pass."""
     for pos in range(len(out) - 1, max(-1, len(out) - 1 - WINDOW), -1):
         fused = _epilogue(out[pos], e) if tiled(out[pos]) else None
-        if fused is not None:
-            out[pos] = fused
-            return True
-        moving = moving or _Entry.of(e)
-        if not moving.independent(_Entry.of(out[pos])):
-            return False
+        if fused is None:
+            continue
+        moving, between = _Entry.of(e), [_Entry.of(k) for k in out[pos + 1:]]
+        hoisted = [i for i, x in enumerate(between) if not x.independent(moving)]
+        contraction = _Entry.of(out[pos])
+        for i in hoisted:
+            passed = [between[j] for j in range(i) if j not in hoisted] + [contraction]
+            if not all(x.independent(between[i]) for x in passed):
+                return False
+        rest = [out[pos + 1 + i] for i in range(len(between)) if i not in hoisted]
+        out[pos:] = [out[pos + 1 + i] for i in hoisted] + [fused] + rest
+        return True
     return False
 
 

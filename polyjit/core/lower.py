@@ -15,7 +15,7 @@ Steps, for a batch of computations:
 5. a long full reduction splits into partial results and their reduction;
 6. horizontal fusion: elementwise kernels of one iteration space merge into one kernel
    when every value one reads of another's is its own iteration's (core/fusion.py);
-7. epilogues (a tiled contraction and the elementwise kernel after it), row groups
+7. epilogues (a tiled contraction and an elementwise kernel after it), row groups
    (adjacent kernels over the rows of one outer loop) and batches (independent elementwise
    kernels as segments of one launch), as the target asks.
 

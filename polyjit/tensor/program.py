@@ -63,6 +63,9 @@ class Program:
         self.outputs = dict(outputs)
         self.writes = tuple(writes)
         self.computed_first = tuple(computed_first)
+        for t in self.computed_first:
+            if not isinstance(t, Tensor):
+                raise InvalidProgramError(f"computed_first holds {t!r}, not a tensor")
         self.steps: list[Step] = []
         seen: set[Tensor] = set()
         every: list[Tensor] = []

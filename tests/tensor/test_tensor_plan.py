@@ -12,9 +12,15 @@ import numpy as np
 import pytest
 
 from polyjit import tensor as pt
-from polyjit.core.errors import BindingError, NodeNotInContextError, ShapeMismatchError
+from polyjit.core.errors import (
+    BindingError,
+    InvalidProgramError,
+    NodeNotInContextError,
+    ShapeMismatchError,
+)
 from polyjit.core.ir import MemoryMode
 from polyjit.demo.datasets import two_spirals
+from polyjit.tensor.program import Program
 from polyjit.tensor.reference import evaluate
 
 Array = np.ndarray[Any, Any]
@@ -110,6 +116,14 @@ def test_a_step_is_the_same_whatever_the_order_of_params(order: tuple[str, ...])
     for k in want:
         np.testing.assert_allclose(after[k], want[k], rtol=1e-12, atol=1e-12, err_msg=f"reference {k}")
     plan.close()
+
+
+def test_a_parameter_listed_twice_is_refused() -> None:
+    w = pt.param("twice", (3,), init=np.ones(3))
+    with pytest.raises(InvalidProgramError, match="twice more than once"):
+        pt.compile(loss=pt.sum(w * w), optimizer=pt.SGD(0.1), params=[w, w])
+    with pytest.raises(InvalidProgramError, match="not a tensor"):
+        Program({"loss": pt.sum(w * w)}, computed_first=[None])  # type: ignore[list-item]
 
 
 def test_training_step_matches_the_reference_interpreter() -> None:

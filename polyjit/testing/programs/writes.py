@@ -177,8 +177,9 @@ def epilogues() -> list[CatalogProgram]:
         ))
         # an optimizer step computes every gradient first: the update comes after another
         # layer's gradient (a product and a column sum, independent of it) and moves up to its
-        # own product; the second update comes after a kernel that reads the first weight
-        # (the next layer's input), so it must stay behind it
+        # own product; in the second, a kernel between reads the weight the update writes (the
+        # MLP's w^T), so it moves above the product; in the third, that reader also reads the
+        # product: everything stays in order
         ua, ud, ug = Node("ua", (30, 14), dt), Node("ud", (30, 50), dt), Node("ug", (14, 50), dt)
         um, uw = Node("um", (14, 50), dt), Node("uw", (14, 50), dt)
         ob, oe, og = Node("ob", (30, 20), dt), Node("oe", (30, 6), dt), Node("og", (20, 6), dt)
@@ -196,6 +197,13 @@ def epilogues() -> list[CatalogProgram]:
             f"epilogue.update_behind_a_reader.{dt}", ir.einsum("ki,kj->ij", va, vd, into=vg),
             ir.einsum("ij->j", vw, into=vr), ir.apply(Op.SUB, vw, vg, into=vw),
             inputs=[(va, q(va.shape)), (vd, q(vd.shape)), (vw, q(vw.shape))], outputs=[vr, vw],
+        ))
+        xa, xd, xg = Node("xa", (30, 14), dt), Node("xd", (30, 50), dt), Node("xg", (14, 50), dt)
+        xw, xr = Node("xw", (14, 50), dt), Node("xr", (50,), dt)
+        out.append(program(
+            f"epilogue.update_behind_a_dependent_reader.{dt}", ir.einsum("ki,kj->ij", xa, xd, into=xg),
+            ir.einsum("ij,ij->j", xg, xw, into=xr), ir.apply(Op.SUB, xw, xg, into=xw),
+            inputs=[(xa, q(xa.shape)), (xd, q(xd.shape)), (xw, q(xw.shape))], outputs=[xr, xw],
         ))
         # the consumer writes an operand of the product: later tiles must read the old values
         sa, sw, sc = Node("sa", (24, 24), dt), Node("sw", (24, 40), dt), Node("sc", (24, 40), dt, ON)
