@@ -441,7 +441,7 @@ def compile(
     # of ``params``). Last parameter first, the order backprop finishes them in: the last
     # layers' small kernels run while the host thread is back in Python after the loss, and
     # the first layer's large weight gradient, which that thread helps with on the CPU, comes
-    # last (the MLP step: 0.976 of its time; docs/benchmarks.md, session 15).
+    # last (the MLP step: 0.977 of its time; docs/benchmarks.md, session 15).
     program = Program(named, writes, name=name, computed_first=grads[::-1])
     dev = share.device if device is None and share is not None else resolve_device(device)
     return Plan(program, dev, mode=mode, share=share)
