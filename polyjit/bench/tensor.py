@@ -97,8 +97,9 @@ def bench_race(model: str, batch: int, peers: Sequence[str], contention: Sequenc
     """polyjit's training step of the model against the peers (``peers.race``), as one group."""
     result = race(model, ["polyjit", *peers], batch, contention, rounds, seconds)
     out = flatten(result, contention)
-    if isinstance(result.get("numpy"), dict) and isinstance(result.get("polyjit"), dict):
-        out["polyjit_vs_numpy"] = result["polyjit"]["samples_s"] / result["numpy"]["samples_s"]
+    numpy, ours = result.get("numpy"), result.get("polyjit")
+    if isinstance(numpy, dict) and isinstance(ours, dict) and numpy.get("samples_s"):  # 0: it failed
+        out["polyjit_vs_numpy"] = ours.get("samples_s", 0.0) / numpy["samples_s"]
     return out
 
 
