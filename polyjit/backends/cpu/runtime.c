@@ -993,12 +993,13 @@ PJ_EXPORT uint64_t pj_launch_seq(void* sp, const pj_launch_desc* descs, int n,
     return ticket;
 }
 
-static uint64_t enqueue_copy(pj_stream* s, void* dst, const void* src, size_t n, int streamed) {
+/* A MEMCPY (value: 1 for a streamed copy) or a MEMSET (src NULL, value: the byte). */
+static uint64_t enqueue_bytes(pj_stream* s, int kind, void* dst, const void* src, size_t n, int value) {
     uint64_t ticket;
     pthread_mutex_lock(&s->prod_mu);
     pj_task* t = reserve(s, &ticket);
-    t->kind = PJ_MEMCPY;
-    t->value = streamed;
+    t->kind = kind;
+    t->value = value;
     t->u.copy.dst = dst;
     t->u.copy.src = src;
     t->u.copy.n = n;
@@ -1008,28 +1009,17 @@ static uint64_t enqueue_copy(pj_stream* s, void* dst, const void* src, size_t n,
 }
 
 PJ_EXPORT uint64_t pj_memcpy(void* sp, void* dst, const void* src, size_t n) {
-    return enqueue_copy((pj_stream*)sp, dst, src, n, 0);
+    return enqueue_bytes((pj_stream*)sp, PJ_MEMCPY, dst, src, n, 0);
 }
 
 /* A copy into a buffer that the stream's kernels read next (a host-to-device copy): from
  * PJ_STREAM_MIN_BYTES to PJ_STREAM_MAX_BYTES, it stores around the caches (put_bytes). */
 PJ_EXPORT uint64_t pj_memcpy_in(void* sp, void* dst, const void* src, size_t n) {
-    return enqueue_copy((pj_stream*)sp, dst, src, n, 1);
+    return enqueue_bytes((pj_stream*)sp, PJ_MEMCPY, dst, src, n, 1);
 }
 
 PJ_EXPORT uint64_t pj_memset(void* sp, void* dst, int value, size_t n) {
-    pj_stream* s = (pj_stream*)sp;
-    uint64_t ticket;
-    pthread_mutex_lock(&s->prod_mu);
-    pj_task* t = reserve(s, &ticket);
-    t->kind = PJ_MEMSET;
-    t->value = value;
-    t->u.copy.dst = dst;
-    t->u.copy.src = NULL;
-    t->u.copy.n = n;
-    publish(s, ticket);
-    pthread_mutex_unlock(&s->prod_mu);
-    return ticket;
+    return enqueue_bytes((pj_stream*)sp, PJ_MEMSET, dst, NULL, n, value);
 }
 
 /* Make s wait for (other, ticket); enqueues nothing when that is already implied or done. */
