@@ -304,6 +304,16 @@ def test_a_matmul_big_enough_for_tiles() -> None:
     assert small_tiles.tiles == patterns.TILES_SMALL and not small_tiles.aligned and small_tiles.x_vector is None
 
 
+def test_mid_sized_matmuls_are_shared_only_while_it_pays_on_the_cpu() -> None:
+    mid = _plan(_mm(128, 128, 64), CPU)  # 1M multiply-adds: the runtime times both ways
+    assert (mid.kind, mid.team, mid.optional) == (CONTRACTION, 2, True) and mid.chunks == 22 * 4
+    big = _plan(_mm(256, 256, 256), CPU)  # always shared
+    assert (big.team, big.optional) == (2, False)
+    small = _plan(_mm(64, 64, 64), CPU)  # 262K: one thread
+    assert (small.team, small.chunks, small.optional) == (0, 1, False)
+    assert not _plan(_mm(128, 128, 64), OpenCLDialect()).optional  # no such band off the CPU
+
+
 def test_a_matmul_too_small_for_tiles() -> None:
     comp = _mm(8, 8, 8)
     assert _plan(comp, CPU).shape == REGISTER_TILES  # register tiles never lose on the CPU

@@ -135,6 +135,9 @@ class Dialect:
     # A tiled contraction of fewer multiply-adds than this runs on one thread (its operands
     # would move between cores for little compute).
     shared_matmul_min_work = 32768
+    # One of fewer, but at least this many (None: no such band), has a range that the
+    # runtime shares only while sharing pays there (KernelPlan.optional).
+    optional_matmul_min_work: int | None = None
     work_group = 256  # work-items of a generic work-group (GPU mappings)
     max_work_group = 256  # of a group reduction's few, very long cells
     # GRID_STRIDE: cells a thread takes per trip of an elementwise kernel of at least

@@ -214,6 +214,8 @@ class KernelPlan:
     team: int = 0  # LOOPS: the outer loops threads share (0: one thread)
     chunks: int = 1  # LOOPS: the iterations of those loops, flattened: the range a ranged
     # dialect's kernel takes (Dialect.ranged), which the runtime shares among its threads
+    optional: bool = False  # LOOPS: the runtime shares that range only while sharing pays
+    # (it times itself both ways), else one thread runs it (Dialect.optional_matmul_min_work)
     dims: tuple[tuple[tuple[Symbol, int], ...], ...] = ()  # GLOBAL_IDS: the parallel loops of each dim
     contraction: Contraction | None = None
     tiles: Tiles | None = None
@@ -294,10 +296,13 @@ def _loops_plan(kernel: Kernel, d: Dialect) -> KernelPlan:
         lanes = d.vector_bytes // c.reduce.node.dtype.itemsize
         bn = register_vectors(d) * lanes
         tiles = Tiles(REGISTER_ROWS, bn, 1, REGISTER_ROWS, bn, lanes)
-        team = len(c.batch) + 2 if kernel.total_work >= d.shared_matmul_min_work else 0
+        work = kernel.total_work
+        optional = d.optional_matmul_min_work is not None and \
+            d.optional_matmul_min_work <= work < d.shared_matmul_min_work
+        team = len(c.batch) + 2 if work >= d.shared_matmul_min_work or optional else 0
         tiles_ij = -(-c.m // tiles.tm) * -(-c.n // tiles.tn)
         return KernelPlan(CONTRACTION, launch, REGISTER_TILES, team, c.batch_size * tiles_ij if team else 1,
-                          contraction=c, tiles=tiles)
+                          contraction=c, tiles=tiles, optional=optional)
     if COLUMN in shapes and column_reduction(kernel) is not None:
         blocks = -(-kernel.parallel[-1][1] // COLUMN_BLOCK)
         loops = [n for _, n in kernel.parallel[:-1]] + [blocks]

@@ -22,6 +22,7 @@ from polyjit.backends.cpu.native import (
     RING_CAPACITY,
     TEAM_ADAPT,
     TEAM_NONE,
+    TEAM_OPTIONAL,
     NativeRuntime,
     _apply_contention_mode,
     load_runtime,
@@ -175,6 +176,21 @@ void range_team(void* const* b, const int64_t* s, int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; i++) ((int64_t*)b[0])[i] = omp_get_num_threads();
     struct timespec ts = {0, 200000};
     nanosleep(&ts, NULL);
+}
+
+/* A kernel with a range for optional sharing: b[0][i] = the length of the call that ran
+ * iteration i (the whole range: one call); each iteration is busy s[0] us, and while the
+ * int64 at b[1] is not 0 a call of part of the range is busy s[1] us more (sharing that
+ * costs more than it gains, as when its output must come back from another core's cache). */
+void share_probe(void* const* b, const int64_t* s, int64_t lo, int64_t hi) {
+    const int64_t n = ((volatile int64_t*)b[2])[0];
+    const int64_t us = (hi - lo) * s[0] + ((hi - lo < n && ((volatile int64_t*)b[1])[0]) ? s[1] : 0);
+    struct timespec t0, t;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    do {
+        clock_gettime(CLOCK_MONOTONIC, &t);
+    } while ((t.tv_sec - t0.tv_sec) * 1000000000LL + (t.tv_nsec - t0.tv_nsec) < us * 1000LL);
+    for (int64_t i = lo; i < hi; i++) ((int64_t*)b[0])[i] = hi - lo;
 }
 
 void team_info(void* const* b, const int64_t* s, int64_t lo, int64_t hi) {
@@ -652,6 +668,61 @@ def test_tuner_off_always_runs_the_full_team(
         rt.sync(stream2, kernels.launch(stream2, "team_penalty", [ptr(out), ptr(penalty)], [2000, 200]))
         assert out[0] == 2
     assert rt.team_of(stream2, kernels.addr("team_penalty")) == 0  # never timed
+
+
+# Tasks per timed window of the share tuner (PJ_SHARE_WINDOW in runtime.c); it times each
+# way three times (the first not counted) before it picks.
+SHARE_WINDOW = 2048
+
+
+def _probe_until(rt: NativeRuntime, kernels: Kernels, stream: int, penalty: int, want: bool) -> np.ndarray:
+    """Launch share_probe (8 iterations of 2 us) in batches until the stream's sharing is
+    ``want`` after the warm-up, then once more: the call lengths of that launch."""
+    chunks = 8
+    calls, cost, n = np.zeros(chunks, dtype=np.int64), np.array([penalty], dtype=np.int64), np.array([chunks])
+    bufs = rt.make_ptr_array([ptr(calls), ptr(cost), ptr(n)])
+    descs = rt.make_descs([(kernels.addr("share_probe"), ctypes.addressof(bufs), TEAM_OPTIONAL, False, chunks)])
+    st = (ctypes.c_int64 * 2)(2, 10)
+    deadline = time.monotonic() + 60
+    launched = 0
+    while launched < 8 * SHARE_WINDOW or rt.sharing(stream) != want:
+        assert time.monotonic() < deadline, f"sharing never became {want}"
+        for _ in range(SHARE_WINDOW // 4):
+            rt.launch_seq(stream, descs, 1, st, 2)
+        launched += SHARE_WINDOW // 4
+        rt.sync(stream, rt.last_ticket(stream))
+    calls[:] = 0  # the last window's end picked the way; one more launch goes that way
+    rt.sync(stream, rt.launch_seq(stream, descs, 1, st, 2))
+    return calls
+
+
+def test_optional_kernels_shared_while_it_pays(rt: NativeRuntime, kernels: Kernels) -> None:
+    s = rt.stream_create(2, _cores(2))
+    try:
+        calls = _probe_until(rt, kernels, s, penalty=0, want=True)
+        assert rt.sharing(s)
+        assert (calls < 8).all()  # shared: every iteration ran in a grain
+    finally:
+        rt.stream_destroy(s)
+
+
+def test_optional_kernels_on_one_thread_when_sharing_costs(rt: NativeRuntime, kernels: Kernels) -> None:
+    s = rt.stream_create(2, _cores(2))
+    try:
+        calls = _probe_until(rt, kernels, s, penalty=1, want=False)
+        assert (calls == 8).all()  # one call ran the whole range
+    finally:
+        rt.stream_destroy(s)
+
+
+def test_optional_kernels_always_shared_without_the_tuner(rt: NativeRuntime, kernels: Kernels) -> None:
+    s = rt.stream_create(2, _cores(2))
+    rt.set_adaptive(s, False)
+    try:
+        calls = _probe_until(rt, kernels, s, penalty=1, want=True)
+        assert (calls < 8).all()
+    finally:
+        rt.stream_destroy(s)
 
 
 def test_fixed_and_teamless_launches(rt: NativeRuntime, kernels: Kernels, stream2: int) -> None:

@@ -32,6 +32,10 @@ class CpuDialect(Dialect):
     # 88 us sharing from 8192 iterations and every matmul, in 70 us with these; the MLP's
     # 51M-multiply-add matmuls still run on both cores (docs/benchmarks.md, session 7).
     shared_matmul_min_work = 1 << 21
+    # From 512K multiply-adds (the MLP's 256x256x10 products, char_lm's 1M ones) the stream
+    # decides by timing itself (runtime.c, share_window): shared, char_lm stepped in 83 us
+    # instead of 92 while the VM's two vCPUs shared a cache, and in 150 while they did not.
+    optional_matmul_min_work = 1 << 19
     # A row group's rows run on one core each; their staged reductions fit a local array.
     row_group_max_row = STAGED_MAX_LENGTH
 

@@ -25,7 +25,7 @@ from polyjit.backends.cpu import tiles
 from polyjit.backends.cpu.compiler import CCompiler
 from polyjit.backends.cpu.dialect import CpuDialect
 from polyjit.backends.cpu.host import cpu_model, host_cpu
-from polyjit.backends.cpu.native import TEAM_ADAPT, NativeRuntime, load_runtime
+from polyjit.backends.cpu.native import TEAM_ADAPT, TEAM_OPTIONAL, NativeRuntime, load_runtime
 from polyjit.core.codegen import KernelSpec, Source
 from polyjit.core.protocol import DeviceInfo
 from polyjit.core.raw import RAW, c_trampoline
@@ -213,7 +213,8 @@ class CpuDriver:
             keep.append(bufs)
             # A user's kernel keeps to the worker's large stack; generated ones may run on a
             # waiting host thread (runtime.c, wait_done_host).
-            pairs.append((fn, ctypes.addressof(bufs), TEAM_ADAPT, spec.plan.kind == RAW, spec.plan.chunks))
+            team = TEAM_OPTIONAL if spec.plan.optional else TEAM_ADAPT
+            pairs.append((fn, ctypes.addressof(bufs), team, spec.plan.kind == RAW, spec.plan.chunks))
         return _Prepared(self.rt.make_descs(pairs), len(pairs), tuple(keep))
 
     def launch(self, stream: int, prepared: _Prepared, statics: Sequence[int]) -> None:

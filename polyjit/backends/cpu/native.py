@@ -62,11 +62,15 @@ _c_i64 = ctypes.c_int64
 TEAM_ADAPT = 0
 #: ``LaunchDesc.team``: the kernel opens no OpenMP team (nothing to pick or time).
 TEAM_NONE = -1
+#: ``LaunchDesc.team``: threads share the kernel's range only while the stream finds that
+#: sharing such kernels pays (it times itself both ways: runtime.c, share_window); else one
+#: call runs the whole range.
+TEAM_OPTIONAL = -2
 
 
 class LaunchDesc(ctypes.Structure):
     """``pj_launch_desc``: a kernel address, the address of its ``void*`` buffer array, its
-    team (:data:`TEAM_ADAPT`, :data:`TEAM_NONE` or a fixed number of threads), whether only
+    team (:data:`TEAM_ADAPT`, :data:`TEAM_NONE`, :data:`TEAM_OPTIONAL` or a fixed number of threads), whether only
     the stream's worker runs it, and its range: the kernel
     ``void k(void* const* bufs, const int64_t* statics, int64_t lo, int64_t hi)`` computes
     iterations [lo, hi) of ``[0, chunks)``, which the runtime shares among threads."""
@@ -126,6 +130,7 @@ class NativeRuntime:
         self._set_spin = _bind(lib, "pj_set_spin", None, [_c_i64] * 4)
         self._set_adaptive = _bind(lib, "pj_stream_set_adaptive", None, [_c_void_p, ctypes.c_int])
         self._team = _bind(lib, "pj_stream_team", ctypes.c_int, [_c_void_p, _c_void_p])
+        self._sharing = _bind(lib, "pj_stream_sharing", ctypes.c_int, [_c_void_p])
         self._contended = _bind(lib, "pj_contended", ctypes.c_int, [])
         self._set_contention = _bind(lib, "pj_set_contention", None, [ctypes.c_double, ctypes.c_double])
         self.launch_seq = _bind(
@@ -195,9 +200,15 @@ class NativeRuntime:
         return ctypes.c_void_p(stream)
 
     def set_adaptive(self, stream: int, on: bool) -> None:
-        """Whether the stream picks each kernel's team size by timing it (the default), or
-        always runs the full team."""
+        """Whether the stream picks each kernel's team size, and whether to share its optional
+        kernels (:data:`TEAM_OPTIONAL`), by timing them (the default), or always runs the full
+        team and shares them."""
         self._set_adaptive(stream, int(on))
+
+    def sharing(self, stream: int) -> bool:
+        """Whether the stream shares its optional kernels now (else one thread runs each);
+        read it while the stream is idle."""
+        return bool(self._sharing(stream))
 
     def team_of(self, stream: int, kernel: int) -> int:
         """The team size the stream runs the kernel at address ``kernel`` with now (0: not

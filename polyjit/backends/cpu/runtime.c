@@ -71,6 +71,9 @@ typedef struct {
 } pj_launch_desc;
 #define PJ_TEAM_ADAPT 0
 #define PJ_TEAM_NONE (-1)
+/* A kernel with a range that its threads share only while sharing pays on this stream (see
+ * share_window); otherwise one call runs the whole range on the thread that runs the task. */
+#define PJ_TEAM_OPTIONAL (-2)
 
 #define PJ_MAX_STATICS 16
 #define PJ_RING 4096 /* power of two */
@@ -130,6 +133,20 @@ typedef struct {
  * load goes, for a few milliseconds a second per kernel while the load lasts. */
 #define PJ_RETIME_NS 1000000000
 
+/* Sharing a mid-sized kernel (PJ_TEAM_OPTIONAL) halves its time on two cores but leaves its
+ * output in two cores' caches, and the kernels after it read it back: that costs little
+ * while the cores share a cache and more than it saves while they do not (a VM's two vCPUs,
+ * from phase to phase: a cache line's round trip between them took 50-90 ns, then 300-350).
+ * The cost lands on other kernels, so the stream times itself: its busy time per task over
+ * windows of this many tasks, with those kernels shared and with them on one thread, picked
+ * and re-timed as team sizes are (tune_pick), except that the slower way is re-timed at least
+ * every PJ_SHARE_RETIME_MAX windows rather than every second: a window of an MLP's steps
+ * lasts 140 ms, and one a second at 1.6x the time would cost 8%. */
+#define PJ_SHARE_WINDOW 2048
+#define PJ_SHARE_RETIME_MAX 64
+#define PJ_SHARE_ON 0
+#define PJ_SHARE_OFF 1
+
 typedef struct {
     pj_kernel fn;                   /* NULL: free slot */
     double mean[PJ_MAX_TEAMS];      /* running mean wall time (ns) */
@@ -169,6 +186,12 @@ typedef struct pj_stream {
     int all_threads; /* the stream's threads: large copies and fills, kernels without a range */
     _Atomic int adaptive; /* 0: always the full team (pj_stream_set_adaptive) */
     pj_tune tune[PJ_TUNE_SLOTS];
+    /* Optional sharing (share_window), touched only by the thread holding `consuming`: the
+     * timings of PJ_SHARE_ON and PJ_SHARE_OFF, the one in use, and the window being timed. */
+    pj_tune share;
+    int share_pick, share_retime, window_optional;
+    int64_t window_busy;
+    uint64_t window_tasks;
     /* The range of the kernel running now (run_chunks), shared by the threads that run it:
      * its team, and host threads waiting for this stream (join_chunks). The fields are set
      * before `job_live` is stored (release) and change only once no helper is in. */
@@ -691,24 +714,26 @@ static pj_tune* tune_slot(pj_stream* s, pj_kernel fn) {
     return e;
 }
 
-/* Which candidate runs this launch: while warming up, the one timed least (largest first);
- * then a slower one due for a re-timing, else the fastest. *retime: the pick is not the
- * fastest. */
-static int tune_pick(const pj_stream* s, const pj_tune* e, int64_t now, int* retime) {
+/* Which of the ncand candidates runs next: while warming up, the one timed least (the first
+ * first); then a slower one due for a re-timing (after 200 * (its mean / the best - 1) runs,
+ * within PJ_RETIME_MIN and retime_max, or retime_ns after its last), else the fastest.
+ * *retime: the pick is not the fastest. */
+static int tune_pick(const pj_tune* e, int ncand, int64_t now, int64_t retime_ns, double retime_max,
+                     int* retime) {
     int least = 0, best = 0;
-    for (int k = 1; k < s->nteams; k++) {
+    for (int k = 1; k < ncand; k++) {
         if (e->timed[k] < e->timed[least]) least = k;
         if (e->mean[k] < e->mean[best]) best = k;
     }
     *retime = 0;
     if (e->timed[least] < PJ_TUNE_WARM) return least;
     double floor = e->mean[best] > 1.0 ? e->mean[best] : 1.0;
-    for (int k = 0; k < s->nteams; k++) {
+    for (int k = 0; k < ncand; k++) {
         if (k == best) continue;
         double every = 200.0 * (e->mean[k] / floor - 1.0);
         if (every < PJ_RETIME_MIN) every = PJ_RETIME_MIN;
-        if (every > PJ_RETIME_MAX) every = PJ_RETIME_MAX;
-        if (e->since[k] >= (uint32_t)every || now - e->timed_at[k] > PJ_RETIME_NS) {
+        if (every > retime_max) every = retime_max;
+        if (e->since[k] >= (uint32_t)every || now - e->timed_at[k] > retime_ns) {
             *retime = 1;
             return k;
         }
@@ -716,8 +741,8 @@ static int tune_pick(const pj_stream* s, const pj_tune* e, int64_t now, int* ret
     return best;
 }
 
-static void tune_record(const pj_stream* s, pj_tune* e, int k, int64_t t1, double dt, int retime) {
-    for (int j = 0; j < s->nteams; j++) e->since[j]++;
+static void tune_record(pj_tune* e, int ncand, int k, int64_t t1, double dt, int retime) {
+    for (int j = 0; j < ncand; j++) e->since[j]++;
     e->since[k] = 0;
     e->timed_at[k] = t1;
     uint32_t n = e->timed[k]++;
@@ -743,6 +768,14 @@ static void call_kernel(pj_stream* s, const pj_task* t, int team, int picked) {
 static void run_launch(pj_stream* s, const pj_task* t) {
     pj_kernel fn = t->u.launch.fn;
     int64_t team = t->u.launch.team;
+    if (team == PJ_TEAM_OPTIONAL) {
+        s->window_optional = 1;
+        if (s->share_pick == PJ_SHARE_OFF && atomic_load_explicit(&s->adaptive, memory_order_relaxed)) {
+            fn(t->u.launch.bufs, t->statics, 0, t->u.launch.chunks);
+            return;
+        }
+        team = PJ_TEAM_ADAPT;
+    }
     if (team != PJ_TEAM_ADAPT || s->nteams < 2 ||
         !atomic_load_explicit(&s->adaptive, memory_order_relaxed)) {
         call_kernel(s, t, team > 0 ? (int)team : team == PJ_TEAM_ADAPT ? s->teams[0] : 1, team == PJ_TEAM_ADAPT);
@@ -751,10 +784,27 @@ static void run_launch(pj_stream* s, const pj_task* t) {
     pj_tune* e = tune_slot(s, fn);
     int64_t t0 = now_ns();
     int retime;
-    int k = tune_pick(s, e, t0, &retime);
+    int k = tune_pick(e, s->nteams, t0, PJ_RETIME_NS, PJ_RETIME_MAX, &retime);
     call_kernel(s, t, s->teams[k], 1);
     int64_t t1 = now_ns();
-    tune_record(s, e, k, t1, (double)(t1 - t0), retime);
+    tune_record(e, s->nteams, k, t1, (double)(t1 - t0), retime);
+}
+
+/* The worker's account of a consume() (with the role held): `busy` ns for `tasks` tasks. A
+ * window that ran optional kernels is a timing of the sharing in use; the next is picked. */
+static void share_window(pj_stream* s, int64_t busy, uint64_t tasks) {
+    s->window_busy += busy;
+    s->window_tasks += tasks;
+    if (s->window_tasks < PJ_SHARE_WINDOW) return;
+    if (s->window_optional) {
+        const int64_t now = now_ns();
+        tune_record(&s->share, 2, s->share_pick, now, (double)s->window_busy / (double)s->window_tasks,
+                    s->share_retime);
+        s->share_pick = tune_pick(&s->share, 2, now, INT64_MAX, PJ_SHARE_RETIME_MAX, &s->share_retime);
+    }
+    s->window_busy = 0;
+    s->window_tasks = 0;
+    s->window_optional = 0;
 }
 
 /* With the role held: run the tasks after `done`, in order, up to ticket `until` (or until
@@ -819,7 +869,10 @@ static void* worker_main(void* arg) {
             wait_work(s);
             continue;
         }
+        const int64_t t0 = now_ns();
+        const uint64_t done0 = atomic_load_explicit(&s->done, memory_order_relaxed);
         int stopped = consume(s, UINT64_MAX, 0);
+        share_window(s, now_ns() - t0, atomic_load_explicit(&s->done, memory_order_relaxed) - done0);
         release_role(s);
         if (stopped) return NULL;
     }
@@ -933,10 +986,18 @@ PJ_EXPORT void pj_set_contention(double on, double off) {
     atomic_store(&g_contended, on < 0.0 ? 1 : 0);
 }
 
-/* Whether the stream picks team sizes by measurement (1, the default) or always runs the
- * full team (0: for benchmarks that compare the two). */
+/* Whether the stream picks team sizes, and whether it shares optional kernels, by measurement
+ * (1, the default), or always runs the full team and shares them (0: for benchmarks that
+ * compare the two, and tests). */
 PJ_EXPORT void pj_stream_set_adaptive(void* sp, int on) {
     atomic_store(&((pj_stream*)sp)->adaptive, on != 0);
+}
+
+/* 1 while the stream shares its optional kernels (PJ_TEAM_OPTIONAL), 0 while one thread runs
+ * each (share_window); read it while the stream is idle. */
+PJ_EXPORT int pj_stream_sharing(void* sp) {
+    pj_stream* s = (pj_stream*)sp;
+    return s->share_pick == PJ_SHARE_ON || !atomic_load(&s->adaptive);
 }
 
 /* The team size the tuner runs the kernel fn with now on this stream (0: still warming up).
