@@ -380,7 +380,7 @@ def test_mid_sized_matmuls_match_numpy_shared_or_on_one_thread() -> None:
         for lo, hi in ranges:
             fn(bufs, None, lo, hi)
         np.testing.assert_allclose(ctx.read(o), av @ bv, rtol=1e-4, atol=1e-3)
-    for batch in range(8):
+    for _ in range(8):
         bv = rng.standard_normal((128, 64)).astype(np.float32)
         assert ctx.from_host(b, bv)
         for _ in range(2048):
