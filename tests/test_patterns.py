@@ -311,6 +311,8 @@ def test_mid_sized_matmuls_are_shared_only_while_it_pays_on_the_cpu() -> None:
     assert (big.team, big.optional) == (2, False)
     small = _plan(_mm(64, 64, 64), CPU)  # 262K: one thread
     assert (small.team, small.chunks, small.optional) == (0, 1, False)
+    one_tile = _plan(_mm(6, 6000, 16), CPU)  # 576K in a single tile: nothing to share
+    assert (one_tile.team, one_tile.chunks, one_tile.optional) == (0, 1, False)
     assert not _plan(_mm(128, 128, 64), OpenCLDialect()).optional  # no such band off the CPU
 
 

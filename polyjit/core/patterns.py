@@ -296,11 +296,10 @@ def _loops_plan(kernel: Kernel, d: Dialect) -> KernelPlan:
         lanes = d.vector_bytes // c.reduce.node.dtype.itemsize
         bn = register_vectors(d) * lanes
         tiles = Tiles(REGISTER_ROWS, bn, 1, REGISTER_ROWS, bn, lanes)
-        work = kernel.total_work
-        optional = d.optional_matmul_min_work is not None and \
+        work, tiles_ij = kernel.total_work, -(-c.m // tiles.tm) * -(-c.n // tiles.tn)
+        optional = d.optional_matmul_min_work is not None and c.batch_size * tiles_ij > 1 and \
             d.optional_matmul_min_work <= work < d.shared_matmul_min_work
         team = len(c.batch) + 2 if work >= d.shared_matmul_min_work or optional else 0
-        tiles_ij = -(-c.m // tiles.tm) * -(-c.n // tiles.tn)
         return KernelPlan(CONTRACTION, launch, REGISTER_TILES, team, c.batch_size * tiles_ij if team else 1,
                           contraction=c, tiles=tiles, optional=optional)
     if COLUMN in shapes and column_reduction(kernel) is not None:

@@ -353,7 +353,8 @@ def test_a_grain_reuses_the_panel_an_earlier_grain_of_its_launch_packed() -> Non
     ctx.finalize()
 
 
-def test_mid_sized_matmuls_match_numpy_shared_or_on_one_thread() -> None:
+@pytest.mark.parametrize("m, k, n", [(128, 128, 64), (24, 768, 64)])  # the second packs y's panels
+def test_mid_sized_matmuls_match_numpy_shared_or_on_one_thread(m: int, k: int, n: int) -> None:
     """A matmul of 1M multiply-adds is optional to share (KernelPlan.optional): the stream
     runs it shared or as one call over its whole range, picking by timing windows of 2048
     tasks (runtime.c, share_window). Both ways match numpy: the kernel called directly over
@@ -361,27 +362,30 @@ def test_mid_sized_matmuls_match_numpy_shared_or_on_one_thread() -> None:
     inputs changed between batches."""
     import ctypes
 
+    from polyjit.backends.cpu.dialect import CpuDialect
+
     backend = get_backend("cpu")
-    a, b, o = ir.Node("a", (128, 128)), ir.Node("b", (128, 64)), ir.Node("o", (128, 64))
+    a, b, o = ir.Node("a", (m, k)), ir.Node("b", (k, n)), ir.Node("o", (m, n))
     code = backend.compile(ir.Comp.of(ir.einsum("ik,kj->ij", a, b, into=o)), name="mid")
     rng = np.random.default_rng(11)
-    av, bv = rng.standard_normal((128, 128)).astype(np.float32), rng.standard_normal((128, 64)).astype(np.float32)
+    av, bv = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
     routine = backend.get_device(0).make_context().init_from_host(a, av).init_from_host(b, bv).link(code)
     (spec,) = routine.kernels
     assert spec.plan.optional and spec.plan.chunks > 1
+    assert ("pj_panel" in code.source) == (k == 768 and CpuDialect().vector_bytes >= 32)
     ctx = routine.context
     ctx.stream.synchronize()
     fn = getattr(routine._module.handle, spec.name)
     fn.restype, fn.argtypes = None, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
-    bufs, n = routine._prepared.descs[0].bufs, spec.plan.chunks
-    for ranges in ([(0, n)], [(lo, min(n, lo + 3)) for lo in range(0, n, 3)]):
-        assert ctx.from_host(o, np.zeros((128, 64), np.float32))
+    bufs, chunks = routine._prepared.descs[0].bufs, spec.plan.chunks
+    for ranges in ([(0, chunks)], [(lo, min(chunks, lo + 3)) for lo in range(0, chunks, 3)]):
+        assert ctx.from_host(o, np.zeros((m, n), np.float32))
         ctx.stream.synchronize()
         for lo, hi in ranges:
             fn(bufs, None, lo, hi)
         np.testing.assert_allclose(ctx.read(o), av @ bv, rtol=1e-4, atol=1e-3)
     for _ in range(8):
-        bv = rng.standard_normal((128, 64)).astype(np.float32)
+        bv = rng.standard_normal((k, n)).astype(np.float32)
         assert ctx.from_host(b, bv)
         for _ in range(2048):
             routine.run()

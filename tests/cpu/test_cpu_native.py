@@ -20,6 +20,7 @@ from polyjit.backends.cpu.native import (
     CONTENTION_MODES,
     MAX_STATICS,
     RING_CAPACITY,
+    SHARE_WINDOW,
     TEAM_ADAPT,
     TEAM_NONE,
     TEAM_OPTIONAL,
@@ -179,9 +180,10 @@ void range_team(void* const* b, const int64_t* s, int64_t lo, int64_t hi) {
 }
 
 /* A kernel with a range for optional sharing: b[0][i] = the length of the call that ran
- * iteration i (the whole range: one call); each iteration is busy s[0] us, and while the
- * int64 at b[1] is not 0 a call of part of the range is busy s[1] us more (sharing that
- * costs more than it gains, as when its output must come back from another core's cache). */
+ * iteration i; each iteration is busy s[0] us, and while the int64 at b[1] is not 0 a call of
+ * part of the range is busy s[1] us more (sharing that costs more than it gains, as when the
+ * output must come back from another core's cache). b[2]: the range's length; b[3] int64[2]:
+ * launches run as one call, launches shared (counted by the call that ran iteration 0). */
 void share_probe(void* const* b, const int64_t* s, int64_t lo, int64_t hi) {
     const int64_t n = ((volatile int64_t*)b[2])[0];
     const int64_t us = (hi - lo) * s[0] + ((hi - lo < n && ((volatile int64_t*)b[1])[0]) ? s[1] : 0);
@@ -191,6 +193,7 @@ void share_probe(void* const* b, const int64_t* s, int64_t lo, int64_t hi) {
         clock_gettime(CLOCK_MONOTONIC, &t);
     } while ((t.tv_sec - t0.tv_sec) * 1000000000LL + (t.tv_nsec - t0.tv_nsec) < us * 1000LL);
     for (int64_t i = lo; i < hi; i++) ((int64_t*)b[0])[i] = hi - lo;
+    if (lo == 0) __atomic_fetch_add(&((int64_t*)b[3])[hi - lo < n], 1, __ATOMIC_RELAXED);
 }
 
 void team_info(void* const* b, const int64_t* s, int64_t lo, int64_t hi) {
@@ -670,59 +673,99 @@ def test_tuner_off_always_runs_the_full_team(
     assert rt.team_of(stream2, kernels.addr("team_penalty")) == 0  # never timed
 
 
-# Tasks per timed window of the share tuner (PJ_SHARE_WINDOW in runtime.c); it times each
-# way three times (the first not counted) before it picks.
-SHARE_WINDOW = 2048
+# The share tuner's windows (runtime.c, share_window) in these tests: share_probe takes
+# 80-480 us a launch, where a model's tasks take microseconds.
+TEST_WINDOW = 64
 
 
-def _probe_until(rt: NativeRuntime, kernels: Kernels, stream: int, penalty: int, want: bool) -> np.ndarray:
-    """Launch share_probe (8 iterations of 2 us) in batches until the stream's sharing is
-    ``want`` after the warm-up, then once more: the call lengths of that launch."""
+@pytest.fixture
+def short_windows(rt: NativeRuntime) -> Iterator[None]:
+    rt.set_share_window(TEST_WINDOW)
+    yield
+    rt.set_share_window(SHARE_WINDOW)
+
+
+@pytest.fixture
+def unpinned2(rt: NativeRuntime) -> Iterator[int]:
+    """A stream as one CPU device has: two threads, unpinned, so the waiting host thread
+    shares kernels with the worker (a pinned stream's team tuner may keep a team of one)."""
+    s = rt.stream_create(2, None)
+    yield s
+    rt.stream_destroy(s)
+
+
+def _ways(rt: NativeRuntime, kernels: Kernels, stream: int, penalty: int) -> tuple[int, int]:
+    """share_probe (8 iterations of 20 us; 100 us more a part-range call while ``penalty``)
+    launched through 8 windows (the tuner times each way 3 times first), then 24 more: of
+    the launches of those, how many ran as one call and how many shared."""
     chunks = 8
     calls, cost, n = np.zeros(chunks, dtype=np.int64), np.array([penalty], dtype=np.int64), np.array([chunks])
-    bufs = rt.make_ptr_array([ptr(calls), ptr(cost), ptr(n)])
+    ways = np.zeros(2, dtype=np.int64)
+    bufs = rt.make_ptr_array([ptr(calls), ptr(cost), ptr(n), ptr(ways)])
     descs = rt.make_descs([(kernels.addr("share_probe"), ctypes.addressof(bufs), TEAM_OPTIONAL, False, chunks)])
-    st = (ctypes.c_int64 * 2)(2, 10)
-    deadline = time.monotonic() + 60
-    launched = 0
-    while launched < 8 * SHARE_WINDOW or rt.sharing(stream) != want:
-        assert time.monotonic() < deadline, f"sharing never became {want}"
-        for _ in range(SHARE_WINDOW // 4):
-            rt.launch_seq(stream, descs, 1, st, 2)
-        launched += SHARE_WINDOW // 4
-        rt.sync(stream, rt.last_ticket(stream))
-    calls[:] = 0  # the last window's end picked the way; one more launch goes that way
-    rt.sync(stream, rt.launch_seq(stream, descs, 1, st, 2))
-    return calls
+    st = (ctypes.c_int64 * 2)(20, 100)
+
+    def run(launches: int) -> None:
+        for _ in range(launches // 8):
+            for _ in range(8):
+                rt.launch_seq(stream, descs, 1, st, 2)
+            rt.sync(stream, rt.last_ticket(stream))
+
+    run(8 * TEST_WINDOW)
+    ways[:] = 0
+    run(24 * TEST_WINDOW)
+    assert ways.sum() == 24 * TEST_WINDOW
+    return int(ways[0]), int(ways[1])
 
 
-def test_optional_kernels_shared_while_it_pays(rt: NativeRuntime, kernels: Kernels) -> None:
-    s = rt.stream_create(2, _cores(2))
+def test_optional_kernels_shared_while_it_pays(
+    rt: NativeRuntime, kernels: Kernels, unpinned2: int, short_windows: None
+) -> None:
+    one, shared = _ways(rt, kernels, unpinned2, penalty=0)
+    assert shared >= 0.75 * (one + shared), (one, shared)  # the other way only re-timed
+    assert rt.sharing(unpinned2)
+
+
+def test_optional_kernels_on_one_thread_when_sharing_costs(
+    rt: NativeRuntime, kernels: Kernels, unpinned2: int, short_windows: None
+) -> None:
+    one, shared = _ways(rt, kernels, unpinned2, penalty=1)
+    assert one >= 0.75 * (one + shared), (one, shared)
+    assert not rt.sharing(unpinned2)
+
+
+def test_optional_kernels_always_shared_without_the_tuner(
+    rt: NativeRuntime, kernels: Kernels, unpinned2: int, short_windows: None
+) -> None:
+    rt.set_adaptive(unpinned2, False)
+    assert _ways(rt, kernels, unpinned2, penalty=1) == (0, 24 * TEST_WINDOW)
+    assert rt.sharing(unpinned2)
+
+
+def test_optional_kernels_on_a_stream_of_one_pinned_thread_run_as_one_call(
+    rt: NativeRuntime, kernels: Kernels, short_windows: None
+) -> None:
+    s = rt.stream_create(1, _cores(1))
     try:
-        calls = _probe_until(rt, kernels, s, penalty=0, want=True)
-        assert rt.sharing(s)
-        assert (calls < 8).all()  # shared: every iteration ran in a grain
+        assert _ways(rt, kernels, s, penalty=0) == (24 * TEST_WINDOW, 0)
+        assert not rt.sharing(s)
     finally:
         rt.stream_destroy(s)
 
 
-def test_optional_kernels_on_one_thread_when_sharing_costs(rt: NativeRuntime, kernels: Kernels) -> None:
-    s = rt.stream_create(2, _cores(2))
+def test_tasks_a_waiting_host_thread_runs_are_timed_too(
+    rt: NativeRuntime, kernels: Kernels, short_windows: None
+) -> None:
+    """While the machine is contended, the host thread that waits runs the tasks itself
+    (wait_done_host): its windows count, so the stream still learns that sharing costs."""
+    rt.set_contention(-1.0, -1.0)
+    s = rt.stream_create(2, None)
     try:
-        calls = _probe_until(rt, kernels, s, penalty=1, want=False)
-        assert (calls == 8).all()  # one call ran the whole range
+        one, shared = _ways(rt, kernels, s, penalty=1)
+        assert one >= 0.75 * (one + shared), (one, shared)
     finally:
         rt.stream_destroy(s)
-
-
-def test_optional_kernels_always_shared_without_the_tuner(rt: NativeRuntime, kernels: Kernels) -> None:
-    s = rt.stream_create(2, _cores(2))
-    rt.set_adaptive(s, False)
-    try:
-        calls = _probe_until(rt, kernels, s, penalty=1, want=True)
-        assert (calls < 8).all()
-    finally:
-        rt.stream_destroy(s)
+        rt.set_contention(*CONTENTION_MODES["auto"])
 
 
 def test_fixed_and_teamless_launches(rt: NativeRuntime, kernels: Kernels, stream2: int) -> None:

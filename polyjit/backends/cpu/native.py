@@ -41,6 +41,7 @@ __all__ = [
 
 MAX_STATICS = 16  # int64 statics copied per launch (PJ_MAX_STATICS in the C file)
 RING_CAPACITY = 4096  # tasks in flight per stream before an enqueue blocks (PJ_RING)
+SHARE_WINDOW = 2048  # tasks per timed window of the share tuner (PJ_SHARE_WINDOW)
 
 RUNTIME_FLAGS: tuple[str, ...] = ("-O2", "-fPIC", "-shared", "-fopenmp", "-pthread", "-std=gnu11")
 
@@ -131,6 +132,7 @@ class NativeRuntime:
         self._set_adaptive = _bind(lib, "pj_stream_set_adaptive", None, [_c_void_p, ctypes.c_int])
         self._team = _bind(lib, "pj_stream_team", ctypes.c_int, [_c_void_p, _c_void_p])
         self._sharing = _bind(lib, "pj_stream_sharing", ctypes.c_int, [_c_void_p])
+        self._set_share_window = _bind(lib, "pj_set_share_window", None, [_c_i64])
         self._contended = _bind(lib, "pj_contended", ctypes.c_int, [])
         self._set_contention = _bind(lib, "pj_set_contention", None, [ctypes.c_double, ctypes.c_double])
         self.launch_seq = _bind(
@@ -206,9 +208,13 @@ class NativeRuntime:
         self._set_adaptive(stream, int(on))
 
     def sharing(self, stream: int) -> bool:
-        """Whether the stream shares its optional kernels now (else one thread runs each);
-        read it while the stream is idle."""
+        """Whether the stream shares its optional kernels now (else one thread runs each)."""
         return bool(self._sharing(stream))
+
+    def set_share_window(self, tasks: int = SHARE_WINDOW) -> None:
+        """The tasks a stream times per window when it decides whether to share optional
+        kernels (process-wide; tests use short windows for their slow kernels)."""
+        self._set_share_window(tasks)
 
     def team_of(self, stream: int, kernel: int) -> int:
         """The team size the stream runs the kernel at address ``kernel`` with now (0: not

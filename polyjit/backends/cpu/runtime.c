@@ -144,6 +144,7 @@ typedef struct {
  * lasts 140 ms, and one a second at 1.6x the time would cost 8%. */
 #define PJ_SHARE_WINDOW 2048
 #define PJ_SHARE_RETIME_MAX 64
+static _Atomic int64_t g_share_window = PJ_SHARE_WINDOW; /* pj_set_share_window */
 #define PJ_SHARE_ON 0
 #define PJ_SHARE_OFF 1
 
@@ -186,10 +187,12 @@ typedef struct pj_stream {
     int all_threads; /* the stream's threads: large copies and fills, kernels without a range */
     _Atomic int adaptive; /* 0: always the full team (pj_stream_set_adaptive) */
     pj_tune tune[PJ_TUNE_SLOTS];
-    /* Optional sharing (share_window), touched only by the thread holding `consuming`: the
-     * timings of PJ_SHARE_ON and PJ_SHARE_OFF, the one in use, and the window being timed. */
+    /* Optional sharing (share_window), touched only by the thread holding `consuming` (but
+     * share_pick, which pj_stream_sharing reads): the timings of PJ_SHARE_ON and
+     * PJ_SHARE_OFF, the one in use, and the window being timed. */
     pj_tune share;
-    int share_pick, share_retime, window_optional;
+    _Atomic int share_pick;
+    int share_retime, window_optional;
     int64_t window_busy;
     uint64_t window_tasks;
     /* The range of the kernel running now (run_chunks), shared by the threads that run it:
@@ -765,12 +768,16 @@ static void call_kernel(pj_stream* s, const pj_task* t, int team, int picked) {
     }
 }
 
+/* A stream of one pinned thread has nobody to share a kernel's range with. */
+static inline int can_share(const pj_stream* s) { return s->helpable || s->all_threads > 1; }
+
 static void run_launch(pj_stream* s, const pj_task* t) {
     pj_kernel fn = t->u.launch.fn;
     int64_t team = t->u.launch.team;
-    if (team == PJ_TEAM_OPTIONAL) {
-        s->window_optional = 1;
-        if (s->share_pick == PJ_SHARE_OFF && atomic_load_explicit(&s->adaptive, memory_order_relaxed)) {
+    if (team == PJ_TEAM_OPTIONAL) {  /* without the tuner, shared */
+        const int tuned = can_share(s) && atomic_load_explicit(&s->adaptive, memory_order_relaxed);
+        if (tuned) s->window_optional = 1;
+        if (!can_share(s) || (tuned && atomic_load_explicit(&s->share_pick, memory_order_relaxed) == PJ_SHARE_OFF)) {
             fn(t->u.launch.bufs, t->statics, 0, t->u.launch.chunks);
             return;
         }
@@ -790,17 +797,20 @@ static void run_launch(pj_stream* s, const pj_task* t) {
     tune_record(e, s->nteams, k, t1, (double)(t1 - t0), retime);
 }
 
-/* The worker's account of a consume() (with the role held): `busy` ns for `tasks` tasks. A
- * window that ran optional kernels is a timing of the sharing in use; the next is picked. */
-static void share_window(pj_stream* s, int64_t busy, uint64_t tasks) {
+/* The account of a task run (with the role held): it took `busy` ns, up to `now`. A window
+ * that ran optional kernels with the tuner on is a timing of the sharing in use; the next
+ * is picked. (Per task, not per run of tasks: a worker that the host keeps fed runs one
+ * for as long as the host runs.) */
+static void share_window(pj_stream* s, int64_t busy, int64_t now) {
     s->window_busy += busy;
-    s->window_tasks += tasks;
-    if (s->window_tasks < PJ_SHARE_WINDOW) return;
+    s->window_tasks += 1;
+    if (s->window_tasks < (uint64_t)atomic_load_explicit(&g_share_window, memory_order_relaxed)) return;
     if (s->window_optional) {
-        const int64_t now = now_ns();
-        tune_record(&s->share, 2, s->share_pick, now, (double)s->window_busy / (double)s->window_tasks,
-                    s->share_retime);
-        s->share_pick = tune_pick(&s->share, 2, now, INT64_MAX, PJ_SHARE_RETIME_MAX, &s->share_retime);
+        const int pick = atomic_load_explicit(&s->share_pick, memory_order_relaxed);
+        tune_record(&s->share, 2, pick, now, (double)s->window_busy / (double)s->window_tasks, s->share_retime);
+        atomic_store_explicit(&s->share_pick,
+                              tune_pick(&s->share, 2, now, INT64_MAX, PJ_SHARE_RETIME_MAX, &s->share_retime),
+                              memory_order_relaxed);
     }
     s->window_busy = 0;
     s->window_tasks = 0;
@@ -811,6 +821,7 @@ static void share_window(pj_stream* s, int64_t busy, uint64_t tasks) {
  * the ring is empty); a helper (a host thread) stops before a STOP. Returns 1 after a STOP. */
 static int consume(pj_stream* s, uint64_t until, int helper) {
     uint64_t head = atomic_load_explicit(&s->done, memory_order_relaxed);
+    int64_t mark = now_ns();
     for (;;) {
         uint64_t tail = atomic_load_explicit(&s->tail, memory_order_acquire);
         if (head >= tail || head >= until) return 0;
@@ -855,6 +866,9 @@ static int consume(pj_stream* s, uint64_t until, int helper) {
                 unpark_all(&s->call_seq);
             }
         }
+        const int64_t now = now_ns();
+        share_window(s, now - mark, now);
+        mark = now;
         if (kind == PJ_STOP) return 1;
     }
 }
@@ -869,10 +883,7 @@ static void* worker_main(void* arg) {
             wait_work(s);
             continue;
         }
-        const int64_t t0 = now_ns();
-        const uint64_t done0 = atomic_load_explicit(&s->done, memory_order_relaxed);
         int stopped = consume(s, UINT64_MAX, 0);
-        share_window(s, now_ns() - t0, atomic_load_explicit(&s->done, memory_order_relaxed) - done0);
         release_role(s);
         if (stopped) return NULL;
     }
@@ -972,6 +983,12 @@ PJ_EXPORT void* pj_stream_create(int num_threads, const int* cpus, int ncpus) {
     return s;
 }
 
+/* The share tuner's window in tasks (share_window; <= 0: unchanged), process-wide: for tests,
+ * whose kernels are slower than a model's. */
+PJ_EXPORT void pj_set_share_window(int64_t tasks) {
+    if (tasks > 0) atomic_store(&g_share_window, tasks);
+}
+
 /* 1 while the stream workers find the machine contended (nobody spins then). */
 PJ_EXPORT int pj_contended(void) { return atomic_load(&g_contended); }
 
@@ -994,10 +1011,11 @@ PJ_EXPORT void pj_stream_set_adaptive(void* sp, int on) {
 }
 
 /* 1 while the stream shares its optional kernels (PJ_TEAM_OPTIONAL), 0 while one thread runs
- * each (share_window); read it while the stream is idle. */
+ * each (share_window). */
 PJ_EXPORT int pj_stream_sharing(void* sp) {
     pj_stream* s = (pj_stream*)sp;
-    return s->share_pick == PJ_SHARE_ON || !atomic_load(&s->adaptive);
+    return can_share(s) && (atomic_load_explicit(&s->share_pick, memory_order_relaxed) == PJ_SHARE_ON ||
+                            !atomic_load(&s->adaptive));
 }
 
 /* The team size the tuner runs the kernel fn with now on this stream (0: still warming up).
