@@ -694,10 +694,11 @@ def unpinned2(rt: NativeRuntime) -> Iterator[int]:
     rt.stream_destroy(s)
 
 
-def _ways(rt: NativeRuntime, kernels: Kernels, stream: int, penalty: int) -> tuple[int, int]:
+def _ways(rt: NativeRuntime, kernels: Kernels, stream: int, penalty: int, warm: int = 8,
+          windows: int = 24) -> tuple[int, int]:
     """share_probe (8 iterations of 20 us; 100 us more a part-range call while ``penalty``)
-    launched through 8 windows (the tuner times each way 3 times first), then 24 more: of
-    the launches of those, how many ran as one call and how many shared."""
+    launched through ``warm`` windows (the tuner times each way 3 times first), then
+    ``windows`` more: of the launches of those, how many ran as one call and how many shared."""
     chunks = 8
     calls, cost, n = np.zeros(chunks, dtype=np.int64), np.array([penalty], dtype=np.int64), np.array([chunks])
     ways = np.zeros(2, dtype=np.int64)
@@ -711,10 +712,10 @@ def _ways(rt: NativeRuntime, kernels: Kernels, stream: int, penalty: int) -> tup
                 rt.launch_seq(stream, descs, 1, st, 2)
             rt.sync(stream, rt.last_ticket(stream))
 
-    run(8 * TEST_WINDOW)
+    run(warm * TEST_WINDOW)
     ways[:] = 0
-    run(24 * TEST_WINDOW)
-    assert ways.sum() == 24 * TEST_WINDOW
+    run(windows * TEST_WINDOW)
+    assert ways.sum() == windows * TEST_WINDOW
     return int(ways[0]), int(ways[1])
 
 
@@ -751,6 +752,23 @@ def test_optional_kernels_on_a_stream_of_one_pinned_thread_run_as_one_call(
         assert not rt.sharing(s)
     finally:
         rt.stream_destroy(s)
+
+
+def test_a_change_of_contention_times_both_ways_afresh(
+    rt: NativeRuntime, kernels: Kernels, unpinned2: int, short_windows: None
+) -> None:
+    """Timings from before other processes took cores (or gave them back) say little after:
+    the stream that had settled on one call tries sharing again, then settles again."""
+    one, shared = _ways(rt, kernels, unpinned2, penalty=1)
+    assert one >= 0.75 * (one + shared), (one, shared)
+    rt.set_contention(-1.0, -1.0)
+    try:
+        one, shared = _ways(rt, kernels, unpinned2, penalty=1, warm=0, windows=8)
+        assert shared >= 2 * TEST_WINDOW, (one, shared)  # the warm-up's shared windows
+        one, shared = _ways(rt, kernels, unpinned2, penalty=1)
+        assert one >= 0.75 * (one + shared), (one, shared)
+    finally:
+        rt.set_contention(*CONTENTION_MODES["auto"])
 
 
 def test_tasks_a_waiting_host_thread_runs_are_timed_too(

@@ -193,6 +193,7 @@ typedef struct pj_stream {
     pj_tune share;
     _Atomic int share_pick;
     int share_retime, window_optional;
+    int share_contended; /* g_contended when share's timings began */
     int64_t window_busy;
     uint64_t window_tasks;
     /* The range of the kernel running now (run_chunks), shared by the threads that run it:
@@ -805,7 +806,16 @@ static void share_window(pj_stream* s, int64_t busy, int64_t now) {
     s->window_busy += busy;
     s->window_tasks += 1;
     if (s->window_tasks < (uint64_t)atomic_load_explicit(&g_share_window, memory_order_relaxed)) return;
-    if (s->window_optional) {
+    const int contended = atomic_load_explicit(&g_contended, memory_order_relaxed);
+    if (contended != s->share_contended) {
+        /* Other processes took cores or gave them back: what either way cost before says
+         * little now (a benchmark's turns alone came after turns beside busy processes and
+         * kept their choice for a second), so both are timed afresh. */
+        memset(&s->share, 0, sizeof(s->share));
+        s->share_retime = 0;
+        s->share_contended = contended;
+        atomic_store_explicit(&s->share_pick, PJ_SHARE_ON, memory_order_relaxed);
+    } else if (s->window_optional) {
         const int pick = atomic_load_explicit(&s->share_pick, memory_order_relaxed);
         tune_record(&s->share, 2, pick, now, (double)s->window_busy / (double)s->window_tasks, s->share_retime);
         atomic_store_explicit(&s->share_pick,
