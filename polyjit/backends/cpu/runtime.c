@@ -34,7 +34,8 @@
  * per kernel, a running mean of its wall time at each candidate size (all threads, one
  * less, half, one), runs the fastest, and now and then re-times the others, less often the
  * more they cost (see tune_pick). Kernels that open no team (PJ_TEAM_NONE) are not timed. Alone on the machine the full team wins and stays; with
- * cores taken the kernels move to the size that still pays.
+ * cores taken the kernels move to the size that still pays. Whether mid-sized kernels are
+ * shared at all (PJ_TEAM_OPTIONAL) is timed over the stream as a whole (share_window).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -772,13 +773,19 @@ static void call_kernel(pj_stream* s, const pj_task* t, int team, int picked) {
 /* A stream of one pinned thread has nobody to share a kernel's range with. */
 static inline int can_share(const pj_stream* s) { return s->helpable || s->all_threads > 1; }
 
+/* Whether the stream's optional kernels run shared now: always without the tuner, else as
+ * the tuner picked (share_window). */
+static inline int sharing_now(const pj_stream* s) {
+    return can_share(s) && (!atomic_load_explicit(&s->adaptive, memory_order_relaxed) ||
+                            atomic_load_explicit(&s->share_pick, memory_order_relaxed) == PJ_SHARE_ON);
+}
+
 static void run_launch(pj_stream* s, const pj_task* t) {
     pj_kernel fn = t->u.launch.fn;
     int64_t team = t->u.launch.team;
-    if (team == PJ_TEAM_OPTIONAL) {  /* without the tuner, shared */
-        const int tuned = can_share(s) && atomic_load_explicit(&s->adaptive, memory_order_relaxed);
-        if (tuned) s->window_optional = 1;
-        if (!can_share(s) || (tuned && atomic_load_explicit(&s->share_pick, memory_order_relaxed) == PJ_SHARE_OFF)) {
+    if (team == PJ_TEAM_OPTIONAL) {
+        if (can_share(s) && atomic_load_explicit(&s->adaptive, memory_order_relaxed)) s->window_optional = 1;
+        if (!sharing_now(s)) {
             fn(t->u.launch.bufs, t->statics, 0, t->u.launch.chunks);
             return;
         }
@@ -1022,11 +1029,7 @@ PJ_EXPORT void pj_stream_set_adaptive(void* sp, int on) {
 
 /* 1 while the stream shares its optional kernels (PJ_TEAM_OPTIONAL), 0 while one thread runs
  * each (share_window). */
-PJ_EXPORT int pj_stream_sharing(void* sp) {
-    pj_stream* s = (pj_stream*)sp;
-    return can_share(s) && (atomic_load_explicit(&s->share_pick, memory_order_relaxed) == PJ_SHARE_ON ||
-                            !atomic_load(&s->adaptive));
-}
+PJ_EXPORT int pj_stream_sharing(void* sp) { return sharing_now((const pj_stream*)sp); }
 
 /* The team size the tuner runs the kernel fn with now on this stream (0: still warming up).
  * Reads worker-only state without a lock: call it while the stream is idle. */
