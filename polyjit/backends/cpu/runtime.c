@@ -814,21 +814,23 @@ static void share_window(pj_stream* s, int64_t busy, int64_t now) {
     s->window_tasks += 1;
     if (s->window_tasks < (uint64_t)atomic_load_explicit(&g_share_window, memory_order_relaxed)) return;
     const int contended = atomic_load_explicit(&g_contended, memory_order_relaxed);
+    const int pick = atomic_load_explicit(&s->share_pick, memory_order_relaxed);
     if (contended != s->share_contended) {
-        /* Other processes took cores or gave them back: what either way cost before says
-         * little now (a benchmark's turns alone came after turns beside busy processes and
-         * kept their choice for a second), so both are timed afresh. */
-        memset(&s->share, 0, sizeof(s->share));
-        s->share_retime = 0;
+        /* Other processes took cores or gave them back: what the way not in use cost before
+         * says little now (a benchmark's turns alone came after turns beside busy processes
+         * and kept their choice for a second), so it is re-timed next. Not both from
+         * scratch: sharing itself moves the sensed contention, and a reset at every change
+         * kept the tuner warming up, sharing, on a loaded machine. This window, which
+         * straddles the change, times nothing. */
         s->share_contended = contended;
-        atomic_store_explicit(&s->share_pick, PJ_SHARE_ON, memory_order_relaxed);
+        if (s->share.timed[1 - pick] >= PJ_TUNE_WARM) s->share.since[1 - pick] = 1u << 30;
     } else if (s->window_optional) {
-        const int pick = atomic_load_explicit(&s->share_pick, memory_order_relaxed);
         tune_record(&s->share, 2, pick, now, (double)s->window_busy / (double)s->window_tasks, s->share_retime);
+    }
+    if (s->window_optional)
         atomic_store_explicit(&s->share_pick,
                               tune_pick(&s->share, 2, now, INT64_MAX, PJ_SHARE_RETIME_MAX, &s->share_retime),
                               memory_order_relaxed);
-    }
     s->window_busy = 0;
     s->window_tasks = 0;
     s->window_optional = 0;
@@ -869,6 +871,10 @@ static int consume(pj_stream* s, uint64_t until, int helper) {
             default:
                 break;
         }
+        /* before `done`: a thread that saw the task done sees the window it closed */
+        const int64_t now = now_ns();
+        share_window(s, now - mark, now);
+        mark = now;
         head++;
         /* Publishing `done` frees the slot; t must not be touched after this. */
         atomic_store_explicit(&s->done, head, memory_order_seq_cst);
@@ -883,9 +889,6 @@ static int consume(pj_stream* s, uint64_t until, int helper) {
                 unpark_all(&s->call_seq);
             }
         }
-        const int64_t now = now_ns();
-        share_window(s, now - mark, now);
-        mark = now;
         if (kind == PJ_STOP) return 1;
     }
 }
