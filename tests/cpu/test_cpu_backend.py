@@ -10,6 +10,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -306,6 +307,35 @@ def _one_panel() -> tuple[int, int]:
     return PACK_MAX_BYTES // row, row // 4
 
 
+class _DirectMatmul(NamedTuple):
+    routine: Routine
+    spec: KernelSpec
+    source: str
+    b: ir.Node
+    o: ir.Node
+    av: np.ndarray
+    bv: np.ndarray
+    fn: Any  # the kernel as a ctypes function: fn(bufs, statics, lo, hi), any part of its range
+
+
+def _direct_matmul(m: int, k: int, n: int, seed: int) -> _DirectMatmul:
+    """A linked ``a @ b -> o`` routine of an m x k x n float32 matmul on cpu:0 (its stream
+    idle), with what a test needs to call its one kernel directly."""
+    import ctypes
+
+    backend = get_backend("cpu")
+    a, b, o = ir.Node("a", (m, k)), ir.Node("b", (k, n)), ir.Node("o", (m, n))
+    code = backend.compile(ir.Comp.of(ir.einsum("ik,kj->ij", a, b, into=o)), name="direct")
+    rng = np.random.default_rng(seed)
+    av, bv = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
+    routine = backend.get_device(0).make_context().init_from_host(a, av).init_from_host(b, bv).link(code)
+    (spec,) = routine.kernels
+    routine.context.stream.synchronize()
+    fn = getattr(routine._module.handle, spec.name)
+    fn.restype, fn.argtypes = None, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+    return _DirectMatmul(routine, spec, code.source, b, o, av, bv, fn)
+
+
 def test_a_grain_reuses_the_panel_an_earlier_grain_of_its_launch_packed() -> None:
     """The scratch tag (runtime.c, t_scratch_tag): a grain that runs while the thread's tag
     names a launch reuses the panel that launch packed on this thread (so y is read from the
@@ -315,19 +345,10 @@ def test_a_grain_reuses_the_panel_an_earlier_grain_of_its_launch_packed() -> Non
 
     from polyjit.backends.cpu.tiles import SCRATCH_TAG_FN
 
-    backend = get_backend("cpu")
     m, k, n = 48, *_one_panel()  # 8 row tiles of one panel, 3M multiply-adds: a ranged kernel
-    a, b, o = ir.Node("a", (m, k)), ir.Node("b", (k, n)), ir.Node("o", (m, n))
-    code = backend.compile(ir.Comp.of(ir.einsum("ik,kj->ij", a, b, into=o)), name="reuse")
-    rng = np.random.default_rng(5)
-    av, bv = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
-    routine = backend.get_device(0).make_context().init_from_host(a, av).init_from_host(b, bv).link(code)
-    (spec,) = routine.kernels
-    assert f"{SCRATCH_TAG_FN}()" in code.source and spec.plan.chunks == 8
-    routine.context.stream.synchronize()
-    rt = backend.driver.rt  # type: ignore[attr-defined]
-    fn = getattr(routine._module.handle, spec.name)
-    fn.restype, fn.argtypes = None, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+    routine, spec, source, b, o, av, bv, fn = _direct_matmul(m, k, n, seed=5)
+    assert f"{SCRATCH_TAG_FN}()" in source and spec.plan.chunks == 8
+    rt = get_backend("cpu").driver.rt  # type: ignore[attr-defined]
     tag_of = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_int64))(rt.scratch_tag_address)
     tag = tag_of()  # this thread's
     ctx = routine.context
@@ -360,23 +381,12 @@ def test_mid_sized_matmuls_match_numpy_shared_or_on_one_thread(m: int, k: int, n
     tasks (runtime.c, share_window). Both ways match numpy: the kernel called directly over
     its whole range and in grains, and run through the stream over 8 windows, with the
     inputs changed between batches."""
-    import ctypes
-
     from polyjit.backends.cpu.dialect import CpuDialect
 
-    backend = get_backend("cpu")
-    a, b, o = ir.Node("a", (m, k)), ir.Node("b", (k, n)), ir.Node("o", (m, n))
-    code = backend.compile(ir.Comp.of(ir.einsum("ik,kj->ij", a, b, into=o)), name="mid")
-    rng = np.random.default_rng(11)
-    av, bv = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
-    routine = backend.get_device(0).make_context().init_from_host(a, av).init_from_host(b, bv).link(code)
-    (spec,) = routine.kernels
+    routine, spec, source, b, o, av, bv, fn = _direct_matmul(m, k, n, seed=11)
     assert spec.plan.optional and spec.plan.chunks > 1
-    assert ("pj_panel" in code.source) == (k == 768 and CpuDialect().vector_bytes >= 32)
-    ctx = routine.context
-    ctx.stream.synchronize()
-    fn = getattr(routine._module.handle, spec.name)
-    fn.restype, fn.argtypes = None, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+    assert ("pj_panel" in source) == (k == 768 and CpuDialect().vector_bytes >= 32)
+    ctx, rng = routine.context, np.random.default_rng(12)
     bufs, chunks = routine._prepared.descs[0].bufs, spec.plan.chunks
     for ranges in ([(0, chunks)], [(lo, min(chunks, lo + 3)) for lo in range(0, chunks, 3)]):
         assert ctx.from_host(o, np.zeros((m, n), np.float32))
