@@ -316,6 +316,28 @@ def test_mid_sized_matmuls_are_shared_only_while_it_pays_on_the_cpu() -> None:
     assert not _plan(_mm(128, 128, 64), OpenCLDialect()).optional  # no such band off the CPU
 
 
+def test_narrow_outputs_run_their_vectors_down_the_columns_on_the_cpu() -> None:
+    """A weight gradient h.T @ dy of a head narrower than a vector: each tile holds every
+    column and vectors down the rows (x is contiguous along i), i and j swapped; the values
+    are checked by the catalog's ``matmul.narrow_columns.*`` and ``epilogue.narrow_update*``."""
+    def grad(m: int, k: int, n: int) -> ir.Comp:
+        return ir.Comp.of(ir.einsum("ki,kj->ij", Node("h", (k, m)), Node("dy", (k, n)), into=Node("g", (m, n))))
+
+    head = _plan(grad(256, 256, 5), CPU)  # float32 in 32-byte vectors: 8 lanes, 16 registers
+    assert head.transposed and head.contraction is not None and head.tiles is not None
+    assert (head.contraction.m, head.contraction.n) == (5, 256)  # the swapped roles
+    assert (head.tiles.tm, head.tiles.tn) == (5, 16)  # 5 columns x 2 vectors: 10 accumulators
+    assert (head.team, head.chunks) == (0, 1)  # 327K multiply-adds: one thread
+    wide = CpuDialect(vector_bytes=64, vector_registers=32)
+    mlp = _plan(grad(256, 256, 10), wide)  # the MLP's: 16 lanes, 32 registers
+    assert mlp.transposed and mlp.tiles is not None and (mlp.tiles.tm, mlp.tiles.tn) == (10, 32)
+    assert mlp.optional and mlp.chunks == 8  # 655K: shared while it pays, 8 tiles of 32 rows
+    assert not _plan(grad(256, 256, 8), CPU).transposed  # a whole vector wide
+    assert not _plan(grad(4, 256, 5), CPU).transposed  # fewer rows than a vector
+    assert not _plan(_mm(256, 256, 5), CPU).transposed  # x contiguous along k, not i
+    assert not _plan(_mm(256, 256, 256), CPU).transposed
+
+
 def test_a_matmul_too_small_for_tiles() -> None:
     comp = _mm(8, 8, 8)
     assert _plan(comp, CPU).shape == REGISTER_TILES  # register tiles never lose on the CPU

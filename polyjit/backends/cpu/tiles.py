@@ -288,16 +288,28 @@ def _tile(em: Emitter, plan: KernelPlan, names: Names, rows: int, vecs: int, tai
             return f"pj_store_tail_{suffix}(&{dst}, {src}, {tail});"
         return f"__builtin_memcpy(&{dst}, &{src}, sizeof(pj_vec));"
 
+    width = vecs * lanes + tail
+    # each cell of the tile, j innermost: the sums' own stores when the tile is transposed (its
+    # vectors run down the output's columns), then the epilogue
+    cells = [f"for (int64_t pj_er = 0; pj_er < {rows}; ++pj_er) {{", f"  const int64_t {i} = pj_i0 + pj_er;",
+             f"  for (int64_t pj_ec = 0; pj_ec < {width}; ++pj_ec) {{", f"    const int64_t {j} = pj_j0 + pj_ec;"]
     lines = [f"pj_vec acc[{rows}][{nvt}];"]
-    # A sum only the epilogue reads (Kernel.private) goes to a local array, not memory
-    held = bool(c.epilogue) and c.reduce.node in c.kernel.private
+    # A sum only the epilogue reads (Kernel.private) goes to a local array, not memory; so do
+    # a transposed tile's sums, on their way to memory
+    private = bool(c.epilogue) and c.reduce.node in c.kernel.private
+    held = private or plan.transposed
     if held:
-        lines.append(f"{ty} pj_cell[{rows}][{nvt * lanes}] __attribute__((aligned({em.d.vector_bytes})));")
+        zero = " = {0}" if plan.transposed and c.reduce.init is None and tail else ""  # no garbage lanes
+        lines.append(f"{ty} pj_cell[{rows}][{nvt * lanes}] __attribute__((aligned({em.d.vector_bytes}))){zero};")
+    if c.reduce.init is None and plan.transposed:  # the sums start from the output's cells
+        lines += [*cells, f"    pj_cell[pj_er][pj_ec] = {out};", "  }", "}"]
+        lines += [f"__builtin_memcpy(&acc[{r}][{v}], &pj_cell[{r}][{v * lanes}], sizeof(pj_vec));"
+                  for r in range(rows) for v in range(nvt)]
     for r in range(rows):
         for v in range(nvt):
             if c.reduce.init is not None:
                 lines.append(f"acc[{r}][{v}] = (pj_vec){{0}};")
-            else:
+            elif not plan.transposed:
                 lines += ["{", f"  const int64_t {i} = pj_i0 + {r}, {j} = pj_j0 + {v * lanes};",
                           f"  {load(f'acc[{r}][{v}]', out, v)}", "}"]
     lines += [f"for (int64_t {k} = 0; {k} < {c.kk}; ++{k}) {{", f"  pj_vec bv[{nvt}];"]
@@ -318,14 +330,11 @@ def _tile(em: Emitter, plan: KernelPlan, names: Names, rows: int, vecs: int, tai
             else:
                 lines += ["{", f"  const int64_t {i} = pj_i0 + {r}, {j} = pj_j0 + {v * lanes};",
                           f"  {store(out, f'acc[{r}][{v}]', v)}", "}"]
-    if c.epilogue:  # each cell of the tile, its sum just stored (in the L1 cache): j innermost
+    if c.epilogue or plan.transposed:  # each cell's sum is just stored (in the L1 cache)
         if held:
             em.held[c.reduce.node] = "pj_cell[pj_er][pj_ec]"
-        lines += [f"for (int64_t pj_er = 0; pj_er < {rows}; ++pj_er) {{",
-                  f"  const int64_t {i} = pj_i0 + pj_er;",
-                  f"  for (int64_t pj_ec = 0; pj_ec < {vecs * lanes + tail}; ++pj_ec) {{",
-                  f"    const int64_t {j} = pj_j0 + pj_ec;",
-                  *em.stmt(Seq(c.epilogue), 2), "  }", "}"]
+        own = [f"    {out} = pj_cell[pj_er][pj_ec];"] if plan.transposed and not private else []
+        lines += [*cells, *own, *(em.stmt(Seq(c.epilogue), 2) if c.epilogue else []), "  }", "}"]
         em.held.clear()
     return lines
 

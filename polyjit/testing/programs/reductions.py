@@ -111,6 +111,25 @@ def matmuls() -> list[CatalogProgram]:
     out.append(program("matmul.transposed_operands", ir.einsum("ki,jk->ij", at, bt, into=ct),
                        inputs=[(at, values(dtypes.float32, at.shape, "quarter")),
                                (bt, values(dtypes.float32, bt.shape, "quarter"))], outputs=[ct]))
+    # x contiguous along i and fewer output columns than a vector: the CPU's tiles run their
+    # vectors down the columns (patterns.along_rows); whole vectors, a masked last one, a
+    # tile of only a masked vector, a batch, and a sum onto the output's values
+    for dt, (k, m, n), batch, neutral in [
+        (dtypes.float32, (40, 70, 10), 0, True),
+        (dtypes.float32, (9, 16, 2), 0, True),
+        (dtypes.float32, (12, 37, 3), 2, True),
+        (dtypes.float32, (21, 45, 7), 0, False),
+        (dtypes.float64, (17, 29, 5), 0, True),
+        (dtypes.float64, (8, 20, 3), 0, False),
+    ]:
+        lead = (batch,) if batch else ()
+        na, nb, nc = Node("a", (*lead, k, m), dt), Node("b", (*lead, k, n), dt), Node("c", (*lead, m, n), dt)
+        spec = "bki,bkj->bij" if batch else "ki,kj->ij"
+        ins = [(na, values(dt, na.shape, "quarter")), (nb, values(dt, nb.shape, "quarter"))]
+        if not neutral:
+            ins.append((nc, values(dt, nc.shape, "quarter")))
+        name = f"matmul.narrow_columns.{dt}.{'b' if batch else ''}{k}x{m}x{n}{'' if neutral else '.onto'}"
+        out.append(program(name, ir.einsum(spec, na, nb, into=nc, init_neutral=neutral), inputs=ins, outputs=[nc]))
     ab, bb, cb = f32("a", (3, 10, 6)), f32("b", (3, 6, 21)), f32("c", (3, 10, 21))
     out.append(program("matmul.batched", ir.einsum("bik,bkj->bij", ab, bb, into=cb),
                        inputs=[(ab, values(dtypes.float32, ab.shape, "quarter")),

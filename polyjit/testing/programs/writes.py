@@ -175,6 +175,19 @@ def epilogues() -> list[CatalogProgram]:
             ir.apply(Op.ADD, mom, g, into=mom), ir.apply(Op.SUB, wt, mom, into=wt),
             inputs=[(a, q(a.shape)), (d, q(d.shape)), (mom, q(mom.shape)), (wt, q(wt.shape))], outputs=[mom, wt],
         ))
+        # the same update of a head narrower than a vector (the MLP's 256x10: its tiles run
+        # down the columns), its gradient scratch (only the tiles see it) or kept as well
+        for kept in (False, True):
+            na_, nd_ = Node("na", (26, 37), dt), Node("nd", (26, 6), dt)
+            ng_ = Node("ng", (37, 6), dt, ON if kept else MemoryMode.LOCAL)
+            nm_, nw_ = Node("nm", (37, 6), dt), Node("nw", (37, 6), dt)
+            out.append(program(
+                f"epilogue.narrow_update{'_kept' if kept else ''}.{dt}", ir.einsum("ki,kj->ij", na_, nd_, into=ng_),
+                ir.apply(Op.MUL, nm_, 0.5, into=nm_), ir.apply(Op.ADD, nm_, ng_, into=nm_),
+                ir.apply(Op.SUB, nw_, nm_, into=nw_),
+                inputs=[(na_, q(na_.shape)), (nd_, q(nd_.shape)), (nm_, q(nm_.shape)), (nw_, q(nw_.shape))],
+                outputs=[ng_, nm_, nw_] if kept else [nm_, nw_],
+            ))
         # an optimizer step computes every gradient first: the update comes after another
         # layer's gradient (a product and a column sum, independent of it) and moves up to its
         # own product; in the second, a kernel between reads the weight the update writes (the
