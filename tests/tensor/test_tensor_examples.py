@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 import subprocess
@@ -107,7 +108,8 @@ def test_bench_tensor_runs(tmp_path: Path) -> None:
     out = _run_bench(["--steps", "2", "--batch", "32", "--dp-batch", "64", "--lm-batch", "16",
                       "--json", str(tmp_path / "bench.json")])
     assert "[dispatch]" in out and "[data_parallel]" in out and "[mlp]" in out
-    assert (tmp_path / "bench.json").exists()
+    mlp = json.loads((tmp_path / "bench.json").read_text())["mlp"]
+    assert mlp["fraction_of_matmul"] > 0 and mlp["step_of_numpy_products"] > 0  # both references
 
 
 def _run_bench(args: list[str]) -> str:
