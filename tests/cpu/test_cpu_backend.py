@@ -168,6 +168,55 @@ def test_a_large_transpose_is_shared_among_threads() -> None:
     ctx.finalize()
 
 
+@settings(max_examples=25, deadline=None)
+@given(batch=st.integers(0, 2), m=st.integers(16, 90), k=st.integers(2, 40), n=st.integers(2, 15),
+       dtype=st.sampled_from(["float32", "float64"]), onto=st.booleans(), seed=st.integers(0, 2**31))
+def test_narrow_products_down_the_columns_match_numpy(batch: int, m: int, k: int, n: int, dtype: str,
+                                                      onto: bool, seed: int) -> None:
+    """``h.T @ dy`` with fewer output columns than a vector runs its tiles down the columns
+    (patterns.along_rows; float64 from 8 columns on runs along the rows, as before): full
+    and masked vectors, batch axes outside, a sum onto the output's values; against numpy."""
+    lead = (batch,) if batch else ()
+    h, dy, g = ir.Node("h", (*lead, k, m), dtype), ir.Node("dy", (*lead, k, n), dtype), ir.Node("g", (*lead, m, n), dtype)
+    spec = "bki,bkj->bij" if batch else "ki,kj->ij"
+    backend = get_backend("cpu")
+    code = backend.compile(ir.Comp.of(ir.einsum(spec, h, dy, into=g, init_neutral=not onto)), name="narrow")
+    lanes = backend.driver.dialect.vector_bytes // np.dtype(dtype).itemsize
+    if "pj_vec acc" in code.source:  # register tiles (all but the smallest products)
+        assert ("pj_cell[pj_er][pj_ec];" in code.source) == (n < lanes <= m)
+    rng = np.random.default_rng(seed)
+    hv, dv, gv = (rng.standard_normal(nd.shape).astype(dtype) for nd in (h, dy, g))
+    ctx = backend.get_device(0).make_context().init_from_host(h, hv).init_from_host(dy, dv).init_from_host(g, gv)
+    routine = ctx.link(code)
+    routine.run()
+    want = np.swapaxes(hv.astype(np.float64), -1, -2) @ dv + (gv if onto else 0)
+    tol = 1e-5 if dtype == "float32" else 1e-12
+    np.testing.assert_allclose(routine.context.read(g), want, rtol=tol, atol=tol * max(1, k))
+    ctx.finalize()
+
+
+def test_a_large_narrow_product_is_shared_among_threads() -> None:
+    """Its tiles down the columns are the range the runtime shares (4100 rows: the last tile
+    a masked vector), and the epilogue of an optimizer's update runs on each of them."""
+    from polyjit import tensor as pt
+
+    x, y = pt.input("x", (256, 4100)), pt.input("y", (256,), "int32")
+    head = pt.Linear("head", 4100, 10, seed=3)
+    plan = pt.compile(loss=pt.cross_entropy(head(x), y), optimizer=pt.SGD(0.01, momentum=0.9))
+    assert plan.source.count("pj_cell[pj_er][pj_ec]") >= 1 and "acc[10][2]" in plan.source
+    xs = np.random.default_rng(6).standard_normal((256, 4100)).astype(np.float32)
+    ys = np.random.default_rng(7).integers(0, 10, 256).astype(np.int32)
+    w0 = plan.read(head.weight).copy()
+    plan.step(x=xs, y=ys)
+    logits = xs.astype(np.float64) @ w0  # the bias starts at zero
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    p[np.arange(256), ys] -= 1
+    grad = xs.T.astype(np.float64) @ (p / 256)
+    np.testing.assert_allclose(plan.read(head.weight), w0 - 0.01 * grad, rtol=1e-4, atol=1e-6)  # momentum 0 at first
+    plan.close()
+
+
 @pytest.mark.skipif(shutil.which("clang") is None, reason="clang is not installed")
 def test_block_transposes_compile_with_clang(tmp_path: Path) -> None:
     """The shuffles are spelled for GCC and clang alike (``CC=clang``): a transpose kernel
