@@ -336,6 +336,9 @@ def test_narrow_outputs_run_their_vectors_down_the_columns_on_the_cpu() -> None:
     assert not _plan(grad(4, 256, 5), CPU).transposed  # fewer rows than a vector
     assert not _plan(_mm(256, 256, 5), CPU).transposed  # x contiguous along k, not i
     assert not _plan(_mm(256, 256, 256), CPU).transposed
+    assert not _plan(grad(256, 8, 5), CPU).transposed  # a batch of 8: writing cells one by one costs more
+    assert not _plan(grad(16, 40000, 5), CPU).transposed  # one tile of 3.2M multiply-adds: no core would help
+    assert _plan(grad(16, 4000, 5), CPU).transposed  # one tile of 320K: one thread anyway
 
 
 def test_a_matmul_too_small_for_tiles() -> None:

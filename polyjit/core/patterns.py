@@ -114,12 +114,18 @@ def register_vectors(d: Dialect) -> int:
     return 4 if d.vector_registers >= 32 else 2
 
 
-def along_rows(c: Contraction, lanes: int) -> bool:
-    """Whether the register tiles should run their vectors down the output's columns (i), not
-    along its rows (j): the output is narrower than a vector and x is contiguous along i. A
-    weight gradient ``h.T @ dy`` of a 10-class head is such a product: along j each FMA
-    fills 10 of 16 lanes; down i, all 16 (the MLP's, 655K multiply-adds: 19.4 -> 12.8 us)."""
-    return c.n < lanes <= c.m and c.x.index.coeff(c.i) == 1
+def down_columns(c: Contraction, lanes: int) -> bool:
+    """Whether the register tiles should run their vectors down the output's columns (along
+    i), not along its rows (j): the output is narrower than a vector, x is contiguous along i,
+    and k is deep enough to pay for writing the cells one by one. A weight gradient
+    ``h.T @ dy`` of a 10-class head is such a product: along j each FMA fills 10 of 16 lanes;
+    down i, all 16 (the MLP's, 655K multiply-adds: 19.4 -> 12.8 us). A shallow k has too few
+    FMAs to pay for the cells: 2048x10 under a momentum update took 1.4x the time with k 4-8
+    (a small batch's gradient), 1.03x with 16, 0.6-0.7x from 24 on."""
+    return c.n < lanes <= c.m and c.kk >= DOWN_COLUMNS_MIN_K and c.x.index.coeff(c.i) == 1
+
+
+DOWN_COLUMNS_MIN_K = 16
 
 
 def swapped(c: Contraction) -> Contraction:
@@ -234,7 +240,7 @@ class KernelPlan:
     contraction: Contraction | None = None
     tiles: Tiles | None = None
     # LOOPS register tiles: ``contraction`` is the kernel's with i and j exchanged
-    # (along_rows), so its vectors run down the output's columns, written cell by cell
+    # (down_columns), so its vectors run down the output's columns, written cell by cell
     transposed: bool = False
     aligned: bool = False  # the sizes divide the tiles: no bounds checks
     x_vector: str | None = None  # "k" or "m": the side along which x loads vectors (None: scalars)
@@ -305,6 +311,11 @@ STREAMING_MIN_BYTES = 8 << 20
 TRANSPOSE_BLOCK = 8
 
 
+def _share_from(d: Dialect) -> int:
+    """The multiply-adds from which the dialect's threads may share a matmul."""
+    return d.shared_matmul_min_work if d.optional_matmul_min_work is None else d.optional_matmul_min_work
+
+
 def _loops_plan(kernel: Kernel, d: Dialect) -> KernelPlan:
     launch = LaunchShape((max(1, kernel.work),))
     shapes = d.shape_emitters
@@ -312,10 +323,12 @@ def _loops_plan(kernel: Kernel, d: Dialect) -> KernelPlan:
     if c is not None:
         lanes = d.vector_bytes // c.reduce.node.dtype.itemsize
         rows, vecs = REGISTER_ROWS, register_vectors(d)
-        transposed = along_rows(c, lanes)
-        if transposed:  # a tile holds every column of the output, and vectors of its rows
-            c, rows = swapped(c), c.n
-            vecs = max(1, min(vecs, REGISTER_ROWS * vecs // rows))
+        down = max(1, min(vecs, REGISTER_ROWS * vecs // c.n))  # a transposed tile's vectors
+        # a tile holds every column of the output and vectors down it; not when that leaves
+        # one tile of a product big enough to share (k is never split: a core would idle)
+        transposed = down_columns(c, lanes) and (c.m > down * lanes or kernel.total_work < _share_from(d))
+        if transposed:
+            c, rows, vecs = swapped(c), c.n, down
         tiles = Tiles(rows, vecs * lanes, 1, rows, vecs * lanes, lanes)
         work, tiles_ij = kernel.total_work, -(-c.m // tiles.tm) * -(-c.n // tiles.tn)
         optional = d.optional_matmul_min_work is not None and c.batch_size * tiles_ij > 1 and \

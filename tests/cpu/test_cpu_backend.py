@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from polyjit.backends import get_backend
 from polyjit.backends.cpu import create_backend, split_cores
-from polyjit.core import ir
+from polyjit.core import ir, patterns
 from polyjit.core.codegen import KernelSpec
 from polyjit.core.runtime import Backend, Routine
 
@@ -173,9 +173,9 @@ def test_a_large_transpose_is_shared_among_threads() -> None:
        dtype=st.sampled_from(["float32", "float64"]), onto=st.booleans(), seed=st.integers(0, 2**31))
 def test_narrow_products_down_the_columns_match_numpy(batch: int, m: int, k: int, n: int, dtype: str,
                                                       onto: bool, seed: int) -> None:
-    """``h.T @ dy`` with fewer output columns than a vector runs its tiles down the columns
-    (patterns.along_rows; float64 from 8 columns on runs along the rows, as before): full
-    and masked vectors, batch axes outside, a sum onto the output's values; against numpy."""
+    """``h.T @ dy`` with fewer output columns than a vector (and k from 16) runs its tiles
+    down the columns (patterns.down_columns; the others along the rows, as before): full and
+    masked vectors, batch axes outside, a sum onto the output's values; against numpy."""
     lead = (batch,) if batch else ()
     h, dy, g = ir.Node("h", (*lead, k, m), dtype), ir.Node("dy", (*lead, k, n), dtype), ir.Node("g", (*lead, m, n), dtype)
     spec = "bki,bkj->bij" if batch else "ki,kj->ij"
@@ -183,7 +183,7 @@ def test_narrow_products_down_the_columns_match_numpy(batch: int, m: int, k: int
     code = backend.compile(ir.Comp.of(ir.einsum(spec, h, dy, into=g, init_neutral=not onto)), name="narrow")
     lanes = backend.driver.dialect.vector_bytes // np.dtype(dtype).itemsize
     if "pj_vec acc" in code.source:  # register tiles (all but the smallest products)
-        assert ("pj_cell[pj_er][pj_ec];" in code.source) == (n < lanes <= m)
+        assert ("pj_cell[pj_er][pj_ec];" in code.source) == (n < lanes <= m and k >= patterns.DOWN_COLUMNS_MIN_K)
     rng = np.random.default_rng(seed)
     hv, dv, gv = (rng.standard_normal(nd.shape).astype(dtype) for nd in (h, dy, g))
     ctx = backend.get_device(0).make_context().init_from_host(h, hv).init_from_host(dy, dv).init_from_host(g, gv)
@@ -200,12 +200,16 @@ def test_a_large_narrow_product_is_shared_among_threads() -> None:
     a masked vector), and the epilogue of an optimizer's update runs on each of them."""
     from polyjit import tensor as pt
 
+    dialect = get_backend("cpu").driver.dialect
+    lanes = dialect.vector_bytes // 4
+    classes = min(10, lanes - 1)  # narrower than a vector of float32 on this host
+    vecs = max(1, min(patterns.register_vectors(dialect), patterns.REGISTER_ROWS * patterns.register_vectors(dialect) // classes))
     x, y = pt.input("x", (256, 4100)), pt.input("y", (256,), "int32")
-    head = pt.Linear("head", 4100, 10, seed=3)
+    head = pt.Linear("head", 4100, classes, seed=3)
     plan = pt.compile(loss=pt.cross_entropy(head(x), y), optimizer=pt.SGD(0.01, momentum=0.9))
-    assert plan.source.count("pj_cell[pj_er][pj_ec]") >= 1 and "acc[10][2]" in plan.source
+    assert f"acc[{classes}][{vecs}]" in plan.source  # every column in one tile
     xs = np.random.default_rng(6).standard_normal((256, 4100)).astype(np.float32)
-    ys = np.random.default_rng(7).integers(0, 10, 256).astype(np.int32)
+    ys = np.random.default_rng(7).integers(0, classes, 256).astype(np.int32)
     w0 = plan.read(head.weight).copy()
     plan.step(x=xs, y=ys)
     logits = xs.astype(np.float64) @ w0  # the bias starts at zero

@@ -5,7 +5,9 @@
     a matmul-shaped kernel as tiles of rows x vectors of the output held in registers while
     k runs, with GCC vector extensions (portable across x86 and Arm, sized to the host's
     widest vector unit). Edge tiles run the same code with fewer rows or vectors and a last
-    vector under a lane mask, so narrow outputs (a 256x10 classifier head) stay vectorized.
+    vector under a lane mask, so narrow outputs (a 256x10 classifier head) stay vectorized;
+    one narrower than a vector whose x runs along its columns (the head's weight gradient)
+    is tiled with i and j exchanged, its vectors down the columns.
     Tiles are shared among threads j-panel by j-panel so a panel of the right operand stays
     in cache while its i-tiles run; full-width tiles read that panel packed into contiguous
     memory (``_pack``).
@@ -289,10 +291,13 @@ def _tile(em: Emitter, plan: KernelPlan, names: Names, rows: int, vecs: int, tai
         return f"__builtin_memcpy(&{dst}, &{src}, sizeof(pj_vec));"
 
     width = vecs * lanes + tail
-    # each cell of the tile, j innermost: the sums' own stores when the tile is transposed (its
-    # vectors run down the output's columns), then the epilogue
+    # each cell of the tile, the output's rows outermost so that stores run along them: j
+    # innermost, or in a transposed tile (plan.transposed: i and j exchanged) i innermost
     cells = [f"for (int64_t pj_er = 0; pj_er < {rows}; ++pj_er) {{", f"  const int64_t {i} = pj_i0 + pj_er;",
              f"  for (int64_t pj_ec = 0; pj_ec < {width}; ++pj_ec) {{", f"    const int64_t {j} = pj_j0 + pj_ec;"]
+    if plan.transposed:
+        cells = [f"for (int64_t pj_ec = 0; pj_ec < {width}; ++pj_ec) {{", f"  const int64_t {j} = pj_j0 + pj_ec;",
+                 f"  for (int64_t pj_er = 0; pj_er < {rows}; ++pj_er) {{", f"    const int64_t {i} = pj_i0 + pj_er;"]
     lines = [f"pj_vec acc[{rows}][{nvt}];"]
     # A sum only the epilogue reads (Kernel.private) goes to a local array, not memory; so do
     # a transposed tile's sums, on their way to memory

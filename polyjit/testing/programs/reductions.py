@@ -112,15 +112,17 @@ def matmuls() -> list[CatalogProgram]:
                        inputs=[(at, values(dtypes.float32, at.shape, "quarter")),
                                (bt, values(dtypes.float32, bt.shape, "quarter"))], outputs=[ct]))
     # x contiguous along i and fewer output columns than a vector: the CPU's tiles run their
-    # vectors down the columns (patterns.along_rows); whole vectors, a masked last one, a
-    # tile of only a masked vector, a batch, and a sum onto the output's values
+    # vectors down the columns (patterns.down_columns); whole vectors, a masked last one, a
+    # tile of only a masked vector, a batch, a sum onto the output's values, and a shallow k
+    # (a small batch's gradient), which keeps the tiles along the rows
     for dt, (k, m, n), batch, neutral in [
         (dtypes.float32, (40, 70, 10), 0, True),
-        (dtypes.float32, (9, 16, 2), 0, True),
-        (dtypes.float32, (12, 37, 3), 2, True),
+        (dtypes.float32, (19, 16, 2), 0, True),
+        (dtypes.float32, (20, 37, 3), 2, True),
         (dtypes.float32, (21, 45, 7), 0, False),
+        (dtypes.float32, (6, 40, 5), 0, False),
         (dtypes.float64, (17, 29, 5), 0, True),
-        (dtypes.float64, (8, 20, 3), 0, False),
+        (dtypes.float64, (18, 20, 3), 0, False),
     ]:
         lead = (batch,) if batch else ()
         na, nb, nc = Node("a", (*lead, k, m), dt), Node("b", (*lead, k, n), dt), Node("c", (*lead, m, n), dt)
