@@ -720,9 +720,11 @@ def lower(comps: Sequence[ir.Comp], names: Sequence[str], horizontal: bool = Tru
                 constants.append((target, leaf.value.values))
                 continue
             kname = f"{name}_{k}"
-            if first_write and inference.modes[target] is MemoryMode.LOCAL and _writes_in_part(leaf):
+            if first_write and inference.modes[target] is MemoryMode.LOCAL and _writes_in_part(leaf) \
+                    and target not in inputs:
                 # scratch shares memory within a run: a node written at some cells starts at
-                # zero, as the reference's does, not with what an earlier scratch node left
+                # zero, as the reference's does, not with what an earlier scratch node left;
+                # one read before its first write holds the context's values (an input)
                 kernels.append(lowerer.fill_kernel(f"{kname}_zero", target, Const(0, target.dtype),
                                                    f"{target.label} = 0"))
             raw = lowerer.lower_fetch(kname, leaf) if isinstance(leaf, ir.Fetch) else lowerer.lower_accum(kname, leaf)

@@ -147,6 +147,14 @@ def own_target() -> list[CatalogProgram]:
     q = functools.partial(values, dtypes.float32, kind="quarter")
     out.append(program("own_target.matvec_in_place", ir.einsum("j,ij->i", v, mat, into=v),
                        inputs=[(v, q(v.shape)), (mat, q(mat.shape))], outputs=[v]))
+    # an update of some cells from the target's own values: the others keep the context's
+    # (once zero-filled as if the target were scratch, since it is read, so not a result)
+    i, j = Symbol("i"), Symbol("j")
+    wt, mom = f32("wt", (5, 4)), f32("mom", (5, 4))
+    part = ir.projections([(i, 4), (j, 3)], [i, ir.affine((1, j), const=1)], [i, ir.affine((1, j), const=1)],
+                          [ir.affine((1, i), const=1), j])
+    out.append(program("own_target.partial_update", ir.Accum(wt, None, Op.SUB, (wt, mom), part),
+                       inputs=[(wt, q(wt.shape)), (mom, q(mom.shape))], outputs=[wt]))
     return out
 
 
