@@ -337,8 +337,15 @@ def test_narrow_outputs_run_their_vectors_down_the_columns_on_the_cpu() -> None:
     assert not _plan(_mm(256, 256, 5), CPU).transposed  # x contiguous along k, not i
     assert not _plan(_mm(256, 256, 256), CPU).transposed
     assert not _plan(grad(256, 8, 5), CPU).transposed  # a batch of 8: writing cells one by one costs more
-    assert not _plan(grad(16, 40000, 5), CPU).transposed  # one tile of 3.2M multiply-adds: no core would help
-    assert _plan(grad(16, 4000, 5), CPU).transposed  # one tile of 320K: one thread anyway
+    # FMAs per k on the busiest thread (column_tiles_pay), 16 lanes: one tile of 64x5 (20)
+    # beats the rows' 11 tiles on two threads (33); 16x15 (15 on one) loses to 3 tiles (9),
+    # and so does 17x15, whose second vector holds one row (30 on two tiles: 15)
+    assert _plan(grad(64, 2048, 5), wide).transposed
+    assert not _plan(grad(16, 8192, 15), wide).transposed
+    assert not _plan(grad(17, 8192, 15), wide).transposed
+    batched = ir.Comp.of(ir.einsum("bki,bkj->bij", Node("h", (4, 4096, 64)), Node("dy", (4, 4096, 5)),
+                                   into=Node("g", (4, 64, 5))))
+    assert _plan(batched, wide).transposed and _plan(batched, wide).chunks == 4  # a tile per batch index
 
 
 def test_a_matmul_too_small_for_tiles() -> None:
