@@ -120,8 +120,8 @@ def down_columns(c: Contraction, lanes: int) -> bool:
     and k is deep enough to pay for writing the cells one by one. A weight gradient
     ``h.T @ dy`` of a 10-class head is such a product: along j each FMA fills 10 of 16 lanes;
     down i, all 16 (the MLP's, 655K multiply-adds: 19.4 -> 12.8 us). A shallow k has too few
-    FMAs to pay for the cells: 2048x10 under a momentum update took 1.4x the time with k 4-8
-    (a small batch's gradient), 1.03x with 16, 0.6-0.7x from 24 on."""
+    FMAs to pay for the cells: 2048x10 under a momentum update took 1.3-1.4x the time with k
+    4-8 (a small batch's gradient), about the same with 16, 0.7-0.75x from 24 on."""
     return c.n < lanes <= c.m and c.kk >= DOWN_COLUMNS_MIN_K and c.x.index.coeff(c.i) == 1
 
 
