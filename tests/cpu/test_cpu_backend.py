@@ -173,17 +173,20 @@ def test_a_large_transpose_is_shared_among_threads() -> None:
        dtype=st.sampled_from(["float32", "float64"]), onto=st.booleans(), seed=st.integers(0, 2**31))
 def test_narrow_products_down_the_columns_match_numpy(batch: int, m: int, k: int, n: int, dtype: str,
                                                       onto: bool, seed: int) -> None:
-    """``h.T @ dy`` with fewer output columns than a vector (and k from 16) runs its tiles
-    down the columns (patterns.down_columns; the others along the rows, as before): full and
-    masked vectors, batch axes outside, a sum onto the output's values; against numpy."""
+    """``h.T @ dy`` with fewer output columns than a vector (k from 16, where it issues fewer
+    FMAs) runs its tiles down the columns (patterns.down_columns; the others along the rows, as
+    before): full and masked vectors, batch axes outside, a sum onto the output's values;
+    against numpy."""
     lead = (batch,) if batch else ()
     h, dy, g = ir.Node("h", (*lead, k, m), dtype), ir.Node("dy", (*lead, k, n), dtype), ir.Node("g", (*lead, m, n), dtype)
     spec = "bki,bkj->bij" if batch else "ki,kj->ij"
     backend = get_backend("cpu")
     code = backend.compile(ir.Comp.of(ir.einsum(spec, h, dy, into=g, init_neutral=not onto)), name="narrow")
     lanes = backend.driver.dialect.vector_bytes // np.dtype(dtype).itemsize
-    if "pj_vec acc" in code.source:  # register tiles (all but the smallest products)
-        assert ("pj_cell[pj_er][pj_ec];" in code.source) == (n < lanes <= m and k >= patterns.DOWN_COLUMNS_MIN_K)
+    (plan,) = [spec.plan for specs in code.batch.source.kernels for spec in specs]
+    assert ("pj_cell[pj_er][pj_ec];" in code.source) == plan.transposed  # the cells written from the tile
+    if plan.transposed:  # where the plan's rules allow it (patterns.column_tiles_pay decides the rest)
+        assert n < lanes <= m and k >= patterns.DOWN_COLUMNS_MIN_K
     rng = np.random.default_rng(seed)
     hv, dv, gv = (rng.standard_normal(nd.shape).astype(dtype) for nd in (h, dy, g))
     ctx = backend.get_device(0).make_context().init_from_host(h, hv).init_from_host(dy, dv).init_from_host(g, gv)
