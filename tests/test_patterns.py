@@ -318,8 +318,8 @@ def test_mid_sized_matmuls_are_shared_only_while_it_pays_on_the_cpu() -> None:
 
 def test_narrow_outputs_run_their_vectors_down_the_columns_on_the_cpu() -> None:
     """A weight gradient h.T @ dy of a head narrower than a vector: each tile holds every
-    column and vectors down the rows (x is contiguous along i), i and j swapped; the values
-    are checked by the catalog's ``matmul.narrow_columns.*`` and ``epilogue.narrow_update*``."""
+    column and vectors down them (x is contiguous along i), i and j swapped; the values are
+    checked by the catalog's ``matmul.narrow_columns.*`` and ``epilogue.narrow_update*``."""
     def grad(m: int, k: int, n: int) -> ir.Comp:
         return ir.Comp.of(ir.einsum("ki,kj->ij", Node("h", (k, m)), Node("dy", (k, n)), into=Node("g", (m, n))))
 

@@ -114,6 +114,13 @@ def register_vectors(d: Dialect) -> int:
     return 4 if d.vector_registers >= 32 else 2
 
 
+def column_vectors(d: Dialect, n: int) -> int:
+    """Vectors down each of the n columns a tile down the columns holds (as many
+    accumulators as a tile along the rows, at most as many vectors per column)."""
+    vecs = register_vectors(d)
+    return max(1, min(vecs, REGISTER_ROWS * vecs // n))
+
+
 def down_columns(c: Contraction, lanes: int) -> bool:
     """Whether the register tiles should run their vectors down the output's columns (along
     i), not along its rows (j): the output is narrower than a vector, x is contiguous along i,
@@ -341,7 +348,7 @@ def _loops_plan(kernel: Kernel, d: Dialect) -> KernelPlan:
     if c is not None:
         lanes = d.vector_bytes // c.reduce.node.dtype.itemsize
         rows, vecs = REGISTER_ROWS, register_vectors(d)
-        down = max(1, min(vecs, REGISTER_ROWS * vecs // c.n))  # a transposed tile's vectors
+        down = column_vectors(d, c.n)
         # a tile holds every column of the output and vectors down it, where that issues
         # fewer FMAs per thread (column_tiles_pay)
         transposed = down_columns(c, lanes) and \

@@ -183,7 +183,7 @@ def test_narrow_products_down_the_columns_match_numpy(batch: int, m: int, k: int
     backend = get_backend("cpu")
     code = backend.compile(ir.Comp.of(ir.einsum(spec, h, dy, into=g, init_neutral=not onto)), name="narrow")
     lanes = backend.driver.dialect.vector_bytes // np.dtype(dtype).itemsize
-    (plan,) = [spec.plan for specs in code.batch.source.kernels for spec in specs]
+    (plan,) = [ks.plan for kernel_specs in code.batch.source.kernels for ks in kernel_specs]
     assert ("pj_cell[pj_er][pj_ec];" in code.source) == plan.transposed  # the cells written from the tile
     if plan.transposed:  # where the plan's rules allow it (patterns.column_tiles_pay decides the rest)
         assert n < lanes <= m and k >= patterns.DOWN_COLUMNS_MIN_K
@@ -206,7 +206,7 @@ def test_a_large_narrow_product_is_shared_among_threads() -> None:
     dialect = get_backend("cpu").driver.dialect
     lanes = dialect.vector_bytes // 4
     classes = min(10, lanes - 1)  # narrower than a vector of float32 on this host
-    vecs = max(1, min(patterns.register_vectors(dialect), patterns.REGISTER_ROWS * patterns.register_vectors(dialect) // classes))
+    vecs = patterns.column_vectors(dialect, classes)
     x, y = pt.input("x", (256, 4100)), pt.input("y", (256,), "int32")
     head = pt.Linear("head", 4100, classes, seed=3)
     plan = pt.compile(loss=pt.cross_entropy(head(x), y), optimizer=pt.SGD(0.01, momentum=0.9))
