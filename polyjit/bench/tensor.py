@@ -175,7 +175,7 @@ def bench_char_lm_on(batch: int, steps: int, device: str) -> dict[str, float]:
     out = {"compiled_samples_s": best_rates({"lm": step}, batch, steps)["lm"]}
     host, wall = host_and_wall(plan, data, steps)
     out.update(step_us=batch / out["compiled_samples_s"] * 1e6, enqueue_us=host * 1e6, enqueue_sync_us=wall * 1e6)
-    replays = plan._linked.part_replays if plan._linked is not None else None
+    replays = plan._linked.split if plan._linked is not None else None
     if replays:
         stream = plan.context.stream
         try:
@@ -198,7 +198,7 @@ def host_and_wall(plan: pt.Plan, data: Callable[[], dict[str, Array]], steps: in
     for _ in range(steps):
         batch = data()
         t1 = time.perf_counter()
-        plan._launch(batch, None)
+        plan._run(plan._prepare(batch, None), None)
         host += time.perf_counter() - t1
         plan.context.stream.synchronize()
     return host / steps, (time.perf_counter() - t0) / steps

@@ -21,20 +21,18 @@ import numpy as np
 from polyjit.core import interop, slab
 from polyjit.core.codegen import KernelSpec
 from polyjit.core.errors import (
-    DTypeMismatchError,
     FinalizedError,
     InvalidArgumentError,
     InvalidProgramError,
     MergeBufferMismatchError,
     NodeNotInContextError,
     ReadOnlyNodeError,
-    ShapeMismatchError,
     UnknownDeviceError,
 )
 from polyjit.core.interop import Exported
 from polyjit.core.ir import MemoryMode, Node
 from polyjit.core.lower import LoweredComp
-from polyjit.core.routine import Code, CodeBatch, Routine
+from polyjit.core.routine import Code, CodeBatch, Routine, check_host_array
 from polyjit.core.slab import BufferLoc
 from polyjit.core.streams import AllOf, Event, Stream, enqueue
 
@@ -219,16 +217,6 @@ class Context:
 
     # -- host transfers ----------------------------------------------------------
 
-    def _host_array(self, node: Node, array: np.ndarray, what: str) -> None:
-        if not isinstance(node, Node):
-            raise InvalidArgumentError(f"{what} needs a Node first, got {type(node).__name__}")
-        if not isinstance(array, np.ndarray):
-            raise DTypeMismatchError(f"{what} of {node.label} needs a numpy array, got {type(array).__name__}")
-        if array.shape != node.shape:
-            raise ShapeMismatchError(f"{what} of {node.label}: array has shape {array.shape}, node has {node.shape}")
-        if array.dtype != node.dtype.np:
-            raise DTypeMismatchError(f"{what} of {node.label}: array has dtype {array.dtype}, node has {node.dtype}")
-
     def from_host(self, node: Node, array: np.ndarray) -> bool:
         """Enqueue a copy of ``array`` into the node's buffer; returns False if the node has none.
 
@@ -236,11 +224,10 @@ class Context:
         is done; do not modify it before the stream gets past this point.
         """
         self.check_alive()
-        self._host_array(node, array, "from_host")
+        src = check_host_array(node, array, "from_host")
         if node not in self.buffers:
             return False
         loc = self.writable_loc(node, "from_host")
-        src = np.ascontiguousarray(array)
         dev = self.device
         with dev.lock:
             enqueue(self.stream, (), (dev.tracker.state(loc),), "from_host", dev.driver.copy_from_host,
@@ -255,12 +242,10 @@ class Context:
         (``stream.synchronize()``), which lets a caller fetch several outputs with one wait.
         """
         self.check_alive()
-        self._host_array(node, array, "to_host")
+        array = check_host_array(node, array, "to_host", into=True)
         loc = self.buffers.get(node)
         if loc is None:
             return False
-        if not array.flags.c_contiguous or not array.flags.writeable:
-            raise ShapeMismatchError(f"to_host of {node.label} needs a writeable C-contiguous array")
         dev = self.device
         with dev.lock:
             ev = enqueue(self.stream, (dev.tracker.state(loc),), (), "to_host", dev.driver.copy_to_host,
@@ -282,7 +267,7 @@ class Context:
     def init_from_host(self, node: Node, array: np.ndarray) -> Context:
         """A child context with a new buffer for ``node``, filled from ``array``."""
         self.check_alive()
-        self._host_array(node, array, "init_from_host")
+        check_host_array(node, array, "init_from_host")
         child = self._with_new_buffer(node)
         child.from_host(node, array)
         return child

@@ -20,10 +20,12 @@ from polyjit.core.codegen import KernelSpec, Source
 from polyjit.core.device import driver_call
 from polyjit.core.errors import (
     BindingError,
+    DTypeMismatchError,
     FinalizedError,
     InvalidArgumentError,
     InvalidProgramError,
     MergeBufferMismatchError,
+    ShapeMismatchError,
     UnsupportedError,
 )
 from polyjit.core.ir import Node, StaticSymbol
@@ -31,7 +33,7 @@ from polyjit.core.log import logger
 from polyjit.core.lower import LoweredBatch
 from polyjit.core.protocol import MergeBuffer
 from polyjit.core.slab import MERGE_POOL, BufferLoc
-from polyjit.core.streams import Event, Stream, enqueue
+from polyjit.core.streams import Event, Operation, Stream, enqueue, issue
 
 if TYPE_CHECKING:
     from polyjit.core.context import Context
@@ -79,16 +81,46 @@ def check_binding(where: str, sym: StaticSymbol, value: Any) -> int:
     return int(value)
 
 
+def check_host_array(node: Node, array: Any, what: str, into: bool = False) -> np.ndarray:
+    """The host array that ``what`` (a word: "from_host") copies ``node`` from or ``into``: a
+    numpy array of the node's shape and dtype; one copied from is made C-contiguous, one copied
+    into must be writeable and C-contiguous already."""
+    if not isinstance(node, Node):
+        raise InvalidArgumentError(f"{what} needs a Node first, got {type(node).__name__}")
+    if not isinstance(array, np.ndarray):
+        raise DTypeMismatchError(f"{what} of {node.label} needs a numpy array, got {type(array).__name__}")
+    if array.shape != node.shape:
+        raise ShapeMismatchError(f"{what} of {node.label}: array has shape {array.shape}, node has {node.shape}")
+    if array.dtype != node.dtype.np:
+        raise DTypeMismatchError(f"{what} of {node.label}: array has dtype {array.dtype}, node has {node.dtype}")
+    if not into:
+        return np.ascontiguousarray(array)
+    if not array.flags.c_contiguous or not array.flags.writeable:
+        raise ShapeMismatchError(f"{what} of {node.label} needs a writeable C-contiguous array")
+    return array
+
+
+def _distinct_nodes(nodes: Sequence[Node], what: str) -> tuple[Node, ...]:
+    if isinstance(nodes, Node) or any(not isinstance(n, Node) for n in nodes):
+        raise InvalidArgumentError(f"capture({what}=) takes a sequence of Nodes")
+    twice = sorted({n.label for k, n in enumerate(nodes) if n in nodes[:k]})
+    if twice:
+        raise InvalidArgumentError(f"capture({what}=) names {', '.join(twice)} more than once")
+    return tuple(nodes)
+
+
 class Replay:
     """Linked routines replayed as one unit (see :meth:`Backend.capture`), ordered by the
-    per-node events like ``run()``. This generic one runs them one after the other; a backend
-    with something cheaper to launch (CUDA: one graph) overrides :meth:`_enqueue` and calls
-    :meth:`enqueue_launch` with it. ``bindings`` (static symbol -> value, from the routines'
-    own) is read by each ``replay()``."""
+    per-node events like ``run()``, with host copies of some nodes in before them and out
+    after them: one enqueue, one event. This generic one launches the routines one after the
+    other; a backend with something cheaper to launch (CUDA: one graph) overrides
+    :meth:`_launches`. ``bindings`` (static symbol -> value, from the routines' own) is read
+    by each ``replay()``."""
 
     same_stream = True  # this one runs each routine on its own context's stream
 
-    def __init__(self, routines: Sequence[Routine], stream: Stream | None = None) -> None:
+    def __init__(self, routines: Sequence[Routine], stream: Stream | None = None,
+                 inputs: Sequence[Node] = (), outputs: Sequence[Node] = ()) -> None:
         if not routines:
             raise InvalidProgramError("capture() needs at least one routine")
         if any(not isinstance(r, Routine) for r in routines):
@@ -107,8 +139,13 @@ class Replay:
             r.context.check_alive()
             for sym, value in r.bindings.items():
                 self.bindings.setdefault(sym, value)
-        reads = dict.fromkeys(loc for r in self.routines for loc in r.read_locs)
-        writes = dict.fromkeys(loc for r in self.routines for loc in r.write_locs)
+        self.inputs = _distinct_nodes(inputs, "inputs")
+        self.outputs = _distinct_nodes(outputs, "outputs")
+        first, last = self.routines[0].context, self.routines[-1].context
+        self._in_locs = tuple(first.writable_loc(n, "capture(inputs=)") for n in self.inputs)
+        self._out_locs = tuple(last.loc(n, "capture(outputs=)") for n in self.outputs)
+        reads = dict.fromkeys([*(loc for r in self.routines for loc in r.read_locs), *self._out_locs])
+        writes = dict.fromkeys([*self._in_locs, *(loc for r in self.routines for loc in r.write_locs)])
         with self.device.lock:
             self._reads = self.device.tracker.states(list(reads))
             self._writes = self.device.tracker.states(list(writes))
@@ -123,22 +160,48 @@ class Replay:
             self.bindings[by_name[name]] = check_binding("bind", by_name[name], value)
         return self
 
-    def replay(self) -> None:
+    def replay(self, inputs: Sequence[np.ndarray] | None = None,
+               outputs: Sequence[np.ndarray] | None = None) -> Event:
+        """Copy ``inputs`` (host arrays, one per captured input node, in order) into their
+        nodes, run the routines, copy the captured output nodes into ``outputs`` (writeable
+        C-contiguous arrays); returns the event behind all of it. Either may be None: no copies
+        that way. Like ``from_host`` / ``to_host(blocking=False)``, the arrays are kept alive
+        until the event completes; do not touch them before. Every array is checked before
+        anything is enqueued."""
         if self.closed:
             raise FinalizedError(f"{self!r} was closed")
         for r in self.routines:
             r.context.check_alive()
-            r.check_merge()
-        self._enqueue()
+        ins = () if inputs is None else self._host_arrays(self.inputs, inputs, "inputs", into=False)
+        outs = () if outputs is None else self._host_arrays(self.outputs, outputs, "outputs", into=True)
+        device = self.device
+        driver, handle = device.driver, self.stream.handle
+        pools = device.pool_handle
+        if logger.isEnabledFor(10):  # DEBUG
+            logger.debug("replay %r on %r (%d copies in, %d out)", self, self.stream, len(ins), len(outs))
+        with device.lock:  # the merge buffer must not move between the check and the launch
+            for r in self.routines:
+                r.check_merge()
+            ops = [(driver.copy_from_host, (handle, pools(loc.pool_id), loc.offset, a))
+                   for loc, a in zip(self._in_locs, ins)]
+            ops += self._launches()
+            ops += [(driver.copy_to_host, (handle, pools(loc.pool_id), loc.offset, a))
+                    for loc, a in zip(self._out_locs, outs)]
+            return enqueue(self.stream, self._reads, self._writes, self, issue, (ops,), (self, ops))
 
-    def _enqueue(self) -> None:
-        for r in self.routines:
-            r.run_with(self.bindings)
+    def _host_arrays(self, nodes: tuple[Node, ...], arrays: Sequence[np.ndarray], what: str,
+                     into: bool) -> list[np.ndarray]:
+        if isinstance(arrays, np.ndarray) or len(arrays) != len(nodes):
+            n = "an array" if isinstance(arrays, np.ndarray) else f"{len(arrays)} arrays"
+            raise InvalidArgumentError(f"replay({what}=) takes a sequence of {len(nodes)} arrays, one per "
+                                       f"captured {what[:-1]} node, got {n}")
+        return [check_host_array(n, a, "replay", into) for n, a in zip(nodes, arrays)]
 
-    def enqueue_launch(self, fn: Any, *args: Any) -> Event:
-        """Enqueue ``fn(*args)`` (one launch of everything captured) on the replay's stream,
-        after the waits the routines' buffers need, recorded as their reader and writer."""
-        return enqueue(self.stream, self._reads, self._writes, self, fn, args, self)
+    def _launches(self) -> list[Operation]:
+        """The driver calls that run the routines (device lock held; merge buffers checked)."""
+        launch, handle, bindings = self.device.driver.launch, self.stream.handle, self.bindings
+        return [(launch, (handle, r.prepared(), r.static_values(bindings) if r.statics else ()))
+                for r in self.routines]
 
     def close(self) -> None:
         """Free what the replay holds (a recorded graph); the routines stay usable."""

@@ -27,7 +27,7 @@ from polyjit.core.codegen import generate
 from polyjit.core.context import Context
 from polyjit.core.device import Device, LoadedModule, driver_call
 from polyjit.core.errors import InvalidArgumentError, InvalidProgramError, UnknownDeviceError
-from polyjit.core.ir import StaticSymbol
+from polyjit.core.ir import Node, StaticSymbol
 from polyjit.core.log import log_source
 from polyjit.core.lower import lower
 from polyjit.core.patterns import plan_kernel, row_fusable, segmentable
@@ -157,12 +157,16 @@ class Backend:
     def static_properties(self) -> dict[str, Any]:
         return {"name": self.name, "dialect": self.driver.dialect.name, "num_devices": self.num_devices()}
 
-    def capture(self, routines: Sequence[Routine], *, stream: Stream | None = None) -> Replay:
+    def capture(self, routines: Sequence[Routine], *, stream: Stream | None = None,
+                inputs: Sequence[Node] = (), outputs: Sequence[Node] = ()) -> Replay:
         """Routines to run again and again as one unit, in this order: ``replay()`` does what
-        ``run()`` of each would. Here that is all it does; a backend with something cheaper
-        to launch overrides it (CUDA records a graph: ``CudaBackend.capture``). ``stream``:
-        where to replay (default: the first routine's context stream)."""
-        return Replay(routines, stream)
+        ``run()`` of each would, in one enqueue. Here that is all it does; a backend with
+        something cheaper to launch overrides it (CUDA records a graph: ``CudaBackend.capture``).
+        ``stream``: where to replay (default: the first routine's context stream).
+        ``inputs`` (nodes of the first routine's context) and ``outputs`` (of the last's):
+        what ``replay(inputs, outputs)`` copies in from host arrays before the routines and out
+        into host arrays after them (a training step's batch and loss), in the same enqueue."""
+        return Replay(routines, stream, inputs, outputs)
 
     def compile(
         self, comp: ir.Comp | ir.Assignment, name: str | None = None,

@@ -435,6 +435,11 @@ def enqueue(stream: Stream, reads: Sequence[NodeEvents], writes: Sequence[NodeEv
         try:
             token = fn(*args)
             handle = stream.driver.record(stream.handle)
+        except PartlyIssued as part:  # what is on the stream lives until it is done, as always
+            _track_issued(stream, reads, writes, (keep, part.tokens))
+            raise DriverError(f"{device.device_id} ({device.name}): {what} failed after {part.count} of "
+                              f"its operations were enqueued: {type(part.error).__name__}: {part.error}"
+                              ) from part.error
         except PolyjitError:
             raise
         except Exception as e:
@@ -453,3 +458,54 @@ def enqueue(stream: Stream, reads: Sequence[NodeEvents], writes: Sequence[NodeEv
         if len(entries) >= POLL_EVERY:
             stream.close_batch(handle)
     return ev
+
+
+Operation = tuple[Callable[..., Any], tuple[Any, ...]]
+
+
+class PartlyIssued(Exception):
+    """:func:`issue` failed after its first operation: ``count`` of them are on the stream."""
+
+    def __init__(self, error: Exception, count: int, tokens: list[Any]) -> None:
+        super().__init__(error)
+        self.error, self.count, self.tokens = error, count, tokens
+
+
+def issue(ops: Sequence[Operation]) -> list[Any] | None:
+    """Call driver operations in order: several as one unit of work,
+    ``enqueue(stream, reads, writes, what, issue, (ops,), keep)`` (a replay's copies in, launches
+    and copies out: one event, and the per-node records walked once). Returns the tokens the
+    driver gave. If an operation after the first fails, ``enqueue`` still records and keeps
+    alive what the ones before it use, then raises."""
+    tokens: list[Any] = []
+    for k, (fn, args) in enumerate(ops):
+        try:
+            token = fn(*args)
+        except Exception as e:
+            if k == 0:
+                raise
+            raise PartlyIssued(e, k, tokens) from e
+        if token is not None:
+            tokens.append(token)
+    return tokens or None
+
+
+def _track_issued(stream: Stream, reads: Sequence[NodeEvents], writes: Sequence[NodeEvents], keep: Any) -> None:
+    """Part of an enqueue's work reached the stream before a driver call failed: record an
+    event behind it as the reader and writer of everything the whole would have touched,
+    and keep ``keep`` until it completes. If even recording fails, ``keep`` stays until a
+    later event of the stream completes (or the stream ends)."""
+    try:
+        handle = stream.driver.record(stream.handle)
+    except Exception:
+        handle = None
+    stream.seq = seq = stream.seq + 1
+    stream._open.append((seq, keep))
+    if handle is None:
+        return
+    ev = Event(stream, handle, seq)
+    for st in reads:
+        st.readers[stream] = ev
+    for st in writes:
+        st.writer = ev
+        st.readers = {}

@@ -187,7 +187,7 @@ class DataParallel:
             rep.compute, rep.update = rep.state.context.link_batch(main)
             rep.linked = rep.compute.context
             backend = rep.device.backend
-            rep.compute_replay = backend.capture([rep.compute])
+            rep.compute_replay = backend.capture([rep.compute], inputs=[f.node for f in rep.feeds])
             rep.update_replay = backend.capture([rep.update])
 
     def _link_allreduce(self) -> None:
@@ -246,10 +246,8 @@ class DataParallel:
                                 row0=base + k * s) for f in rep.feeds]
                   for k, rep in enumerate(self.replicas)]
         for rep, shards in zip(self.replicas, arrays):
-            for f, arr in zip(rep.feeds, shards):
-                rep.state.context.from_host(f.node, arr)
             assert rep.compute_replay is not None
-            rep.compute_replay.replay()
+            rep.compute_replay.replay(shards)  # the shards' copies and the routine: one enqueue
 
     def _allreduce(self, profile: bool = False) -> None:
         for xfer, add in self._reduce:

@@ -68,54 +68,62 @@ class SharesState(Protocol):
 
 
 class _Linked:
-    """A compiled batch linked into the state context; a fused batch is captured for replay
-    (``Backend.capture``: a CUDA graph on CUDA) after its first run. A fused training step
-    is also split after the kernel that writes the loss (``Routine.split_after``), so that
-    ``step()`` waits for the loss only: the backward pass and the update run while the
-    caller prepares the next step (the stream keeps them in order)."""
+    """A compiled batch linked into the state context. A fused batch is captured for replay
+    (``Backend.capture``: a CUDA graph on CUDA) with the inputs' copies in and the outputs'
+    copies out, so that a run is one enqueue. A fused training step is also captured in two
+    parts, split after the kernel that writes the loss (``Routine.split_after``): ``step()``
+    waits for the head's loss only, and the backward pass and the update run while the
+    caller prepares the next step (the stream keeps them in order). Dynamic mode runs its
+    routines one by one."""
 
-    __slots__ = ("context", "kind", "part_replays", "parts", "replay", "routines")
+    __slots__ = ("context", "feeds", "full", "kind", "outputs", "routines", "split")
 
-    def __init__(self, kind: str, routines: list[Routine], context: Context, loss: Node | None) -> None:
+    def __init__(self, kind: str, routines: list[Routine], context: Context, backend: Backend,
+                 feeds: list[Node], outputs: list[Node], loss: Node | None) -> None:
         self.kind = kind
         self.routines = routines
         self.context = context
-        self.replay: Replay | None = None
-        fused = kind == "compiled" and len(routines) == 1
-        self.parts = routines[0].split_after(loss) if fused and loss is not None else None
-        self.part_replays: tuple[Replay, Replay] | None = None
+        self.feeds = feeds
+        self.outputs = outputs
+        self.full: Replay | None = None
+        self.split: tuple[Replay, Replay] | None = None
+        if kind == "compiled" and routines:
+            self.full = backend.capture(routines, inputs=feeds, outputs=outputs)
+            parts = routines[0].split_after(loss) if len(routines) == 1 and loss is not None else None
+            if parts is not None and loss is not None:
+                head, tail = parts
+                self.split = (backend.capture([head], inputs=feeds, outputs=[loss]), backend.capture([tail]))
 
-    def run(self, backend: Backend, between: Callable[[], None] | None = None) -> None:
-        """Enqueue the routines; ``between`` where the loss is ready (after the head of a
-        split step, else after everything)."""
-        if between is not None and self.parts is not None:
-            if self.part_replays is None:  # recorded on the first run, replayed after it
-                head, tail = self.parts
-                head.run()
-                between()
-                tail.run()
-                self.part_replays = (backend.capture([head]), backend.capture([tail]))
-            else:
-                head_replay, tail_replay = self.part_replays
-                head_replay.replay()
-                between()
-                tail_replay.replay()
-            return
-        if self.replay is not None:
-            self.replay.replay()
-        else:
-            for r in self.routines:
-                r.run()
-            if self.kind == "compiled" and self.routines:  # recorded on the first run, replayed after it
-                self.replay = backend.capture(self.routines)
-        if between is not None:
-            between()
+    def run(self, base: Context, arrays: Sequence[Array], results: Sequence[Array] | None) -> Event:
+        """Copy ``arrays`` into the inputs, run, copy the outputs into ``results`` (None: leave
+        them on the device); the event behind it all."""
+        if self.full is not None:
+            return self.full.replay(arrays, results)
+        for node, arr in zip(self.feeds, arrays):
+            base.from_host(node, arr)
+        for r in self.routines:
+            r.run()
+        ctx = self.context
+        for node, arr in zip(self.outputs, results or ()):
+            enqueue_to_host(ctx, node, arr)
+        return ctx.stream.record()
+
+    def step(self, base: Context, arrays: Sequence[Array], loss: Array, results: Sequence[Array]) -> Event:
+        """A training step: the event behind the loss's copy into ``loss`` (a split step's
+        backward pass and update are enqueued behind it); unsplit, every output is copied
+        into ``results`` (the loss's array among them)."""
+        if self.split is None:
+            return self.run(base, arrays, results)
+        head, tail = self.split
+        ready = head.replay(arrays, (loss,))
+        tail.replay()
+        return ready
 
     def finalize(self) -> None:
-        for replay in (self.replay, *(self.part_replays or ())):
+        for replay in (self.full, *(self.split or ())):
             if replay is not None:
                 replay.close()
-        self.replay = self.part_replays = None
+        self.full = self.split = None
         self.context.finalize()
 
 
@@ -185,6 +193,7 @@ class Plan:
         self._input_names = frozenset(f.name for f in self._feeds)
         self._outputs = [(name, t.node, np.empty(t.shape, t.dtype.np)) for name, t in program.outputs.items()]
         self._results = {name: arr for name, _, arr in self._outputs}
+        self._result_arrays = [arr for _, _, arr in self._outputs]
         self._loss = next(((node, arr) for name, node, arr in self._outputs if name == "loss"), None)
         self._slots: list[_Slot] = []
         self._linked: _Linked | None = None
@@ -225,8 +234,9 @@ class Plan:
         routines = self._state.context.link_batch(batch)
         if self._linked is not None:
             self._linked.finalize()
-        loss = self._loss[0] if self._loss is not None else None
-        self._linked = _Linked(kind, routines, routines[0].context if routines else self._state.context, loss)
+        self._linked = _Linked(kind, routines, routines[0].context if routines else self._state.context,
+                               self.backend, [f.node for f in self._feeds],
+                               [node for _, node, _ in self._outputs], self._loss[0] if self._loss else None)
         return self._linked
 
     @_serialized
@@ -243,27 +253,17 @@ class Plan:
         return [f.host_array(inputs[f.name], None if slot is None else slot.inputs[k])
                 for k, f in enumerate(self._feeds)]
 
-    def _launch(self, inputs: Mapping[str, Any], slot: _Slot | None) -> None:
-        self._enqueue(self._prepare(inputs, slot))
-
-    def _enqueue(self, arrays: Sequence[Array], between: Callable[[], None] | None = None) -> None:
+    def _run(self, arrays: Sequence[Array], results: Sequence[Array] | None) -> Event:
         self._routines()
-        linked = self._linked
-        assert linked is not None
-        base = self._state.context
-        for f, arr in zip(self._feeds, arrays):
-            base.from_host(f.node, arr)
-        linked.run(self.backend, between)
+        assert self._linked is not None
+        ready = self._linked.run(self._state.context, arrays, results)
         self.runs += 1
+        return ready
 
     @_serialized
     def run(self, **inputs: Any) -> dict[str, Array]:
         """One run: returns every output, in arrays this plan reuses on its next run."""
-        self._launch(inputs, None)
-        ctx = self.context
-        for _, node, arr in self._outputs:
-            enqueue_to_host(ctx, node, arr)
-        ctx.stream.synchronize()
+        self._run(self._prepare(inputs, None), self._result_arrays).synchronize()
         return self._results
 
     @_serialized
@@ -271,7 +271,7 @@ class Plan:
         """One run whose outputs stay on the device: zero-copy views of the output buffers
         (DLPack; ``np.from_dlpack``, ``torch.from_dlpack``), which show the values of this run
         until the next run writes them."""
-        self._launch(inputs, None)
+        self._run(self._prepare(inputs, None), None)
         ctx = self.context
         return {name: ctx.export(node) for name, node, _ in self._outputs}
 
@@ -285,17 +285,14 @@ class Plan:
         them."""
         if self._loss is None:
             raise InvalidProgramError("step() needs a plan compiled with loss=...")
-        node, arr = self._loss
-        ready: list[Event] = []
-
-        def copy_loss() -> None:
-            ctx = self.context
-            enqueue_to_host(ctx, node, arr)
-            ready.append(ctx.stream.record())
-
-        self._enqueue(self._prepare(inputs, None), copy_loss)
-        ready[0].synchronize()
-        return float(arr)
+        arrays = self._prepare(inputs, None)
+        self._routines()
+        assert self._linked is not None
+        loss = self._loss[1]
+        ready = self._linked.step(self._state.context, arrays, loss, self._result_arrays)
+        self.runs += 1
+        ready.synchronize()
+        return float(loss)
 
     def synchronize(self) -> None:
         """Wait for all the work this plan enqueued (the last step's update, too)."""
@@ -309,10 +306,7 @@ class Plan:
             self._slots.append(_Slot(self._feeds, self._outputs))
         prepared = [self._prepare(inputs, slot) for inputs, slot in zip(runs, self._slots)]
         for arrays, slot in zip(prepared, self._slots):
-            self._enqueue(arrays)
-            ctx = self.context
-            for name, node, _ in self._outputs:
-                enqueue_to_host(ctx, node, slot.results[name])
+            self._run(arrays, list(slot.results.values()))
         self.context.stream.synchronize()
         return [slot.results for slot in self._slots[: len(runs)]]
 

@@ -98,7 +98,7 @@ def all_programs() -> list[CatalogProgram]:
 
 
 def check_tensor_plans_replay_a_graph(backend: Any) -> int:
-    """mode="compiled" runs the fused batch once, then replays it as CUDA graphs (a training
+    """mode="compiled" replays the fused batch as CUDA graphs from its first run (a training
     step as two: up to the loss, and the backward pass and update); the losses match the
     CPU backend's step for step, and dynamic mode's. Returns the graph launches."""
     from polyjit import tensor as pt
@@ -115,15 +115,15 @@ def check_tensor_plans_replay_a_graph(backend: Any) -> int:
 
     want, cpu_plan = losses("cpu", "compiled")
     got, plan = losses(backend.get_device(0), "compiled")
-    assert plan._linked.part_replays is not None
-    assert all(isinstance(r, cuda.CudaGraph) for r in plan._linked.part_replays)
+    assert plan._linked.split is not None
+    assert all(isinstance(r, cuda.CudaGraph) for r in plan._linked.split)
     np.testing.assert_allclose(got, want, rtol=1e-5)
     dynamic, dyn_plan = losses(backend.get_device(0), "dynamic")
-    assert dyn_plan._linked.replay is None and dyn_plan._linked.part_replays is None
+    assert dyn_plan._linked.full is None and dyn_plan._linked.split is None
     np.testing.assert_allclose(dynamic, want, rtol=1e-5)
     for p in (plan, dyn_plan, cpu_plan):
         p.close()
-    return 2 * 3  # two graphs for each of steps 2..4 of the compiled plan
+    return 2 * 4  # two graphs for each of the compiled plan's four steps
 
 
 def bench_module() -> Any:

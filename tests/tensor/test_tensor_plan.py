@@ -316,7 +316,9 @@ def test_profile_kernels_times_every_kernel() -> None:
     plan.close()
 
 
-def test_compiled_plans_replay_a_capture_after_their_first_run() -> None:
+def test_compiled_plans_replay_a_capture_with_their_copies() -> None:
+    """A compiled plan is captured when it links, with its inputs' and outputs' copies: every
+    run is one replay."""
     from polyjit.core.errors import InvalidProgramError
     from polyjit.core.runtime import Replay
 
@@ -324,8 +326,10 @@ def test_compiled_plans_replay_a_capture_after_their_first_run() -> None:
     plan = pt.compile({"y": (x * 2.0).sum()})
     assert plan._linked is None
     first = plan.run(x=np.ones((4, 3), np.float32))["y"].copy()
-    replay = plan._linked.replay  # type: ignore[union-attr]
+    assert first == 24.0
+    replay = plan._linked.full  # type: ignore[union-attr]
     assert isinstance(replay, Replay) and len(replay.routines) >= 1
+    assert replay.inputs == (x.node,) and len(replay.outputs) == 1
     np.testing.assert_array_equal(plan.run(x=np.ones((4, 3), np.float32))["y"], first)
     np.testing.assert_array_equal(plan.run(x=np.full((4, 3), 2, np.float32))["y"], 48.0)
     with pytest.raises(InvalidProgramError, match="another stream"):
@@ -359,8 +363,8 @@ def test_a_step_waits_for_its_loss_and_later_work_for_its_update(device: str) ->
         assert a == b
         np.testing.assert_array_equal(w_eager, synced.read(mlp2.params[0]))
     linked = eager._linked
-    assert linked is not None and linked.parts is not None
-    head, tail = linked.parts
+    assert linked is not None and linked.split is not None
+    head, tail = (replay.routines[0] for replay in linked.split)
     assert eager._loss is not None
     assert any(eager._loss[0] in spec.outputs for spec in head.kernels) and tail.kernels
     assert len(head.kernels) + len(tail.kernels) == len(linked.routines[0].kernels)

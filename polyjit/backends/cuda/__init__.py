@@ -27,6 +27,7 @@ from polyjit.backends.cuda.nvrtc import (
 )
 from polyjit.backends.cuda.staging import STAGING_BYTES
 from polyjit.core.errors import PolyjitError
+from polyjit.core.ir import Node
 from polyjit.core.routine import Routine
 from polyjit.core.runtime import Backend
 from polyjit.core.streams import Stream
@@ -62,8 +63,9 @@ class CudaBackend(Backend):
     def __init__(self, driver: CudaDriver | None = None) -> None:
         super().__init__(driver or CudaDriver())
 
-    def capture(self, routines: Sequence[Routine], *, stream: Stream | None = None) -> CudaGraph:
-        return capture(routines, stream=stream)
+    def capture(self, routines: Sequence[Routine], *, stream: Stream | None = None,
+                inputs: Sequence[Node] = (), outputs: Sequence[Node] = ()) -> CudaGraph:
+        return capture(routines, stream=stream, inputs=inputs, outputs=outputs)
 
     def static_properties(self) -> dict[str, Any]:
         props = super().static_properties()

@@ -3,7 +3,8 @@
 The graph is a ``cuda.core`` GraphDefinition with one kernel node per kernel of the
 routines, in order; ``replay()`` updates the nodes whose static arguments changed
 (executable-node updates, no new graph) and launches it on the replay's stream, ordered
-by the per-node events like ``Routine.run()`` (:meth:`Replay.enqueue_launch`). A graph
+by the per-node events like ``Routine.run()``, between the replay's host copies (one
+enqueue: :meth:`Replay.replay`). A graph
 built by stream capture (GraphBuilder) would have to be captured again to change one
 kernel's arguments; a definition updates them in place.
 """
@@ -16,9 +17,9 @@ from typing import Any
 from polyjit.backends.cuda.driver import CudaDriver
 from polyjit.backends.cuda.handles import PreparedLaunch
 from polyjit.core.errors import InvalidProgramError, MergeBufferMismatchError
-from polyjit.core.ir import StaticSymbol
+from polyjit.core.ir import Node, StaticSymbol
 from polyjit.core.routine import Replay, Routine
-from polyjit.core.streams import Stream
+from polyjit.core.streams import Operation, Stream
 
 __all__ = ["CudaGraph", "capture"]
 
@@ -30,8 +31,9 @@ class CudaGraph(Replay):
 
     same_stream = False
 
-    def __init__(self, routines: Sequence[Routine], stream: Stream | None = None) -> None:
-        super().__init__(routines, stream)
+    def __init__(self, routines: Sequence[Routine], stream: Stream | None = None,
+                 inputs: Sequence[Node] = (), outputs: Sequence[Node] = ()) -> None:
+        super().__init__(routines, stream, inputs, outputs)
         driver = self.device.driver
         if not isinstance(driver, CudaDriver):
             raise InvalidProgramError(f"a CUDA graph needs routines of the cuda backend, not {self.device.backend.name}")
@@ -63,7 +65,7 @@ class CudaGraph(Replay):
     def kernel_count(self) -> int:
         return len(self._nodes)
 
-    def _enqueue(self) -> None:
+    def _launches(self) -> list[Operation]:
         if self.device.merge.generation != self._merge_generation and any(
                 r.merge_buffer_input is not None for r in self.routines):
             raise MergeBufferMismatchError(
@@ -84,7 +86,7 @@ class CudaGraph(Replay):
             raise
         for k in changed:
             self._last[k] = values[k]
-        self.enqueue_launch(self._graph.launch, self.stream.handle.core)
+        return [(self._graph.launch, (self.stream.handle.core,))]
 
     def close(self) -> None:
         """Destroy the graph once its last launch is done (the routines stay usable)."""
@@ -95,12 +97,14 @@ class CudaGraph(Replay):
 
 
 def capture(routines: Routine | Iterable[Routine], *, stream: Stream | None = None,
-            bindings: Mapping[StaticSymbol, int] | None = None) -> CudaGraph:
+            bindings: Mapping[StaticSymbol, int] | None = None, inputs: Sequence[Node] = (),
+            outputs: Sequence[Node] = ()) -> CudaGraph:
     """Capture linked cuda routines (run in this order) into a CUDA graph; ``stream`` defaults
-    to the first routine's context stream. Set ``graph.bindings[sym]`` (or
-    ``graph.bind(name=value)``) and call ``graph.replay()``."""
+    to the first routine's context stream; ``inputs`` / ``outputs``: nodes that ``replay()``
+    copies in from host arrays before the graph and out after it. Set ``graph.bindings[sym]``
+    (or ``graph.bind(name=value)``) and call ``graph.replay()``."""
     rs = [routines] if isinstance(routines, Routine) else list(routines)
-    graph = CudaGraph(rs, stream)
+    graph = CudaGraph(rs, stream, inputs, outputs)
     if bindings:
         graph.bindings.update(bindings)
     return graph

@@ -1,0 +1,232 @@
+"""Replays with host copies (``Backend.capture(routines, inputs=, outputs=)``): one enqueue per
+replay, checked against numpy; hostile arguments, dropped arrays, threads sharing a replay,
+and a driver call failing halfway through."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from polyjit import get_backend, ir
+from polyjit.core.errors import (
+    DriverError,
+    DTypeMismatchError,
+    FinalizedError,
+    InvalidArgumentError,
+    NodeNotInContextError,
+    ReadOnlyNodeError,
+    ShapeMismatchError,
+)
+from polyjit.core.ir import Node, Op
+from polyjit.core.routine import Replay, Routine
+from polyjit.core.runtime import Backend
+
+BACKENDS = ["cpu", "opencl"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> Backend:
+    be = get_backend(request.param)
+    if be.num_devices() == 0:
+        pytest.skip(f"no {request.param} device: {be.unavailable_reason}")
+    return be
+
+
+N = 1000
+
+
+@pytest.fixture
+def exp(backend: Backend) -> Iterator[tuple[Routine, Node, Node]]:
+    """A routine ``out = exp(a)`` linked in a context holding both."""
+    a, out = Node("a", (N,)), Node("out", (N,))
+    code = backend.compile(ir.Comp.of(ir.apply(Op.EXP, a, into=out)), name="exp")
+    with backend.get_device(0).make_context() as root:
+        ctx = root.init_from_host(a, np.zeros(N, np.float32))
+        r = ctx.link(code)
+        yield r, a, out
+        r.context.finalize()
+
+
+def _values(k: int) -> np.ndarray:
+    return (np.arange(N, dtype=np.float32) % 7 - 3) / (k + 1)
+
+
+def test_a_replay_copies_in_runs_and_copies_out(backend: Backend, exp: tuple[Routine, Node, Node]) -> None:
+    r, a, out = exp
+    replay = backend.capture([r], inputs=[a], outputs=[out])
+    assert replay.inputs == (a,) and replay.outputs == (out,)
+    seq = r.context.stream.seq
+    results = []
+    for k in range(5):
+        got = np.empty(N, np.float32)
+        results.append((k, got, replay.replay([_values(k)], [got])))
+    assert r.context.stream.seq == seq + 5  # one event per replay, copies and all
+    for k, got, ev in results:
+        ev.synchronize()
+        np.testing.assert_allclose(got, np.exp(_values(k)), rtol=1e-6)
+    # without arrays, no copies: the routine runs on what the node holds (the last input)
+    replay.replay()
+    np.testing.assert_allclose(r.context.read(out), np.exp(_values(4)), rtol=1e-6)
+    # a non-contiguous input is copied from as it is (like from_host)
+    strided = np.repeat(_values(9), 2)[::2]
+    got = np.empty(N, np.float32)
+    replay.replay([strided], [got]).synchronize()
+    np.testing.assert_allclose(got, np.exp(_values(9)), rtol=1e-6)
+
+
+def test_bad_arrays_are_refused_before_anything_is_enqueued(
+        backend: Backend, exp: tuple[Routine, Node, Node]) -> None:
+    r, a, out = exp
+    replay = backend.capture([r], inputs=[a], outputs=[out])
+    good_in, good_out = _values(1), np.empty(N, np.float32)
+    bad: list[tuple[dict[str, Any], type[Exception], str]] = [
+        (dict(inputs=[good_in, good_in]), InvalidArgumentError, "1 arrays"),
+        (dict(inputs=good_in), InvalidArgumentError, "got an array"),
+        (dict(inputs=[good_in[:10]]), ShapeMismatchError, r"replay of a#\d+: array has shape \(10,\)"),
+        (dict(inputs=[good_in.astype(np.float64)]), DTypeMismatchError, "float64"),
+        (dict(inputs=[list(good_in)]), DTypeMismatchError, "numpy array, got list"),
+        (dict(inputs=[good_in], outputs=[np.empty(N, np.float32)[::1].reshape(N)[::-1]]),
+         ShapeMismatchError, "writeable C-contiguous"),
+        (dict(inputs=[good_in], outputs=[]), InvalidArgumentError, "1 arrays"),
+    ]
+    frozen = np.empty(N, np.float32)
+    frozen.flags.writeable = False
+    bad.append((dict(inputs=[good_in], outputs=[frozen]), ShapeMismatchError, "writeable"))
+    stream = r.context.stream
+    for kwargs, error, match in bad:
+        seq = stream.seq
+        with pytest.raises(error, match=match):
+            replay.replay(**kwargs)
+        assert stream.seq == seq, kwargs  # nothing was enqueued
+    replay.replay([good_in], [good_out]).synchronize()  # still usable
+    np.testing.assert_allclose(good_out, np.exp(good_in), rtol=1e-6)
+    replay.close()
+    with pytest.raises(FinalizedError):
+        replay.replay([good_in], [good_out])
+
+
+def test_bad_captures_are_refused(backend: Backend, exp: tuple[Routine, Node, Node]) -> None:
+    r, a, out = exp
+    with pytest.raises(InvalidArgumentError, match="more than once"):
+        backend.capture([r], inputs=[a, a])
+    with pytest.raises(InvalidArgumentError, match="sequence of Nodes"):
+        backend.capture([r], inputs=a)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="sequence of Nodes"):
+        backend.capture([r], outputs=["out"])  # type: ignore[list-item]
+    with pytest.raises(NodeNotInContextError, match="capture"):
+        backend.capture([r], outputs=[Node("elsewhere", (3,))])
+    k = Node("k", (N,), mode=ir.MemoryMode.MATERIALIZED)
+    code = backend.compile(ir.Comp.of(ir.constant(k, np.ones(N, np.float32)),
+                                      ir.apply(Op.ADD, a, k, into=out)), name="plus_one")
+    plus = r.context.link(code)
+    with pytest.raises(ReadOnlyNodeError, match=f"capture\\(inputs=\\): {k.label} is a constant"):
+        backend.capture([plus], inputs=[k])
+    got = np.empty(N, np.float32)
+    backend.capture([plus], outputs=[k, out]).replay(None, [np.empty(N, np.float32), got]).synchronize()
+    np.testing.assert_array_equal(got, r.context.read(a) + 1)
+    plus.context.finalize()
+
+
+def test_arrays_live_until_the_replay_is_done_and_no_longer(
+        backend: Backend, exp: tuple[Routine, Node, Node]) -> None:
+    r, a, out = exp
+    replay = backend.capture([r], inputs=[a], outputs=[out])
+    refs = []
+    for k in range(30):
+        src, dst = _values(k), np.empty(N, np.float32)
+        ev = replay.replay([src], [dst])
+        refs.append((weakref.ref(src), weakref.ref(dst)))
+        del src, dst
+        gc.collect()
+        alive = all(w() is not None for w in refs[-1])
+        assert alive or ev.is_done()  # released only once its work is known complete
+    r.context.stream.synchronize()
+    gc.collect()
+    assert all(w() is None for pair in refs for w in pair)  # and then released
+
+
+def test_threads_sharing_a_replay_each_get_their_own_results(
+        backend: Backend, exp: tuple[Routine, Node, Node]) -> None:
+    """A replay's copies in, launches and copies out are one enqueue: threads replaying one
+    capture on one stream never see each other's inputs in their outputs."""
+    r, a, out = exp
+    replay = backend.capture([r], inputs=[a], outputs=[out])
+    errors: list[BaseException] = []
+
+    def worker(t: int) -> None:
+        try:
+            for k in range(40):
+                src, dst = _values(10 * t + k), np.empty(N, np.float32)
+                replay.replay([src], [dst]).synchronize()
+                np.testing.assert_allclose(dst, np.exp(src), rtol=1e-6)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors[0]
+
+
+def test_a_driver_call_failing_halfway_keeps_what_was_enqueued_alive(
+        backend: Backend, exp: tuple[Routine, Node, Node], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The input's copy is on the stream when the launch fails: the replay raises a
+    DriverError that says so, the copy's array lives until it is done, the node's records
+    point at it, and the context stays usable."""
+    r, a, out = exp
+    replay = backend.capture([r], inputs=[a], outputs=[out])
+    driver = r.context.device.driver
+
+    def failing_launch(*args: Any) -> None:
+        raise RuntimeError("launch refused")
+
+    monkeypatch.setattr(driver, "launch", failing_launch)
+    src = _values(3)
+    ref = weakref.ref(src)
+    stream = r.context.stream
+    seq = stream.seq
+    with pytest.raises(DriverError, match=r"after 1 of its operations were enqueued: RuntimeError: launch refused"):
+        replay.replay([src], [np.empty(N, np.float32)])
+    assert stream.seq == seq + 1  # an event behind the copy that did reach the stream
+    del src
+    gc.collect()
+    assert ref() is not None or stream.done_seq > seq
+    # the first operation failing is the plain error of one enqueue: nothing reached the stream
+    monkeypatch.setattr(driver, "copy_from_host", failing_launch)
+    with pytest.raises(DriverError, match="failed: RuntimeError: launch refused"):
+        replay.replay([_values(4)], None)
+    assert stream.seq == seq + 1
+    monkeypatch.undo()
+    stream.synchronize()
+    got = np.empty(N, np.float32)
+    replay.replay([_values(5)], [got]).synchronize()
+    np.testing.assert_allclose(got, np.exp(_values(5)), rtol=1e-6)
+    np.testing.assert_allclose(r.context.read(a), _values(5))
+
+
+def test_the_generic_replay_is_one_enqueue_of_all_its_routines(backend: Backend) -> None:
+    """Two routines and two copies: one event, results as the routines run one by one."""
+    a, b, c = Node("a", (N,)), Node("b", (N,)), Node("c", (N,))
+    first = backend.compile(ir.Comp.of(ir.apply(Op.EXP, a, into=b)), name="first")
+    second = backend.compile(ir.Comp.of(ir.apply(Op.NEG, b, into=c)), name="second")
+    with backend.get_device(0).make_context() as root:
+        ctx = root.init_from_host(a, np.zeros(N, np.float32))
+        r1 = ctx.link(first)
+        r2 = r1.context.link(second)
+        replay = backend.capture([r1, r2], inputs=[a], outputs=[b, c])
+        assert type(replay) is Replay or backend.name == "cuda"
+        got_b, got_c = np.empty(N, np.float32), np.empty(N, np.float32)
+        seq = ctx.stream.seq
+        replay.replay([_values(2)], [got_b, got_c]).synchronize()
+        assert ctx.stream.seq == seq + 1  # one event for the copies and both launches
+        np.testing.assert_allclose(got_b, np.exp(_values(2)), rtol=1e-6)
+        np.testing.assert_allclose(got_c, -np.exp(_values(2)), rtol=1e-6)
+        r2.context.finalize()
