@@ -86,14 +86,17 @@ def test_bad_arrays_are_refused_before_anything_is_enqueued(
     replay = backend.capture([r], inputs=[a], outputs=[out])
     good_in, good_out = _values(1), np.empty(N, np.float32)
     bad: list[tuple[dict[str, Any], type[Exception], str]] = [
-        (dict(inputs=[good_in, good_in]), InvalidArgumentError, "1 arrays"),
-        (dict(inputs=good_in), InvalidArgumentError, "got an array"),
-        (dict(inputs=[good_in[:10]]), ShapeMismatchError, r"replay of a#\d+: array has shape \(10,\)"),
+        (dict(inputs=[good_in, good_in]), InvalidArgumentError, "takes 1 arrays, one per captured input node, got 2"),
+        (dict(inputs=good_in), InvalidArgumentError, "list or tuple of numpy arrays, got ndarray"),
+        (dict(inputs=(a for a in [good_in])), InvalidArgumentError, "got generator"),
+        (dict(inputs={"a": good_in}), InvalidArgumentError, "got dict"),
+        (dict(inputs=5), InvalidArgumentError, "got int"),
+        (dict(inputs=[good_in[:10]]), ShapeMismatchError, r"replay input of a#\d+: array has shape \(10,\)"),
         (dict(inputs=[good_in.astype(np.float64)]), DTypeMismatchError, "float64"),
         (dict(inputs=[list(good_in)]), DTypeMismatchError, "numpy array, got list"),
         (dict(inputs=[good_in], outputs=[np.empty(N, np.float32)[::1].reshape(N)[::-1]]),
-         ShapeMismatchError, "writeable C-contiguous"),
-        (dict(inputs=[good_in], outputs=[]), InvalidArgumentError, "1 arrays"),
+         ShapeMismatchError, r"replay output of out#\d+ needs a writeable C-contiguous"),
+        (dict(inputs=[good_in], outputs=[]), InvalidArgumentError, "one per captured output node, got 0"),
     ]
     frozen = np.empty(N, np.float32)
     frozen.flags.writeable = False
@@ -115,9 +118,11 @@ def test_bad_captures_are_refused(backend: Backend, exp: tuple[Routine, Node, No
     r, a, out = exp
     with pytest.raises(InvalidArgumentError, match="more than once"):
         backend.capture([r], inputs=[a, a])
-    with pytest.raises(InvalidArgumentError, match="sequence of Nodes"):
-        backend.capture([r], inputs=a)  # type: ignore[arg-type]
-    with pytest.raises(InvalidArgumentError, match="sequence of Nodes"):
+    for bad, kind in ((a, "Node"), (None, "NoneType"), ({a}, "set"), ((n for n in [a]), "generator"),
+                      ({a: 1}, "dict")):
+        with pytest.raises(InvalidArgumentError, match=f"list or tuple of Nodes, got {kind}"):
+            backend.capture([r], inputs=bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="list or tuple of Nodes, got str"):
         backend.capture([r], outputs=["out"])  # type: ignore[list-item]
     with pytest.raises(NodeNotInContextError, match="capture"):
         backend.capture([r], outputs=[Node("elsewhere", (3,))])
@@ -178,31 +183,31 @@ def test_threads_sharing_a_replay_each_get_their_own_results(
 
 def test_a_driver_call_failing_halfway_keeps_what_was_enqueued_alive(
         backend: Backend, exp: tuple[Routine, Node, Node], monkeypatch: pytest.MonkeyPatch) -> None:
-    """The input's copy is on the stream when the launch fails: the replay raises a
-    DriverError that says so, the copy's array lives until it is done, the node's records
-    point at it, and the context stays usable."""
+    """The input's copy and the launch are on the stream when the output's copy fails: the replay raises a DriverError that says so, an event is recorded behind what
+    did reach the stream, the arrays live until it is done, and the context stays usable."""
     r, a, out = exp
     replay = backend.capture([r], inputs=[a], outputs=[out])
     driver = r.context.device.driver
 
-    def failing_launch(*args: Any) -> None:
-        raise RuntimeError("launch refused")
+    def refuse(*args: Any) -> None:
+        raise RuntimeError("copy refused")
 
-    monkeypatch.setattr(driver, "launch", failing_launch)
+    monkeypatch.setattr(driver, "copy_to_host", refuse)
     src = _values(3)
     ref = weakref.ref(src)
     stream = r.context.stream
     seq = stream.seq
-    with pytest.raises(DriverError, match=r"after 1 of its operations were enqueued: RuntimeError: launch refused"):
+    with pytest.raises(DriverError, match=r"after 2 of its operations were enqueued: RuntimeError: copy refused"):
         replay.replay([src], [np.empty(N, np.float32)])
-    assert stream.seq == seq + 1  # an event behind the copy that did reach the stream
+    assert stream.seq == seq + 1  # an event behind the work that did reach the stream
+    assert stream.backlog() > 0 or stream.done_seq > seq  # what it uses is kept until then
     del src
     gc.collect()
-    assert ref() is not None or stream.done_seq > seq
+    assert ref() is not None or stream.done_seq > seq  # the input's copy keeps its array
     # the first operation failing is the plain error of one enqueue: nothing reached the stream
-    monkeypatch.setattr(driver, "copy_from_host", failing_launch)
-    with pytest.raises(DriverError, match="failed: RuntimeError: launch refused"):
-        replay.replay([_values(4)], None)
+    monkeypatch.setattr(driver, "launch", refuse)
+    with pytest.raises(DriverError, match="failed: RuntimeError: copy refused"):
+        replay.replay()
     assert stream.seq == seq + 1
     monkeypatch.undo()
     stream.synchronize()
@@ -230,3 +235,63 @@ def test_the_generic_replay_is_one_enqueue_of_all_its_routines(backend: Backend)
         np.testing.assert_allclose(got_b, np.exp(_values(2)), rtol=1e-6)
         np.testing.assert_allclose(got_c, -np.exp(_values(2)), rtol=1e-6)
         r2.context.finalize()
+
+
+def test_work_on_the_stream_is_kept_alive_when_recording_its_event_fails(
+        backend: Backend, exp: tuple[Routine, Node, Node], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every call of the replay reached the stream, then the event's record failed: the
+    arrays and launch records stay until a later event completes (a crash before)."""
+    r, a, out = exp
+    replay = backend.capture([r], inputs=[a], outputs=[out])
+    driver = r.context.device.driver
+    real = driver.record
+    fails = iter([True])
+
+    def record_once_refused(handle: Any) -> Any:
+        if next(fails, False):
+            raise RuntimeError("record refused")
+        return real(handle)
+
+    monkeypatch.setattr(driver, "record", record_once_refused)
+    stream = r.context.stream
+    dst = np.empty(N, np.float32)
+    ref = weakref.ref(dst)
+    with pytest.raises(DriverError, match=r"recording the event behind .* failed: RuntimeError: record refused"):
+        replay.replay([_values(6)], [dst])
+    del dst
+    gc.collect()
+    assert ref() is not None or stream.done_seq == stream.seq  # kept while the copy may be pending
+    monkeypatch.undo()
+    stream.synchronize()
+    gc.collect()
+    assert ref() is None and stream.backlog() == 0
+    np.testing.assert_allclose(r.context.read(out), np.exp(_values(6)), rtol=1e-6)
+
+
+def test_an_error_of_polyjit_after_the_first_operation_keeps_its_type(
+        backend: Backend, exp: tuple[Routine, Node, Node], monkeypatch: pytest.MonkeyPatch) -> None:
+    r, _, out = exp
+    replay = backend.capture([r], outputs=[out])
+    driver = r.context.device.driver
+
+    def refuse(*args: Any) -> None:
+        raise ShapeMismatchError("the driver's own words")
+
+    monkeypatch.setattr(driver, "copy_to_host", refuse)
+    with pytest.raises(ShapeMismatchError, match="the driver's own words"):
+        replay.replay(None, [np.empty(N, np.float32)])
+    monkeypatch.undo()
+    r.context.stream.synchronize()
+
+
+def test_extensions_written_for_the_old_hooks_are_refused_at_once() -> None:
+    """A Replay that overrides the old ``_enqueue`` and a Backend whose ``capture`` takes no
+    ``inputs=``/``outputs=`` fail when the class is made, saying what to do instead."""
+    with pytest.raises(TypeError, match="override _launches"):
+        type("OldReplay", (Replay,), {"_enqueue": lambda self: None})
+
+    def capture(self: Any, routines: Any, *, stream: Any = None) -> Any:
+        return None
+
+    with pytest.raises(TypeError, match="must take inputs= and outputs="):
+        type("OldBackend", (Backend,), {"capture": capture})

@@ -175,7 +175,7 @@ def bench_char_lm_on(batch: int, steps: int, device: str) -> dict[str, float]:
     out = {"compiled_samples_s": best_rates({"lm": step}, batch, steps)["lm"]}
     host, wall = host_and_wall(plan, data, steps)
     out.update(step_us=batch / out["compiled_samples_s"] * 1e6, enqueue_us=host * 1e6, enqueue_sync_us=wall * 1e6)
-    replays = plan._linked.split if plan._linked is not None else None
+    replays = plan._linked.captured.split if plan._linked is not None and plan._linked.captured else None
     if replays:
         stream = plan.context.stream
         try:

@@ -32,7 +32,7 @@ from polyjit.core.errors import (
 from polyjit.core.interop import Exported
 from polyjit.core.ir import MemoryMode, Node
 from polyjit.core.lower import LoweredComp
-from polyjit.core.routine import Code, CodeBatch, Routine, check_host_array
+from polyjit.core.routine import Code, CodeBatch, Routine, check_host_array, check_writable
 from polyjit.core.slab import BufferLoc
 from polyjit.core.streams import AllOf, Event, Stream, enqueue
 
@@ -224,10 +224,11 @@ class Context:
         is done; do not modify it before the stream gets past this point.
         """
         self.check_alive()
-        src = check_host_array(node, array, "from_host")
+        check_host_array(node, array, "from_host")
         if node not in self.buffers:
             return False
         loc = self.writable_loc(node, "from_host")
+        src = np.ascontiguousarray(array)
         dev = self.device
         with dev.lock:
             enqueue(self.stream, (), (dev.tracker.state(loc),), "from_host", dev.driver.copy_from_host,
@@ -242,10 +243,11 @@ class Context:
         (``stream.synchronize()``), which lets a caller fetch several outputs with one wait.
         """
         self.check_alive()
-        array = check_host_array(node, array, "to_host", into=True)
+        check_host_array(node, array, "to_host")
         loc = self.buffers.get(node)
         if loc is None:
             return False
+        check_writable(node, array, "to_host")
         dev = self.device
         with dev.lock:
             ev = enqueue(self.stream, (dev.tracker.state(loc),), (), "to_host", dev.driver.copy_to_host,

@@ -81,10 +81,9 @@ def check_binding(where: str, sym: StaticSymbol, value: Any) -> int:
     return int(value)
 
 
-def check_host_array(node: Node, array: Any, what: str, into: bool = False) -> np.ndarray:
-    """The host array that ``what`` (a word: "from_host") copies ``node`` from or ``into``: a
-    numpy array of the node's shape and dtype; one copied from is made C-contiguous, one copied
-    into must be writeable and C-contiguous already."""
+def check_host_array(node: Node, array: Any, what: str) -> None:
+    """``array`` is what ``what`` (a word: "from_host") may copy ``node`` from or into: a numpy
+    array of the node's shape and dtype."""
     if not isinstance(node, Node):
         raise InvalidArgumentError(f"{what} needs a Node first, got {type(node).__name__}")
     if not isinstance(array, np.ndarray):
@@ -93,20 +92,30 @@ def check_host_array(node: Node, array: Any, what: str, into: bool = False) -> n
         raise ShapeMismatchError(f"{what} of {node.label}: array has shape {array.shape}, node has {node.shape}")
     if array.dtype != node.dtype.np:
         raise DTypeMismatchError(f"{what} of {node.label}: array has dtype {array.dtype}, node has {node.dtype}")
-    if not into:
-        return np.ascontiguousarray(array)
+
+
+def check_writable(node: Node, array: np.ndarray, what: str) -> None:
+    """A host array a copy writes into: writeable and C-contiguous, as the device writes it."""
     if not array.flags.c_contiguous or not array.flags.writeable:
         raise ShapeMismatchError(f"{what} of {node.label} needs a writeable C-contiguous array")
-    return array
+
+
+def _sequence(values: Any, what: str, of: str) -> tuple[Any, ...]:
+    """A list or tuple as a tuple; anything else (one item, a dict, a generator, None) refused."""
+    if not isinstance(values, (list, tuple)):
+        raise InvalidArgumentError(f"{what} takes a list or tuple of {of}, got {type(values).__name__}")
+    return tuple(values)
 
 
 def _distinct_nodes(nodes: Sequence[Node], what: str) -> tuple[Node, ...]:
-    if isinstance(nodes, Node) or any(not isinstance(n, Node) for n in nodes):
-        raise InvalidArgumentError(f"capture({what}=) takes a sequence of Nodes")
-    twice = sorted({n.label for k, n in enumerate(nodes) if n in nodes[:k]})
+    got = _sequence(nodes, f"capture({what}=)", "Nodes")
+    if any(not isinstance(n, Node) for n in got):
+        raise InvalidArgumentError(f"capture({what}=) takes a list or tuple of Nodes, got "
+                                   f"{', '.join(sorted({type(n).__name__ for n in got}))}")
+    twice = sorted({n.label for k, n in enumerate(got) if n in got[:k]})
     if twice:
         raise InvalidArgumentError(f"capture({what}=) names {', '.join(twice)} more than once")
-    return tuple(nodes)
+    return got
 
 
 class Replay:
@@ -118,6 +127,12 @@ class Replay:
     by each ``replay()``."""
 
     same_stream = True  # this one runs each routine on its own context's stream
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "_enqueue" in cls.__dict__:  # the hook of before: overriding it now would do nothing
+            raise TypeError(f"{cls.__name__} overrides Replay._enqueue, which replay() no longer calls: "
+                            "override _launches() (the driver calls that run the routines) instead")
 
     def __init__(self, routines: Sequence[Routine], stream: Stream | None = None,
                  inputs: Sequence[Node] = (), outputs: Sequence[Node] = ()) -> None:
@@ -191,11 +206,16 @@ class Replay:
 
     def _host_arrays(self, nodes: tuple[Node, ...], arrays: Sequence[np.ndarray], what: str,
                      into: bool) -> list[np.ndarray]:
-        if isinstance(arrays, np.ndarray) or len(arrays) != len(nodes):
-            n = "an array" if isinstance(arrays, np.ndarray) else f"{len(arrays)} arrays"
-            raise InvalidArgumentError(f"replay({what}=) takes a sequence of {len(nodes)} arrays, one per "
-                                       f"captured {what[:-1]} node, got {n}")
-        return [check_host_array(n, a, "replay", into) for n, a in zip(nodes, arrays)]
+        got = _sequence(arrays, f"replay({what}=)", "numpy arrays")
+        if len(got) != len(nodes):
+            raise InvalidArgumentError(f"replay({what}=) takes {len(nodes)} arrays, one per captured "
+                                       f"{what[:-1]} node, got {len(got)}")
+        word = f"replay {what[:-1]}"
+        for n, a in zip(nodes, got):
+            check_host_array(n, a, word)
+            if into:
+                check_writable(n, a, word)
+        return list(got) if into else [np.ascontiguousarray(a) for a in got]
 
     def _launches(self) -> list[Operation]:
         """The driver calls that run the routines (device lock held; merge buffers checked)."""

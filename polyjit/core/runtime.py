@@ -13,6 +13,7 @@ runtime's names from.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import os
 import re
 import threading
@@ -104,6 +105,14 @@ if hasattr(os, "register_at_fork"):
 
 class Backend:
     """A backend: its devices and its compiler, over one Driver."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        capture = cls.__dict__.get("capture")
+        if capture is not None and not {"inputs", "outputs"} <= set(inspect.signature(capture).parameters):
+            raise TypeError(f"{cls.__name__}.capture must take inputs= and outputs= (the nodes replay() "
+                            "copies in and out; pass them to Replay): capture(routines, *, stream=None, "
+                            "inputs=(), outputs=())")
 
     def __init__(self, driver: Driver) -> None:
         self.driver = driver

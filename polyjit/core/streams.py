@@ -434,9 +434,10 @@ def enqueue(stream: Stream, reads: Sequence[NodeEvents], writes: Sequence[NodeEv
                         stream._wait(ev)
         try:
             token = fn(*args)
-            handle = stream.driver.record(stream.handle)
         except PartlyIssued as part:  # what is on the stream lives until it is done, as always
             _track_issued(stream, reads, writes, (keep, part.tokens))
+            if isinstance(part.error, PolyjitError):
+                raise part.error from None
             raise DriverError(f"{device.device_id} ({device.name}): {what} failed after {part.count} of "
                               f"its operations were enqueued: {type(part.error).__name__}: {part.error}"
                               ) from part.error
@@ -445,6 +446,14 @@ def enqueue(stream: Stream, reads: Sequence[NodeEvents], writes: Sequence[NodeEv
         except Exception as e:
             raise DriverError(f"{device.device_id} ({device.name}): {what} failed: "
                               f"{type(e).__name__}: {e}") from e
+        try:
+            handle = stream.driver.record(stream.handle)
+        except Exception as e:  # the work is on the stream: keep what it uses
+            _track_issued(stream, reads, writes, keep if token is None else (keep, token))
+            if isinstance(e, PolyjitError):
+                raise
+            raise DriverError(f"{device.device_id} ({device.name}): recording the event behind {what} "
+                              f"failed: {type(e).__name__}: {e}") from e
         stream.seq = seq = stream.seq + 1
         ev = Event(stream, handle, seq)
         for st in reads:
@@ -491,10 +500,11 @@ def issue(ops: Sequence[Operation]) -> list[Any] | None:
 
 
 def _track_issued(stream: Stream, reads: Sequence[NodeEvents], writes: Sequence[NodeEvents], keep: Any) -> None:
-    """Part of an enqueue's work reached the stream before a driver call failed: record an
-    event behind it as the reader and writer of everything the whole would have touched,
-    and keep ``keep`` until it completes. If even recording fails, ``keep`` stays until a
-    later event of the stream completes (or the stream ends)."""
+    """Work reached the stream, but a driver call after it failed (a later operation of
+    :func:`issue`, or the event's record): record an event behind it as the reader and writer
+    of everything the whole would have touched, and keep ``keep`` until it completes. If
+    recording fails again, ``keep`` stays until a later event of the stream completes (or the
+    stream ends); with no event to wait for, other streams are not ordered after that work."""
     try:
         handle = stream.driver.record(stream.handle)
     except Exception:

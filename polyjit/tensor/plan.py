@@ -67,16 +67,48 @@ class SharesState(Protocol):
     def state_context(self) -> Context: ...
 
 
-class _Linked:
-    """A compiled batch linked into the state context. A fused batch is captured for replay
-    (``Backend.capture``: a CUDA graph on CUDA) with the inputs' copies in and the outputs'
-    copies out, so that a run is one enqueue. A fused training step is also captured in two
-    parts, split after the kernel that writes the loss (``Routine.split_after``): ``step()``
-    waits for the head's loss only, and the backward pass and the update run while the
-    caller prepares the next step (the stream keeps them in order). Dynamic mode runs its
-    routines one by one."""
+class _Captured:
+    """A linked fused batch, captured for replay (``Backend.capture``: a CUDA graph on CUDA)
+    with the inputs' copies in and the outputs' copies out, so that a run is one enqueue; a
+    training step in two parts, split after the kernel that writes the loss
+    (``Routine.split_after``), so that ``step()`` waits for the head's loss only while the
+    backward pass and the update run (the stream keeps them in order)."""
 
-    __slots__ = ("context", "feeds", "full", "kind", "outputs", "routines", "split")
+    __slots__ = ("_full", "backend", "feeds", "outputs", "routines", "split")
+
+    def __init__(self, backend: Backend, routines: list[Routine], feeds: list[Node], outputs: list[Node],
+                 loss: Node | None) -> None:
+        self.backend, self.routines, self.feeds, self.outputs = backend, routines, feeds, outputs
+        self._full: Replay | None = None  # captured on the first run(): a step may never need it
+        self.split: tuple[Replay, Replay] | None = None
+        parts = routines[0].split_after(loss) if len(routines) == 1 and loss is not None else None
+        if parts is not None and loss is not None:
+            head, tail = parts
+            first = backend.capture([head], inputs=feeds, outputs=[loss])
+            try:
+                self.split = (first, backend.capture([tail]))
+            except BaseException:
+                first.close()
+                raise
+
+    @property
+    def full(self) -> Replay:
+        if self._full is None:
+            self._full = self.backend.capture(self.routines, inputs=self.feeds, outputs=self.outputs)
+        return self._full
+
+    def close(self) -> None:
+        for replay in (self._full, *(self.split or ())):
+            if replay is not None:
+                replay.close()
+
+
+class _Linked:
+    """A batch linked into the state context: a fused batch captured (:class:`_Captured`),
+    dynamic mode's routines run one by one. If the capture fails, the caller finalizes the
+    routines' context."""
+
+    __slots__ = ("captured", "context", "feeds", "kind", "outputs", "routines")
 
     def __init__(self, kind: str, routines: list[Routine], context: Context, backend: Backend,
                  feeds: list[Node], outputs: list[Node], loss: Node | None) -> None:
@@ -85,20 +117,14 @@ class _Linked:
         self.context = context
         self.feeds = feeds
         self.outputs = outputs
-        self.full: Replay | None = None
-        self.split: tuple[Replay, Replay] | None = None
-        if kind == "compiled" and routines:
-            self.full = backend.capture(routines, inputs=feeds, outputs=outputs)
-            parts = routines[0].split_after(loss) if len(routines) == 1 and loss is not None else None
-            if parts is not None and loss is not None:
-                head, tail = parts
-                self.split = (backend.capture([head], inputs=feeds, outputs=[loss]), backend.capture([tail]))
+        compiled = kind == "compiled" and routines
+        self.captured = _Captured(backend, routines, feeds, outputs, loss) if compiled else None
 
     def run(self, base: Context, arrays: Sequence[Array], results: Sequence[Array] | None) -> Event:
         """Copy ``arrays`` into the inputs, run, copy the outputs into ``results`` (None: leave
         them on the device); the event behind it all."""
-        if self.full is not None:
-            return self.full.replay(arrays, results)
+        if self.captured is not None:
+            return self.captured.full.replay(arrays, results)
         for node, arr in zip(self.feeds, arrays):
             base.from_host(node, arr)
         for r in self.routines:
@@ -108,23 +134,25 @@ class _Linked:
             enqueue_to_host(ctx, node, arr)
         return ctx.stream.record()
 
-    def step(self, base: Context, arrays: Sequence[Array], loss: Array, results: Sequence[Array]) -> Event:
+    def step(self, base: Context, arrays: Sequence[Array], loss_node: Node, loss: Array) -> Event:
         """A training step: the event behind the loss's copy into ``loss`` (a split step's
-        backward pass and update are enqueued behind it); unsplit, every output is copied
-        into ``results`` (the loss's array among them)."""
-        if self.split is None:
-            return self.run(base, arrays, results)
-        head, tail = self.split
+        backward pass and update are enqueued behind it)."""
+        split = self.captured.split if self.captured is not None else None
+        if split is None:  # the whole, then the loss's copy
+            self.run(base, arrays, None)
+            enqueue_to_host(self.context, loss_node, loss)
+            return self.context.stream.record()
+        head, tail = split
         ready = head.replay(arrays, (loss,))
         tail.replay()
         return ready
 
     def finalize(self) -> None:
-        for replay in (self.full, *(self.split or ())):
-            if replay is not None:
-                replay.close()
-        self.full = self.split = None
-        self.context.finalize()
+        if self.captured is not None:
+            self.captured.close()
+            self.captured = None
+        if self.routines:
+            self.routines[0].context.finalize()
 
 
 class _Slot:
@@ -229,15 +257,22 @@ class Plan:
         return linked.routines
 
     def _link(self, kind: str) -> _Linked:
-        """Compile (cached per backend) and link; the routines of an earlier kind are freed."""
+        """Compile (cached per backend) and link; the routines of an earlier kind are freed
+        once the new ones are linked and captured (if that fails, the plan keeps the old)."""
         batch = self.program.batch(self.backend, kind)
         routines = self._state.context.link_batch(batch)
+        try:
+            linked = _Linked(kind, routines, routines[0].context if routines else self._state.context,
+                             self.backend, [f.node for f in self._feeds],
+                             [node for _, node, _ in self._outputs], self._loss[0] if self._loss else None)
+        except BaseException:
+            if routines:
+                routines[0].context.finalize()
+            raise
         if self._linked is not None:
             self._linked.finalize()
-        self._linked = _Linked(kind, routines, routines[0].context if routines else self._state.context,
-                               self.backend, [f.node for f in self._feeds],
-                               [node for _, node, _ in self._outputs], self._loss[0] if self._loss else None)
-        return self._linked
+        self._linked = linked
+        return linked
 
     @_serialized
     def build(self) -> Plan:
@@ -288,8 +323,8 @@ class Plan:
         arrays = self._prepare(inputs, None)
         self._routines()
         assert self._linked is not None
-        loss = self._loss[1]
-        ready = self._linked.step(self._state.context, arrays, loss, self._result_arrays)
+        node, loss = self._loss
+        ready = self._linked.step(self._state.context, arrays, node, loss)
         self.runs += 1
         ready.synchronize()
         return float(loss)

@@ -115,11 +115,12 @@ def check_tensor_plans_replay_a_graph(backend: Any) -> int:
 
     want, cpu_plan = losses("cpu", "compiled")
     got, plan = losses(backend.get_device(0), "compiled")
-    assert plan._linked.split is not None
-    assert all(isinstance(r, cuda.CudaGraph) for r in plan._linked.split)
+    captured = plan._linked.captured
+    assert captured is not None and captured.split is not None
+    assert all(isinstance(r, cuda.CudaGraph) for r in captured.split)
     np.testing.assert_allclose(got, want, rtol=1e-5)
     dynamic, dyn_plan = losses(backend.get_device(0), "dynamic")
-    assert dyn_plan._linked.full is None and dyn_plan._linked.split is None
+    assert dyn_plan._linked.captured is None
     np.testing.assert_allclose(dynamic, want, rtol=1e-5)
     for p in (plan, dyn_plan, cpu_plan):
         p.close()

@@ -327,7 +327,7 @@ def test_compiled_plans_replay_a_capture_with_their_copies() -> None:
     assert plan._linked is None
     first = plan.run(x=np.ones((4, 3), np.float32))["y"].copy()
     assert first == 24.0
-    replay = plan._linked.full  # type: ignore[union-attr]
+    replay = plan._linked.captured.full  # type: ignore[union-attr]
     assert isinstance(replay, Replay) and len(replay.routines) >= 1
     assert replay.inputs == (x.node,) and len(replay.outputs) == 1
     np.testing.assert_array_equal(plan.run(x=np.ones((4, 3), np.float32))["y"], first)
@@ -363,8 +363,8 @@ def test_a_step_waits_for_its_loss_and_later_work_for_its_update(device: str) ->
         assert a == b
         np.testing.assert_array_equal(w_eager, synced.read(mlp2.params[0]))
     linked = eager._linked
-    assert linked is not None and linked.split is not None
-    head, tail = (replay.routines[0] for replay in linked.split)
+    assert linked is not None and linked.captured is not None and linked.captured.split is not None
+    head, tail = (replay.routines[0] for replay in linked.captured.split)
     assert eager._loss is not None
     assert any(eager._loss[0] in spec.outputs for spec in head.kernels) and tail.kernels
     assert len(head.kernels) + len(tail.kernels) == len(linked.routines[0].kernels)
@@ -442,3 +442,86 @@ def test_threads_sharing_a_plan_take_turns() -> None:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
     for p in plans:
         p.close()
+
+
+@pytest.mark.parametrize("device", ["cpu", "opencl"])
+def test_outputs_that_are_inputs_or_constants_come_back_through_the_replay(device: str) -> None:
+    """A compiled run is one replay that copies the inputs in and the outputs out: outputs
+    that are an input, a constant or a result equal numpy's, from run(), run_pipelined() and
+    (DLPack, cpu) run_on_device()."""
+    from polyjit.backends import get_backend
+
+    if get_backend(device).num_devices() == 0:
+        pytest.skip(f"no {device} device")
+    x = pt.input("x", (4, 3))
+    c = np.arange(2, dtype=np.float32)
+    plan = pt.compile({"x": x, "y": (x * 2.0).sum(), "c": pt.constant(c)}, device=device)
+    rng = np.random.default_rng(0)
+    for k in range(3):
+        xs = rng.standard_normal((4, 3)).astype(np.float32)
+        got = plan.run(x=xs)
+        np.testing.assert_array_equal(got["x"], xs)
+        np.testing.assert_allclose(got["y"], (xs * 2).sum(), rtol=1e-5)
+        np.testing.assert_array_equal(got["c"], c)
+        np.testing.assert_array_equal(plan.read(x), xs)
+        if device == "cpu":
+            np.testing.assert_array_equal(np.from_dlpack(plan.run_on_device(x=xs + k)["x"]), xs + k)
+    batches = [{"x": rng.standard_normal((4, 3)).astype(np.float32)} for _ in range(3)]
+    for b, res in zip(batches, plan.run_pipelined(batches)):
+        np.testing.assert_array_equal(res["x"], b["x"])
+        np.testing.assert_allclose(res["y"], (b["x"] * 2).sum(), rtol=1e-5)
+    plan.close()
+
+
+@pytest.mark.parametrize("mode", ["compiled", "dynamic"])
+def test_a_step_copies_only_the_loss_whatever_its_plan(mode: str) -> None:
+    """Split or not, step() fetches the loss alone: the arrays run() returned keep their values."""
+    xs = np.arange(12, dtype=np.float32).reshape(4, 3) / 10
+    x = pt.input("x", (4, 3))
+    w = pt.param("w", (3, 2), init="normal")
+    h = x @ w
+    for optimizer in (pt.SGD(lr=0.1), None):  # no optimizer: the loss is the last kernel's, no split
+        plan = pt.compile({"h": h}, loss=(h * h).mean(), optimizer=optimizer, mode=mode)
+        res = plan.run(x=xs)
+        before = res["h"].copy()
+        w0 = plan.state_dict()["w"]
+        assert plan.step(x=2 * xs) == pytest.approx(float((((2 * xs) @ w0) ** 2).mean()), rel=1e-5)
+        np.testing.assert_array_equal(res["h"], before)
+        plan.close()
+
+
+def test_a_capture_failing_at_link_leaves_the_plan_as_it_was() -> None:
+    """auto mode's switch to compiled links and captures; a capture that fails (a CUDA graph
+    out of memory) frees what it made and leaves the dynamic routines in place."""
+    from polyjit.core.errors import DriverError
+
+    x = pt.input("x", (4, 3))
+    w = pt.param("w", (3, 2), init="normal")
+    plan = pt.compile(loss=((x @ w) * (x @ w)).mean(), optimizer=pt.SGD(lr=0.1), mode="auto")
+    xs = np.ones((4, 3), np.float32)
+    for _ in range(3):
+        plan.step(x=xs)  # dynamic
+    backend, real = plan.backend, plan.backend.capture
+    made: list[Any] = []
+
+    def capture(*args: Any, **kwargs: Any) -> Any:
+        if made:
+            raise DriverError("graph instantiate: out of memory (simulated)")
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    used = plan.device.used_memory()
+    backend.capture = capture  # type: ignore[method-assign]
+    try:
+        with pytest.raises(DriverError, match="simulated"):
+            plan.step(x=xs)
+    finally:
+        del backend.capture
+    assert made and made[0].closed and made[0].routines[0].context.finalized
+    assert plan._linked is not None and plan._linked.kind == "dynamic" and not plan._linked.context.finalized
+    assert plan.device.used_memory() == used
+    w_before = plan.read(w).copy()
+    plan.step(x=xs)  # compiles now
+    assert plan._linked.kind == "compiled"
+    assert not np.array_equal(plan.read(w), w_before)
+    plan.close()
