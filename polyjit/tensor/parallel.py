@@ -47,7 +47,7 @@ from polyjit.core.runtime import (
 from polyjit.tensor import ops
 from polyjit.tensor.autograd import grad
 from polyjit.tensor.devices import DeviceLike, resolve_devices
-from polyjit.tensor.hostio import Feed, check_names, enqueue_to_host
+from polyjit.tensor.hostio import Feed, check_names
 from polyjit.tensor.optim import Optimizer
 from polyjit.tensor.plan import trainable_params
 from polyjit.tensor.program import Program
@@ -188,7 +188,7 @@ class DataParallel:
             rep.linked = rep.compute.context
             backend = rep.device.backend
             rep.compute_replay = backend.capture([rep.compute], inputs=[f.node for f in rep.feeds])
-            rep.update_replay = backend.capture([rep.update])
+            rep.update_replay = backend.capture([rep.update], outputs=[self.loss_node])
 
     def _link_allreduce(self) -> None:
         reps, g = self.replicas, self.grads_node
@@ -270,9 +270,7 @@ class DataParallel:
         peeked = self._global_loss
         for rep in self.replicas:
             assert rep.update_replay is not None
-            rep.update_replay.replay()
-            if peeked is None:
-                enqueue_to_host(rep.linked, self.loss_node, rep.loss)
+            rep.update_replay.replay(None, None if peeked is not None else [rep.loss])  # and the loss out
         total = 0.0
         for rep in self.replicas:
             rep.linked.stream.synchronize()
