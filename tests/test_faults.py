@@ -71,6 +71,12 @@ def test_an_asynchronous_fault_names_the_routine_and_spares_other_devices() -> N
         routines[0].context.stream.synchronize()
     assert "cpu:0" in str(info.value)
     driver.armed = False
+    replay = backend.capture([routines[0]], inputs=[a], outputs=[out])  # a replay's fault names it too
+    replay.replay([np.zeros(1000, np.float32)], [np.empty(1000, np.float32)])
+    driver.armed = True
+    with pytest.raises(DeviceFaultError, match="in flight: doomed_kernel"):
+        routines[0].context.stream.synchronize()
+    driver.armed = False
     routines[1].run()  # the other device keeps working
     np.testing.assert_array_equal(routines[1].context.read(out), np.ones(1000, np.float32))
     routines[0].run()  # and so does new work on the faulted stream

@@ -293,5 +293,48 @@ def test_extensions_written_for_the_old_hooks_are_refused_at_once() -> None:
     def capture(self: Any, routines: Any, *, stream: Any = None) -> Any:
         return None
 
-    with pytest.raises(TypeError, match="must take inputs= and outputs="):
+    with pytest.raises(TypeError, match="must take inputs=, outputs="):
         type("OldBackend", (Backend,), {"capture": capture})
+    with pytest.raises(TypeError, match="must take inputs=, outputs="):
+        type("OldReplayCall", (Replay,), {"replay": lambda self: None})
+    with pytest.raises(TypeError, match="override _launches"):  # inherited from a mixin, too
+        type("Mixed", (type("Mixin", (), {"_enqueue": lambda self: None}), Replay), {})
+
+    def forwarding(self: Any, routines: Any, **kwargs: Any) -> Any:
+        return Backend.capture(self, routines, **kwargs)
+
+    type("Forwarding", (Backend,), {"capture": forwarding})  # forwards inputs= / outputs=: fine
+
+
+def test_capture_refuses_routines_and_streams_it_cannot_use(exp: tuple[Routine, Node, Node]) -> None:
+    r, _, _ = exp
+    backend = r.context.device.backend
+    with pytest.raises(InvalidArgumentError, match="list or tuple of linked routines"):
+        backend.capture(r)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="got generator"):
+        backend.capture(x for x in [r])  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="capture\\(stream=\\) takes a Stream"):
+        backend.capture([r], stream="s")  # type: ignore[arg-type]
+
+
+def test_an_interrupt_between_two_operations_keeps_the_first_ones_arrays(
+        backend: Backend, exp: tuple[Routine, Node, Node], monkeypatch: pytest.MonkeyPatch) -> None:
+    r, a, out = exp
+    replay = backend.capture([r], inputs=[a], outputs=[out])
+
+    def interrupted(*args: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(r.context.device.driver, "launch", interrupted)
+    stream = r.context.stream
+    seq = stream.seq
+    src = _values(2)
+    ref = weakref.ref(src)
+    with pytest.raises(KeyboardInterrupt):
+        replay.replay([src], None)
+    assert stream.seq == seq + 1
+    del src
+    gc.collect()
+    assert ref() is not None or stream.done_seq > seq
+    monkeypatch.undo()
+    stream.synchronize()

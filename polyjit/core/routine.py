@@ -9,6 +9,7 @@ waits its buffers need. A ``Replay`` runs routines as one unit (a CUDA graph on 
 from __future__ import annotations
 
 import copy
+import inspect
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -107,15 +108,31 @@ def _sequence(values: Any, what: str, of: str) -> tuple[Any, ...]:
     return tuple(values)
 
 
-def _distinct_nodes(nodes: Sequence[Node], what: str) -> tuple[Node, ...]:
+def _nodes(nodes: Sequence[Node], what: str, distinct: bool) -> tuple[Node, ...]:
     got = _sequence(nodes, f"capture({what}=)", "Nodes")
     if any(not isinstance(n, Node) for n in got):
         raise InvalidArgumentError(f"capture({what}=) takes a list or tuple of Nodes, got "
                                    f"{', '.join(sorted({type(n).__name__ for n in got}))}")
-    twice = sorted({n.label for k, n in enumerate(got) if n in got[:k]})
+    twice = sorted({n.label for k, n in enumerate(got) if n in got[:k]}) if distinct else []
     if twice:
         raise InvalidArgumentError(f"capture({what}=) names {', '.join(twice)} more than once")
     return got
+
+
+def check_takes(cls: type, method: str, names: Sequence[str], spelled: str) -> None:
+    """A subclass's override of ``method`` takes these keyword arguments (or ``**kwargs``):
+    one written for an older signature fails when its class is made, not when it is called."""
+    fn = cls.__dict__.get(method)
+    if fn is None:
+        return
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # not introspectable (a C function, a partialmethod): trust it
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return
+    if not set(names) <= {p.name for p in params}:
+        raise TypeError(f"{cls.__name__}.{method} must take {', '.join(n + '=' for n in names)}: {spelled}")
 
 
 class Replay:
@@ -130,17 +147,23 @@ class Replay:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if "_enqueue" in cls.__dict__:  # the hook of before: overriding it now would do nothing
+        if getattr(cls, "_enqueue", None) is not None:  # the hook of before: it would do nothing now
             raise TypeError(f"{cls.__name__} overrides Replay._enqueue, which replay() no longer calls: "
                             "override _launches() (the driver calls that run the routines) instead")
+        check_takes(cls, "replay", ("inputs", "outputs"), "replay(inputs=None, outputs=None)")
 
     def __init__(self, routines: Sequence[Routine], stream: Stream | None = None,
                  inputs: Sequence[Node] = (), outputs: Sequence[Node] = ()) -> None:
-        if not routines:
+        got = _sequence(routines, "capture()", "linked routines (Context.link)")
+        if not got:
             raise InvalidProgramError("capture() needs at least one routine")
-        if any(not isinstance(r, Routine) for r in routines):
+        if any(not isinstance(r, Routine) for r in got):
             raise InvalidArgumentError("capture() takes linked routines (Context.link)")
-        self.routines = tuple(routines)
+        if stream is not None and not isinstance(stream, Stream):
+            raise InvalidArgumentError(f"capture(stream=) takes a Stream of the routines' device, "
+                                       f"got {type(stream).__name__}")
+        self.routines = got
+        self.name = "+".join(r.name for r in got)  # what a device fault names
         self.stream = stream or self.routines[0].context.stream
         self.device = self.stream.device
         if any(r.context.device is not self.device for r in self.routines):
@@ -154,8 +177,8 @@ class Replay:
             r.context.check_alive()
             for sym, value in r.bindings.items():
                 self.bindings.setdefault(sym, value)
-        self.inputs = _distinct_nodes(inputs, "inputs")
-        self.outputs = _distinct_nodes(outputs, "outputs")
+        self.inputs = _nodes(inputs, "inputs", distinct=True)  # one value per node
+        self.outputs = _nodes(outputs, "outputs", distinct=False)  # a node may go to two arrays
         first, last = self.routines[0].context, self.routines[-1].context
         self._in_locs = tuple(first.writable_loc(n, "capture(inputs=)") for n in self.inputs)
         self._out_locs = tuple(last.loc(n, "capture(outputs=)") for n in self.outputs)

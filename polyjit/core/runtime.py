@@ -13,7 +13,6 @@ runtime's names from.
 from __future__ import annotations
 
 import hashlib
-import inspect
 import os
 import re
 import threading
@@ -41,6 +40,7 @@ from polyjit.core.routine import (
     Routine,
     TransferRoutine,
     check_binding,
+    check_takes,
     device_to_device,
     init_from_device,
 )
@@ -108,11 +108,8 @@ class Backend:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        capture = cls.__dict__.get("capture")
-        if capture is not None and not {"inputs", "outputs"} <= set(inspect.signature(capture).parameters):
-            raise TypeError(f"{cls.__name__}.capture must take inputs= and outputs= (the nodes replay() "
-                            "copies in and out; pass them to Replay): capture(routines, *, stream=None, "
-                            "inputs=(), outputs=())")
+        check_takes(cls, "capture", ("inputs", "outputs"),
+                    "capture(routines, *, stream=None, inputs=(), outputs=()), passing them to Replay")
 
     def __init__(self, driver: Driver) -> None:
         self.driver = driver

@@ -260,7 +260,7 @@ class Stream:
             return error
         with self._lock:  # list() copies at once; another thread may append
             pending = [keep for b in list(self._batches) for _, keep in b[2]] + [k for _, k in list(self._open)]
-        names = [getattr(k[0] if isinstance(k, tuple) and k else k, "name", None) for k in pending]
+        names = [getattr(_first(k), "name", None) for k in pending]
         work = ", ".join(dict.fromkeys(str(n) for n in names if n)) or "no routine (copies only)"
         self.fault_error = DeviceFaultError(
             f"{self.device.device_id} ({self.device.name}): work on {self!r} failed: "
@@ -365,6 +365,14 @@ class Stream:
         return f"Stream({self.device.device_id}, #{self.index})"
 
 
+def _first(keep: Any) -> Any:
+    """What a retained entry was kept for: the first item of its (nested) tuples, a routine or
+    a replay where it names one."""
+    while isinstance(keep, tuple) and keep:
+        keep = keep[0]
+    return keep
+
+
 class NodeEvents:
     """The last writer of one buffer and its readers since (the latest per stream)."""
 
@@ -436,8 +444,8 @@ def enqueue(stream: Stream, reads: Sequence[NodeEvents], writes: Sequence[NodeEv
             token = fn(*args)
         except PartlyIssued as part:  # what is on the stream lives until it is done, as always
             _track_issued(stream, reads, writes, (keep, part.tokens))
-            if isinstance(part.error, PolyjitError):
-                raise part.error from None
+            if isinstance(part.error, PolyjitError) or not isinstance(part.error, Exception):
+                raise part.error from None  # its own type (a KeyboardInterrupt stays one)
             raise DriverError(f"{device.device_id} ({device.name}): {what} failed after {part.count} of "
                               f"its operations were enqueued: {type(part.error).__name__}: {part.error}"
                               ) from part.error
@@ -448,9 +456,9 @@ def enqueue(stream: Stream, reads: Sequence[NodeEvents], writes: Sequence[NodeEv
                               f"{type(e).__name__}: {e}") from e
         try:
             handle = stream.driver.record(stream.handle)
-        except Exception as e:  # the work is on the stream: keep what it uses
+        except BaseException as e:  # the work is on the stream: keep what it uses
             _track_issued(stream, reads, writes, keep if token is None else (keep, token))
-            if isinstance(e, PolyjitError):
+            if isinstance(e, PolyjitError) or not isinstance(e, Exception):
                 raise
             raise DriverError(f"{device.device_id} ({device.name}): recording the event behind {what} "
                               f"failed: {type(e).__name__}: {e}") from e
@@ -475,7 +483,7 @@ Operation = tuple[Callable[..., Any], tuple[Any, ...]]
 class PartlyIssued(Exception):
     """:func:`issue` failed after its first operation: ``count`` of them are on the stream."""
 
-    def __init__(self, error: Exception, count: int, tokens: list[Any]) -> None:
+    def __init__(self, error: BaseException, count: int, tokens: list[Any]) -> None:
         super().__init__(error)
         self.error, self.count, self.tokens = error, count, tokens
 
@@ -490,7 +498,7 @@ def issue(ops: Sequence[Operation]) -> list[Any] | None:
     for k, (fn, args) in enumerate(ops):
         try:
             token = fn(*args)
-        except Exception as e:
+        except BaseException as e:  # an interrupt too: the operations before it are queued
             if k == 0:
                 raise
             raise PartlyIssued(e, k, tokens) from e
@@ -504,10 +512,11 @@ def _track_issued(stream: Stream, reads: Sequence[NodeEvents], writes: Sequence[
     :func:`issue`, or the event's record): record an event behind it as the reader and writer
     of everything the whole would have touched, and keep ``keep`` until it completes. If
     recording fails again, ``keep`` stays until a later event of the stream completes (or the
-    stream ends); with no event to wait for, other streams are not ordered after that work."""
+    stream ends); with no event to wait for, neither other streams nor the host's waits on those
+    nodes (``export``, ``host_view``) are ordered after that work: only a stream sync is."""
     try:
         handle = stream.driver.record(stream.handle)
-    except Exception:
+    except BaseException:
         handle = None
     stream.seq = seq = stream.seq + 1
     stream._open.append((seq, keep))

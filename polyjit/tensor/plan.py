@@ -74,33 +74,29 @@ class _Captured:
     (``Routine.split_after``), so that ``step()`` waits for the head's loss only while the
     backward pass and the update run (the stream keeps them in order)."""
 
-    __slots__ = ("_full", "backend", "feeds", "outputs", "routines", "split")
+    __slots__ = ("full", "split")
 
     def __init__(self, backend: Backend, routines: list[Routine], feeds: list[Node], outputs: list[Node],
                  loss: Node | None) -> None:
-        self.backend, self.routines, self.feeds, self.outputs = backend, routines, feeds, outputs
-        self._full: Replay | None = None  # captured on the first run(): a step may never need it
+        self.full = backend.capture(routines, inputs=feeds, outputs=outputs)
         self.split: tuple[Replay, Replay] | None = None
-        parts = routines[0].split_after(loss) if len(routines) == 1 and loss is not None else None
-        if parts is not None and loss is not None:
-            head, tail = parts
-            first = backend.capture([head], inputs=feeds, outputs=[loss])
-            try:
-                self.split = (first, backend.capture([tail]))
-            except BaseException:
-                first.close()
-                raise
-
-    @property
-    def full(self) -> Replay:
-        if self._full is None:
-            self._full = self.backend.capture(self.routines, inputs=self.feeds, outputs=self.outputs)
-        return self._full
+        try:
+            parts = routines[0].split_after(loss) if len(routines) == 1 and loss is not None else None
+            if parts is not None and loss is not None:
+                head, tail = parts
+                first = backend.capture([head], inputs=feeds, outputs=[loss])
+                try:
+                    self.split = (first, backend.capture([tail]))
+                except BaseException:
+                    first.close()
+                    raise
+        except BaseException:
+            self.full.close()
+            raise
 
     def close(self) -> None:
-        for replay in (self._full, *(self.split or ())):
-            if replay is not None:
-                replay.close()
+        for replay in (self.full, *(self.split or ())):
+            replay.close()
 
 
 class _Linked:

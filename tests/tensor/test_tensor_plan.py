@@ -525,3 +525,26 @@ def test_a_capture_failing_at_link_leaves_the_plan_as_it_was() -> None:
     assert plan._linked.kind == "compiled"
     assert not np.array_equal(plan.read(w), w_before)
     plan.close()
+
+
+@pytest.mark.parametrize("mode", ["compiled", "dynamic"])
+def test_a_tensor_listed_twice_among_the_outputs_comes_back_in_both(mode: str) -> None:
+    """``compile([logits, loss], loss=loss)`` names the loss twice: the replay copies one node
+    into two arrays."""
+    xs = np.arange(12, dtype=np.float32).reshape(4, 3) / 10
+    x = pt.input("x", (4, 3))
+    w = pt.param("w", (3, 2), init="normal")
+    logits = x @ w
+    loss = (logits * logits).mean()
+    plan = pt.compile([logits, loss], loss=loss, optimizer=pt.SGD(lr=0.1), mode=mode)
+    w0 = plan.state_dict()["w"]
+    got = plan.run(x=xs)
+    np.testing.assert_allclose(got[logits.name], xs @ w0, rtol=1e-5)
+    assert got[loss.name] == got["loss"] == pytest.approx(float(((xs @ w0) ** 2).mean()), rel=1e-5)
+    w1 = plan.state_dict()["w"]  # run() of a training plan updates too
+    assert plan.step(x=xs) == pytest.approx(float(((xs @ w1) ** 2).mean()), rel=1e-5)
+    twice = pt.compile({"a": logits, "b": logits}, mode=mode)
+    res = twice.run(x=xs)
+    np.testing.assert_array_equal(res["a"], res["b"])
+    for p in (plan, twice):
+        p.close()
