@@ -72,3 +72,16 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     problems = _problems()
     if problems:
         pytest.exit("POLYJIT_REQUIRE_BACKENDS: " + "; ".join(problems), returncode=1)
+
+
+@pytest.fixture(params=["cpu", "opencl"])
+def backend(request: pytest.FixtureRequest) -> object:
+    """Each backend built everywhere (cpu, OpenCL); one with no device here is skipped. CI
+    names both in ``POLYJIT_REQUIRE_BACKENDS``, so there a missing one fails the session
+    instead. Test directories with their own ``backend`` fixture (cuda, opencl) override it."""
+    from polyjit.backends import get_backend
+
+    be = get_backend(request.param)
+    if be.num_devices() == 0:
+        pytest.skip(f"no {request.param} device: {be.unavailable_reason}")
+    return be

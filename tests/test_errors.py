@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from polyjit import get_backend, ir
+from polyjit import ir
 from polyjit.core.errors import (
     ReadOnlyNodeError,
 )
@@ -22,14 +22,6 @@ from polyjit.core.runtime import Backend
 from polyjit.testing.misuse import try_misuse
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(params=["cpu", "opencl"])
-def backend(request: pytest.FixtureRequest) -> Backend:
-    be = get_backend(request.param)
-    if be.num_devices() == 0:
-        pytest.skip(f"no {request.param} device: {be.unavailable_reason}")
-    return be
 
 
 def _still_usable(backend: Backend, ctx: Any) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from polyjit import get_backend, ir
+from polyjit import ir
 from polyjit.core.errors import FinalizedError, StreamClosedError
 from polyjit.core.ir import Node, Op
 from polyjit.core.runtime import Backend
@@ -28,14 +28,6 @@ from polyjit.testing.concurrency import close_with_late_work
 
 ROOT = Path(__file__).resolve().parent.parent
 BACKENDS = ("cpu", "opencl")
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request: pytest.FixtureRequest) -> Backend:
-    be = get_backend(request.param)
-    if be.num_devices() == 0:
-        pytest.skip(f"no {request.param} device: {be.unavailable_reason}")
-    return be
 
 
 def _child(code: str, timeout: int = 240) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from polyjit import get_backend, ir
+from polyjit import ir
 from polyjit.core.errors import (
     DriverError,
     DTypeMismatchError,
@@ -26,17 +26,6 @@ from polyjit.core.errors import (
 from polyjit.core.ir import Node, Op
 from polyjit.core.routine import Replay, Routine
 from polyjit.core.runtime import Backend
-
-BACKENDS = ["cpu", "opencl"]
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request: pytest.FixtureRequest) -> Backend:
-    be = get_backend(request.param)
-    if be.num_devices() == 0:
-        pytest.skip(f"no {request.param} device: {be.unavailable_reason}")
-    return be
-
 
 N = 1000
 
