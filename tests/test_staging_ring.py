@@ -39,7 +39,7 @@ class _Ring:
         self.memory = np.zeros(RING, np.uint8)
         self.device = np.zeros(1 << 16, np.uint8)
         self.events: list[_Event] = []
-        self.ring = Staging(_Buffer(self.memory), self._record, self._copy)
+        self.ring = Staging(_Buffer(self.memory), self._record, self._copy, self._copy)
 
     def _record(self, stream: Any) -> _Event:
         self.events.append(_Event())

@@ -88,6 +88,30 @@ def test_host_copies_through_the_staging_ring(backend: Any, schedule: str) -> No
     assert dev.used_memory() < before
 
 
+@pytest.mark.parametrize("extra", [-4, 0, 4])
+def test_small_host_copies_skip_the_ring(backend: Any, schedule: str, extra: int) -> None:
+    """Up to DIRECT_COPY_BYTES a host-to-device copy goes to the driver from the user's own
+    array (the driver stages pageable bytes before it returns, as the stub does): no ring
+    segment, and the array may change or go at once. One byte more takes the ring."""
+    from polyjit.backends.cuda.driver import DIRECT_COPY_BYTES
+
+    dev = backend.get_device(0)
+    n = (DIRECT_COPY_BYTES + extra) // 4
+    x = f32("x", (n,))
+    ring = backend.driver._ring(0)
+    want = np.arange(n, dtype=np.float32)
+    host = want.copy()
+    ctx = dev.make_context().init_from_host(x, np.zeros(n, np.float32))
+    before = len(ring.segments) + ring.head
+    ctx.from_host(x, host)
+    took_ring = ring.head + len(ring.segments) != before
+    host[:] = -1  # changed before the stream has run the copy
+    del host
+    np.testing.assert_array_equal(ctx.read(x), want)
+    assert took_ring == (extra > 0)
+    ctx.finalize()
+
+
 def test_a_blocking_read_lands_while_another_thread_polls(backend: Any, schedule: str,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """A read returns only once its bytes are in the user's array, although another thread

@@ -7,7 +7,7 @@ no such feature, each use marked with which.
   driver the backend reports zero devices and keeps the reason.
 - Memory: a pool is a ``Buffer`` of the device's ``DeviceMemoryResource`` (a stream-ordered
   memory pool); kernels get base + offset. Host copies go through a ring of pinned memory
-  (``staging.py``). Copies between devices are ``Buffer`` copies (peer access is enabled
+  (``staging.py``), but for small host-to-device ones, which the driver stages. Copies between devices are ``Buffer`` copies (peer access is enabled
   on the pools where the devices allow it; where enabling fails, the pair copies without).
 - Streams and events are cuda.core's; events are recycled (``Stream.record(event=...)``).
 - Code: NVRTC compiles each batch for the devices' archs through the compile cache
@@ -54,12 +54,16 @@ from polyjit.backends.cuda.nvrtc import (
     nvrtc_supported_archs,
     nvrtc_version,
 )
-from polyjit.backends.cuda.staging import STAGING_BYTES, Staging
+from polyjit.backends.cuda.staging import STAGING_BYTES, PinnedBuffer, Staging
 from polyjit.core.codegen import KernelSpec, Source
 from polyjit.core.errors import CompileError, UnknownDeviceError
 from polyjit.core.protocol import DeviceInfo, DriverDefaults
 
 __all__ = ["BASE_ALIGNMENT", "CudaDriver", "CudaDriverError", "grid_and_block", "versions"]
+
+# Host-to-device copies up to this size skip the staging ring: the driver stages pageable
+# memory itself, at once, and the copy needs no ring segment and no event of its own.
+DIRECT_COPY_BYTES = 64 << 10
 
 class CudaDriver(DriverDefaults):
     """The Driver of the CUDA backend (see the module docstring)."""
@@ -281,24 +285,35 @@ class CudaDriver(DriverDefaults):
         return Buffer.from_handle(ptr, nbytes)
 
     def _copy(self, dst: int, src: int, nbytes: int, stream: StreamHandle) -> None:
-        # raw cuMemcpyAsync (unified addresses: host, device, peer): every host copy passes
-        # here, and two cuda.core Buffer views a copy cost more than the call (a hot path)
+        # raw cuMemcpyAsync between devices (and the raw calls below for host copies): two
+        # cuda.core Buffer views a copy cost more than the call (a hot path)
         _ok(_cu().cuMemcpyAsync(dst, src, nbytes, stream.handle), "cuMemcpyAsync")
+
+    def _copy_in(self, dst: int, src: int, nbytes: int, stream: StreamHandle) -> None:
+        _ok(_cu().cuMemcpyHtoDAsync(dst, src, nbytes, stream.handle), "cuMemcpyHtoDAsync")  # raw: as _copy
+
+    def _copy_out(self, dst: int, src: int, nbytes: int, stream: StreamHandle) -> None:
+        _ok(_cu().cuMemcpyDtoHAsync(dst, src, nbytes, stream.handle), "cuMemcpyDtoHAsync")  # raw: as _copy
 
     def _ring(self, ordinal: int) -> Staging:
         ring = self._staging.get(ordinal)
         if ring is None:
-            from cuda.core import PinnedMemoryResource
-
             with self._lock:
                 ring = self._staging.get(ordinal)
                 if ring is None:
-                    _, stream = self._resource(ordinal)
-                    self.make_current(ordinal)  # the ring belongs to this device's context
-                    buf = PinnedMemoryResource().allocate(self.staging_bytes, stream=stream)
-                    stream.sync()
-                    ring = self._staging[ordinal] = Staging(buf, self.record, self._copy)
+                    # raw cuMemHostAlloc, not cuda.core's PinnedMemoryResource: a device-to-host
+                    # cuMemcpyAsync into the latter waited for the stream (H200: 257 us behind a
+                    # busy stream, against 2.9 us into cuMemHostAlloc memory; docs/benchmarks.md)
+                    self.make_current(ordinal)
+                    ptr = _ok(_cu().cuMemHostAlloc(self.staging_bytes, _cu().CU_MEMHOSTALLOC_PORTABLE),
+                              "cuMemHostAlloc")
+                    buf = PinnedBuffer(int(ptr), self.staging_bytes, functools.partial(self._free_host, ordinal))
+                    ring = self._staging[ordinal] = Staging(buf, self.record, self._copy_in, self._copy_out)
         return ring
+
+    def _free_host(self, ordinal: int, ptr: int) -> None:
+        self.make_current(ordinal)
+        _ok(_cu().cuMemFreeHost(ptr), "cuMemFreeHost")
 
     def memset_zero(self, stream: StreamHandle, pool: Pool, offset: int, nbytes: int) -> None:
         if nbytes > 0:
@@ -306,9 +321,17 @@ class CudaDriver(DriverDefaults):
             self._view(pool.ptr + offset, nbytes).fill(0, stream=stream.core)
 
     def copy_from_host(self, stream: StreamHandle, pool: Pool, offset: int, array: np.ndarray) -> None:
-        if array.nbytes:
-            self.make_current(stream.ordinal)
-            self._ring(stream.ordinal).to_device(stream, pool.ptr + offset, array.reshape(-1).view(np.uint8))
+        n = array.nbytes
+        if not n:
+            return
+        self.make_current(stream.ordinal)
+        if n <= DIRECT_COPY_BYTES:
+            # the driver copies pageable bytes into its own staging before it returns (no wait
+            # on the stream): 2.8-3.9 us on an H200 against 9.9 through the ring; the array,
+            # not its address, goes in (numpy's .ctypes costs 1.6 us)
+            _ok(_cu().cuMemcpyHtoDAsync(pool.ptr + offset, array, n, stream.handle), "cuMemcpyHtoDAsync")
+            return
+        self._ring(stream.ordinal).to_device(stream, pool.ptr + offset, array.reshape(-1).view(np.uint8))
 
     def copy_to_host(self, stream: StreamHandle, pool: Pool, offset: int, array: np.ndarray) -> None:
         if array.nbytes:
