@@ -2224,6 +2224,15 @@ static int is_pinned(uint64_t p, size_t n) {
   return a && n <= a->size && p - a->base <= a->size - n;
 }
 
+// Host memory from a memory pool (cuda.core's PinnedMemoryResource) is page-locked, but a
+// copy from the device into it returns only when done, as into pageable memory: so the
+// real driver did (580.159, CUDA 13.0, H200: 250 us behind a busy stream, 5 us into
+// cuMemHostAlloc memory; docs/benchmarks.md, session 19).
+static int in_host_pool(uint64_t p) {
+  alloc* a = table_at(&host_allocs, p, 0);
+  return a && a->pool;
+}
+
 // Checks both operands of a copy; reports whether the source / destination are
 // pageable host memory (staged now / written synchronously, as the driver does).
 static CUresult copy_operands(int dir, uint64_t dst, uint64_t src, size_t n, int* src_pageable, int* dst_pageable) {
@@ -2253,7 +2262,7 @@ static CUresult enqueue_copy(stream* s, int dir, uint64_t dst, uint64_t src, siz
     memcpy(o.u.cp.staged, (const void*)(uintptr_t)src, n);
   }
   TRY(submit(s, &o));
-  if (dst_pageable) sync_to(s, s->len);  // to pageable memory: returns when done
+  if (dst_pageable || in_host_pool(dst)) sync_to(s, s->len);  // returns when done
   return s->c->sticky;
 }
 

@@ -149,10 +149,39 @@ def test_memory_resources_and_copies(dev: Any, memory: tuple[Any, Any, Any]) -> 
     view(h2)[:] = 0.0
     d1.copy_from(h1, stream=s)
     d2.copy_from(d1, stream=s)
-    d2.copy_to(h2, stream=s)
-    assert not view(h2).any()  # nothing runs before something waits for it
-    s.sync()
+    assert not view(h2).any()
+    d2.copy_to(h2, stream=s)  # into pooled host memory: returns when done (as the next test shows)
     np.testing.assert_array_equal(view(h2), view(h1))
+    s.sync()
     for b in (d1, d2, h1, h2):
         b.close(stream=s)
     s.sync()
+
+
+def test_a_copy_into_pooled_pinned_memory_waits_for_the_stream(dev: Any, kernels: dict[str, Any],
+                                                                  memory: tuple[Any, Any, Any]) -> None:
+    """As the real driver did (docs/benchmarks.md, session 19): a device-to-host copy into
+    ``PinnedMemoryResource`` memory (a host memory pool) returns once the stream's work before
+    it is done; into ``cuMemHostAlloc`` memory it returns at once, the bytes landing in stream
+    order. (Why the CUDA backend's staging ring is ``cuMemHostAlloc`` memory.)"""
+    from cuda.bindings import driver as cu
+    from cuda.core import LaunchConfig, launch
+
+    s, mr, pmr = memory
+    y, src, pooled = mr.allocate(N * 4, stream=s), pmr.allocate(N * 4, stream=s), pmr.allocate(N * 4, stream=s)
+    err, addr = cu.cuMemHostAlloc(N * 4, 0)
+    assert err == cu.CUresult.CUDA_SUCCESS
+    plain = np.ctypeslib.as_array((ctypes.c_float * N).from_address(int(addr)))
+    s.sync()
+    view(src)[:] = 1.0
+    view(pooled)[:] = plain[:] = 0.0
+    y.copy_from(src, stream=s)
+    launch(s, LaunchConfig(grid=2, block=128), kernels["scale"], y, np.float32(3.0), np.uint64(N))
+    err, = cu.cuMemcpyDtoHAsync(int(addr), int(y.handle), N * 4, int(s.handle))
+    assert err == cu.CUresult.CUDA_SUCCESS
+    assert (plain == 0.0).all()  # queued behind the kernel, not run yet
+    y.copy_to(pooled, stream=s)
+    assert (view(pooled) == 3.0).all()  # returned only when done
+    s.sync()
+    assert (plain == 3.0).all()
+    assert cu.cuMemFreeHost(int(addr))[0] == cu.CUresult.CUDA_SUCCESS
