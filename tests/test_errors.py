@@ -53,6 +53,23 @@ def test_a_constant_stays_what_it_was_for_every_context(backend: Backend) -> Non
     np.testing.assert_array_equal(two.context.read(out), values)
 
 
+def test_a_constant_is_its_values_when_made_whatever_the_caller_does_next(backend: Backend) -> None:
+    """ir.constant keeps its own read-only copy: the caller's array, changed after the IR is
+    built (before compile, and again between link and run), changes nothing."""
+    dev = backend.get_device(0)
+    a, out = Node("cm_a", (16,)), Node("cm_out", (16,))
+    k = Node("cm_k", (16,), mode=ir.MemoryMode.MATERIALIZED)
+    values = np.arange(16, dtype=np.float32)
+    fetch = ir.constant(k, values)
+    values[:] = -1
+    code = backend.compile(ir.Comp.of(fetch, ir.apply(Op.ADD, a, k, into=out)), name="cm")
+    r = dev.make_context().init_from_host(a, np.zeros(16, np.float32)).link(code)
+    values[:] = -2
+    r.run()
+    np.testing.assert_array_equal(r.context.read(out), np.arange(16, dtype=np.float32))
+    assert isinstance(fetch.value, ir.Constant) and not fetch.value.values.flags.writeable
+
+
 def test_one_assignment_compiles_like_a_computation(backend: Backend) -> None:
     a, out = Node("one_a", (5,)), Node("one_out", (5,))
     code = backend.compile(ir.apply(Op.EXP, a, into=out), name="one")

@@ -569,8 +569,12 @@ def arange(node: Node) -> Fetch:
 def constant(node: Node, values: Any) -> Fetch:
     dt = node.dtype
     arr = dtypes.to_half(values, dt) if dt.is_half else np.asarray(values, dtype=dt.np)  # half: rounded once
-    # np.require, not np.ascontiguousarray: the latter turns a 0-d array into shape (1,).
-    return Fetch(node, Constant(np.require(arr, requirements="C")))
+    # An owned, read-only copy (0-d stays 0-d): the constant is the values of now, whatever
+    # the caller does to its array later (its bytes are copied to devices when linked, and
+    # on some backends read when the stream runs).
+    owned = np.array(arr, order="C", copy=True)
+    owned.setflags(write=False)
+    return Fetch(node, Constant(owned))
 
 
 def reshape(node: Node, source: Node) -> Fetch:

@@ -91,8 +91,9 @@ def test_host_copies_through_the_staging_ring(backend: Any, schedule: str) -> No
 @pytest.mark.parametrize("extra", [-4, 0, 4])
 def test_small_host_copies_skip_the_ring(backend: Any, schedule: str, extra: int) -> None:
     """Up to DIRECT_COPY_BYTES a host-to-device copy goes to the driver from the user's own
-    array (the driver stages pageable bytes before it returns, as the stub does): no ring
-    segment, and the array may change or go at once. One byte more takes the ring."""
+    array: no ring segment. The driver stages pageable bytes before it returns (so does the
+    stub), so this (pageable) array may change or go at once; a page-locked one is read when
+    the stream runs, as from_host's contract allows. One byte more takes the ring."""
     from polyjit.backends.cuda.driver import DIRECT_COPY_BYTES
 
     dev = backend.get_device(0)
@@ -110,6 +111,25 @@ def test_small_host_copies_skip_the_ring(backend: Any, schedule: str, extra: int
     np.testing.assert_array_equal(ctx.read(x), want)
     assert took_ring == (extra > 0)
     ctx.finalize()
+
+
+def test_scalar_constants_and_scalar_nodes_reach_the_device(backend: Any, schedule: str) -> None:
+    """0-d host arrays (a scalar constant; a CPU node of shape () copied to CUDA through the
+    host) take the small-copy path as one-element buffers: cuda.bindings would read a 0-d
+    array as an address."""
+    import polyjit as pj
+
+    dev = backend.get_device(0)
+    x, c, y = f32("x", (4,)), f32("c", ()), f32("y", (4,))
+    code = backend.compile(ir.Comp.of(ir.constant(c, np.float32(3.0)), ir.apply(Op.MUL, x, c, into=y)), name="k")
+    r = dev.make_context().init_from_host(x, np.arange(4, dtype=np.float32)).link(code)
+    r.run()
+    np.testing.assert_array_equal(r.context.read(y), 3 * np.arange(4, dtype=np.float32))
+    s = f32("s", ())
+    cpu = pj.get_backend("cpu").get_device(0).make_context().init_from_host(s, np.array(7.5, np.float32))
+    dst = dev.make_context().init_from_host(s, np.array(0.0, np.float32))
+    pj.device_to_device(s, dst=dst, src=cpu)
+    assert dst.read(s) == np.float32(7.5)
 
 
 def test_a_blocking_read_lands_while_another_thread_polls(backend: Any, schedule: str,

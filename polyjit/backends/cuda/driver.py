@@ -7,8 +7,9 @@ no such feature, each use marked with which.
   driver the backend reports zero devices and keeps the reason.
 - Memory: a pool is a ``Buffer`` of the device's ``DeviceMemoryResource`` (a stream-ordered
   memory pool); kernels get base + offset. Host copies go through a ring of pinned memory
-  (``staging.py``), but for small host-to-device ones, which the driver stages. Copies between devices are ``Buffer`` copies (peer access is enabled
-  on the pools where the devices allow it; where enabling fails, the pair copies without).
+  (``staging.py``), but for small host-to-device ones, which the driver stages. Copies
+  between devices are raw ``cuMemcpyAsync`` calls (peer access is enabled on the pools
+  where the devices allow it; where enabling fails, the pair copies without).
 - Streams and events are cuda.core's; events are recycled (``Stream.record(event=...)``).
 - Code: NVRTC compiles each batch for the devices' archs through the compile cache
   (``nvrtc.py``); a module is a ``cuda.core.ObjectCode`` and kernels its ``Kernel``s.
@@ -54,7 +55,7 @@ from polyjit.backends.cuda.nvrtc import (
     nvrtc_supported_archs,
     nvrtc_version,
 )
-from polyjit.backends.cuda.staging import STAGING_BYTES, PinnedBuffer, Staging
+from polyjit.backends.cuda.staging import STAGING_BYTES, Staging
 from polyjit.core.codegen import KernelSpec, Source
 from polyjit.core.errors import CompileError, UnknownDeviceError
 from polyjit.core.protocol import DeviceInfo, DriverDefaults
@@ -64,6 +65,7 @@ __all__ = ["BASE_ALIGNMENT", "CudaDriver", "CudaDriverError", "grid_and_block", 
 # Host-to-device copies up to this size skip the staging ring: the driver stages pageable
 # memory itself, at once, and the copy needs no ring segment and no event of its own.
 DIRECT_COPY_BYTES = 64 << 10
+
 
 class CudaDriver(DriverDefaults):
     """The Driver of the CUDA backend (see the module docstring)."""
@@ -298,22 +300,23 @@ class CudaDriver(DriverDefaults):
     def _ring(self, ordinal: int) -> Staging:
         ring = self._staging.get(ordinal)
         if ring is None:
+            from cuda.core import LegacyPinnedMemoryResource
+
             with self._lock:
                 ring = self._staging.get(ordinal)
                 if ring is None:
-                    # raw cuMemHostAlloc, not cuda.core's PinnedMemoryResource: a device-to-host
-                    # cuMemcpyAsync into the latter waited for the stream (H200: 257 us behind a
-                    # busy stream, against 2.9 us into cuMemHostAlloc memory; docs/benchmarks.md)
+                    # cuMemAllocHost memory, not PinnedMemoryResource's (a host memory pool): a
+                    # device-to-host copy into the latter waited for the stream (H200: 250 us
+                    # behind a busy stream, 3-5 us into the former; docs/benchmarks.md)
                     self.make_current(ordinal)
-                    ptr = _ok(_cu().cuMemHostAlloc(self.staging_bytes, _cu().CU_MEMHOSTALLOC_PORTABLE),
-                              "cuMemHostAlloc")
-                    buf = PinnedBuffer(int(ptr), self.staging_bytes, functools.partial(self._free_host, ordinal))
+                    try:
+                        buf = LegacyPinnedMemoryResource().allocate(self.staging_bytes)
+                    except Exception as e:
+                        raise CudaDriverError(
+                            f"cuda:{ordinal}: allocating its {self.staging_bytes >> 20} MiB pinned staging ring "
+                            f"failed (POLYJIT_CUDA_STAGING_MB sets the size): {e}") from e
                     ring = self._staging[ordinal] = Staging(buf, self.record, self._copy_in, self._copy_out)
         return ring
-
-    def _free_host(self, ordinal: int, ptr: int) -> None:
-        self.make_current(ordinal)
-        _ok(_cu().cuMemFreeHost(ptr), "cuMemFreeHost")
 
     def memset_zero(self, stream: StreamHandle, pool: Pool, offset: int, nbytes: int) -> None:
         if nbytes > 0:
@@ -326,10 +329,12 @@ class CudaDriver(DriverDefaults):
             return
         self.make_current(stream.ordinal)
         if n <= DIRECT_COPY_BYTES:
-            # the driver copies pageable bytes into its own staging before it returns (no wait
-            # on the stream): 2.8-3.9 us on an H200 against 9.9 through the ring; the array,
-            # not its address, goes in (numpy's .ctypes costs 1.6 us)
-            _ok(_cu().cuMemcpyHtoDAsync(pool.ptr + offset, array, n, stream.handle), "cuMemcpyHtoDAsync")
+            # the driver copies pageable bytes into its own staging before it returns (on an
+            # H200: 2.8-3.9 us, no wait on the stream, against 9.9 through the ring). The array
+            # goes in as a buffer (numpy's .ctypes costs 1.6 us), never 0-d: cuda.bindings reads
+            # a 0-d array as an address.
+            _ok(_cu().cuMemcpyHtoDAsync(pool.ptr + offset, array.reshape(-1), n, stream.handle),
+                "cuMemcpyHtoDAsync")
             return
         self._ring(stream.ordinal).to_device(stream, pool.ptr + offset, array.reshape(-1).view(np.uint8))
 
@@ -410,7 +415,8 @@ class CudaDriver(DriverDefaults):
     def close(self) -> None:
         """Free the staging rings (the process exit does the rest)."""
         with self._lock:
-            for ring in self._staging.values():
+            for ordinal, ring in self._staging.items():
+                self.make_current(ordinal)
                 ring.close()
             self._staging.clear()
 

@@ -1,8 +1,8 @@
 """Host copies through a ring of pinned memory, so that large transfers run at DMA speed.
 
 Each chunk of a host copy takes a segment of the device's ring (page-locked memory from
-``cuMemHostAlloc``: ``PinnedBuffer``); the host side of one chunk overlaps the DMA of the
-previous one. A segment is reused only after the event recorded behind its DMA is done. A
+cuda.core's ``LegacyPinnedMemoryResource``); the host side of one chunk overlaps the DMA of
+the previous one. A segment is reused only after the event recorded behind its DMA is done. A
 device-to-host chunk carries a completion (copying it out to the user's array), run when
 its event is found done, at the latest before its space is reused: ``event_done`` and
 ``event_sync`` run them, so a copy has landed when its event reports done.
@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["STAGING_BYTES", "PinnedBuffer", "Staging", "host_copy"]
+__all__ = ["STAGING_BYTES", "Staging", "host_copy"]
 
 STAGING_BYTES = int(float(os.environ.get("POLYJIT_CUDA_STAGING_MB", "64")) * (1 << 20))
 _COPY_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
@@ -53,20 +53,6 @@ def _drain(part: np.ndarray, view: np.ndarray) -> None:
     host_copy(part, view)
 
 
-class PinnedBuffer:
-    """Page-locked host memory: its address (``handle``), ``size``, and ``close()`` (``free``
-    runs once)."""
-
-    def __init__(self, ptr: int, size: int, free: Callable[[int], None]) -> None:
-        self.handle, self.size = ptr, size
-        self._free: Callable[[int], None] | None = free
-
-    def close(self) -> None:
-        free, self._free = self._free, None
-        if free is not None:
-            free(self.handle)
-
-
 class Staging:
     """The ring of one device. ``record(stream)`` returns an event object with ``is_done``
     and ``sync()`` (the driver's ``EventHandle``: the ring holds it until the segment is
@@ -75,7 +61,7 @@ class Staging:
 
     def __init__(self, buffer: Any, record: Callable[[Any], Any], copy_in: Callable[[int, int, int, Any], None],
                  copy_out: Callable[[int, int, int, Any], None]) -> None:
-        self.buffer = buffer  # page-locked memory: a PinnedBuffer
+        self.buffer = buffer  # a page-locked cuda.core Buffer
         self.nbytes = int(buffer.size)
         self.ptr = int(buffer.handle)
         self.view = np.ctypeslib.as_array((ctypes.c_uint8 * self.nbytes).from_address(self.ptr))
