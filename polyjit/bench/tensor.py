@@ -12,7 +12,8 @@
   ``--contention N`` (or ``1,2``) times every contender
   again beside N busy processes and reports each one's retained fraction (targets: polyjit
   keeps >= 55% with one and >= 30% with two, and beats the best peer with one);
-- ``--lm-device cuda:0`` times char_lm on that device instead (samples/s, no peers);
+- ``--lm-device cuda:0`` times char_lm on that device instead (samples/s, no peers), with
+  where a step goes: the host's time in each piece of it and the device's own time;
 - host time per step, compiled vs dynamic dispatch (target: compiled <= 20% of dynamic);
 - data parallel on 2 CPU devices of one core each vs 1 device of one core
   (target: >= 1.6x), with the all-reduce time per step, and the ceiling this machine
@@ -177,6 +178,7 @@ def bench_char_lm_on(batch: int, steps: int, device: str) -> dict[str, float]:
     out.update(step_us=batch / out["compiled_samples_s"] * 1e6, enqueue_us=host * 1e6, enqueue_sync_us=wall * 1e6)
     replays = plan._linked.captured.split if plan._linked is not None and plan._linked.captured else None
     if replays:
+        out.update(step_pieces(plan, data, replays, steps))
         stream = plan.context.stream
         try:
             start = stream.record(timing=True)
@@ -189,6 +191,33 @@ def bench_char_lm_on(batch: int, steps: int, device: str) -> dict[str, float]:
             pass  # a backend that cannot time events
     plan.close()
     return out
+
+
+def step_pieces(plan: pt.Plan, data: Callable[[], dict[str, Array]], replays: tuple[Any, Any],
+                steps: int) -> dict[str, float]:
+    """Host us per step in each piece of a split step, as ``Plan.step`` runs them: the inputs
+    checked, the head's replay (inputs in, kernels up to the loss, the loss out), the tail's,
+    and the wait for the loss. A replay that takes as long as the device does is waiting for
+    it (session 19: a loss copied into a host memory pool)."""
+    head, tail = replays
+    assert plan._loss is not None
+    loss = plan._loss[1]
+    took = dict.fromkeys(("prepare_us", "head_us", "tail_us", "wait_us"), 0.0)
+    batches = [data() for _ in range(8)]
+    for k in range(steps):
+        t0 = time.perf_counter()
+        arrays = plan._prepare(batches[k % len(batches)], None)
+        t1 = time.perf_counter()
+        ready = head.replay(arrays, (loss,))
+        t2 = time.perf_counter()
+        tail.replay()
+        t3 = time.perf_counter()
+        ready.synchronize()
+        t4 = time.perf_counter()
+        for key, dt in zip(took, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            took[key] += dt
+    plan.synchronize()
+    return {key: v / steps * 1e6 for key, v in took.items()}
 
 
 def host_and_wall(plan: pt.Plan, data: Callable[[], dict[str, Array]], steps: int) -> tuple[float, float]:

@@ -132,6 +132,26 @@ def test_scalar_constants_and_scalar_nodes_reach_the_device(backend: Any, schedu
     assert dst.read(s) == np.float32(7.5)
 
 
+def test_a_copy_to_the_host_does_not_wait_for_the_stream(backend: Any, stub_driver: stub.Driver,
+                                                         schedule: str) -> None:
+    """``to_host(blocking=False)`` (and a replay's copy out, a training step's loss) only
+    enqueues: the kernel before it has not run when it returns. Into a host memory pool
+    (cuda.core's PinnedMemoryResource) the stub's copy waits for the stream, as a real
+    driver's did (docs/benchmarks.md, session 19): this fails if the ring were such memory."""
+    dev = backend.get_device(0)
+    x, y = f32("x", (1024,)), f32("y", (1024,))
+    ctx = dev.make_context().init_from_host(x, np.arange(1024, dtype=np.float32))
+    r = ctx.link(backend.compile(ir.Comp.of(ir.apply(Op.NEG, x, into=y)), name="neg_out"))
+    r.context.stream.synchronize()
+    before = stub_driver.count("kernels_run")
+    r.run()
+    out = np.zeros(1024, np.float32)
+    r.context.to_host(y, out, blocking=False)
+    assert stub_driver.count("kernels_run") == before and not out.any()
+    r.context.stream.synchronize()
+    np.testing.assert_array_equal(out, -np.arange(1024, dtype=np.float32))
+
+
 def test_a_blocking_read_lands_while_another_thread_polls(backend: Any, schedule: str,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """A read returns only once its bytes are in the user's array, although another thread

@@ -31,10 +31,12 @@ def test_gpucheck_writes_a_passing_report(tmp_path: Path, stub_driver: stub.Driv
 
 
 def test_char_lm_on_a_gpu_says_where_a_step_goes(stub_driver: stub.Driver) -> None:
-    """gpucheck's char_lm step reports samples/s, the host's enqueueing and the device's own
-    time for a step (the plan's two graphs replayed back to back, timed by events)."""
+    """gpucheck's char_lm step reports samples/s, the host's enqueueing, the host's time in
+    each piece of a step, and the device's own time for a step (the plan's two graphs
+    replayed back to back, timed by events)."""
     from polyjit.bench.tensor import bench_char_lm_on
 
     got = bench_char_lm_on(8, 2, "cuda:0")
-    assert set(got) == {"compiled_samples_s", "step_us", "enqueue_us", "enqueue_sync_us", "device_step_us"}
+    assert set(got) == {"compiled_samples_s", "step_us", "enqueue_us", "enqueue_sync_us", "device_step_us",
+                        "prepare_us", "head_us", "tail_us", "wait_us"}
     assert all(v > 0 for v in got.values()), got
