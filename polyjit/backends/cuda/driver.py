@@ -412,14 +412,6 @@ class CudaDriver(DriverDefaults):
                 raise CudaDriverError(f"launching {ln.name} (grid {ln.grid}, block {ln.block}) on "
                                       f"cuda:{prepared.ordinal} failed: {e}") from e
 
-    def close(self) -> None:
-        """Free the staging rings (the process exit does the rest)."""
-        with self._lock:
-            for ordinal, ring in self._staging.items():
-                self.make_current(ordinal)
-                ring.close()
-            self._staging.clear()
-
 
 @functools.cache
 def _core_launch() -> Any:

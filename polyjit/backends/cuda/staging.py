@@ -61,7 +61,7 @@ class Staging:
 
     def __init__(self, buffer: Any, record: Callable[[Any], Any], copy_in: Callable[[int, int, int, Any], None],
                  copy_out: Callable[[int, int, int, Any], None]) -> None:
-        self.buffer = buffer  # a page-locked cuda.core Buffer
+        self.buffer = buffer  # a page-locked cuda.core Buffer: a ring lives as long as the process
         self.nbytes = int(buffer.size)
         self.ptr = int(buffer.handle)
         self.view = np.ctypeslib.as_array((ctypes.c_uint8 * self.nbytes).from_address(self.ptr))
@@ -151,9 +151,3 @@ class Staging:
                 if seg[3] is not None and seg[2].is_done:
                     self._complete(seg)
             self._reclaim_done()
-
-    def close(self) -> None:
-        with self.lock:
-            while self.segments:
-                self._retire_oldest()
-            self.buffer.close()
