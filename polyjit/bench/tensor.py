@@ -169,9 +169,17 @@ def char_lm_plan(batch: int, mode: Mode, device: str = "cpu") -> tuple[pt.Plan, 
 
 def bench_char_lm_on(batch: int, steps: int, device: str) -> dict[str, float]:
     """char_lm's samples/s on a device other than the CPU (no peers there), and where a step's
-    time goes: the host's enqueueing (inputs, routines) and, where the device times events,
-    its own time for a step (the plan's replays back to back, no host work between)."""
+    time goes: the host's enqueueing (inputs, routines), its time in each piece of a step
+    (``step_pieces``) and, where the device times events, the device's own time for a step
+    (the plan's replays back to back, no host work between)."""
     plan, data = char_lm_plan(batch, "compiled", device)
+    try:
+        return _char_lm_on(plan, data, batch, steps)
+    finally:
+        plan.close()
+
+
+def _char_lm_on(plan: pt.Plan, data: Callable[[], dict[str, Array]], batch: int, steps: int) -> dict[str, float]:
     step = PlanStep(lambda: plan.step(**data()), plan)
     out = {"compiled_samples_s": best_rates({"lm": step}, batch, steps)["lm"]}
     host, wall = host_and_wall(plan, data, steps)
@@ -189,7 +197,6 @@ def bench_char_lm_on(batch: int, steps: int, device: str) -> dict[str, float]:
             out["device_step_us"] = start.elapsed_time(end) * 1e3 / steps
         except UnsupportedError:
             pass  # a backend that cannot time events
-    plan.close()
     return out
 
 

@@ -569,10 +569,11 @@ def arange(node: Node) -> Fetch:
 def constant(node: Node, values: Any) -> Fetch:
     dt = node.dtype
     arr = dtypes.to_half(values, dt) if dt.is_half else np.asarray(values, dtype=dt.np)  # half: rounded once
-    # An owned, read-only copy (0-d stays 0-d): the constant is the values of now, whatever
-    # the caller does to its array later (its bytes are copied to devices when linked, and
-    # on some backends read when the stream runs).
-    owned = np.array(arr, order="C", copy=True)
+    # Read-only and never the caller's memory (0-d stays 0-d): the constant is the values of
+    # now, whatever the caller does to its array later (its bytes are copied to devices when
+    # linked, and on some backends read when the stream runs). A cast already made a new array.
+    owned = np.array(arr, order="C", copy=True) if arr is values or not arr.flags.owndata else arr
+    owned = np.require(owned, requirements="C")
     owned.setflags(write=False)
     return Fetch(node, Constant(owned))
 

@@ -162,14 +162,14 @@ def test_a_copy_into_pooled_pinned_memory_waits_for_the_stream(dev: Any, kernels
                                                                   memory: tuple[Any, Any, Any]) -> None:
     """As the real driver did (docs/benchmarks.md, session 19): a device-to-host copy into
     ``PinnedMemoryResource`` memory (a host memory pool) returns once the stream's work before
-    it is done; into ``cuMemHostAlloc`` memory it returns at once, the bytes landing in stream
-    order. (Why the CUDA backend's staging ring is ``cuMemHostAlloc`` memory.)"""
+    it is done; into ``cuMemAllocHost`` memory (``LegacyPinnedMemoryResource``'s) it returns at
+    once, the bytes landing in stream order. (Why the CUDA backend's staging ring is the latter.)"""
     from cuda.bindings import driver as cu
     from cuda.core import LaunchConfig, launch
 
     s, mr, pmr = memory
     y, src, pooled = mr.allocate(N * 4, stream=s), pmr.allocate(N * 4, stream=s), pmr.allocate(N * 4, stream=s)
-    err, addr = cu.cuMemHostAlloc(N * 4, 0)
+    err, addr = cu.cuMemAllocHost(N * 4)
     assert err == cu.CUresult.CUDA_SUCCESS
     plain = np.ctypeslib.as_array((ctypes.c_float * N).from_address(int(addr)))
     s.sync()
