@@ -134,7 +134,7 @@ class Feed:
     and a staging array used when the caller's array cannot be handed to the device as it is
     (wrong dtype, not contiguous, a list)."""
 
-    __slots__ = ("bounds", "depth", "name", "node", "staging")
+    __slots__ = ("_unsigned", "bounds", "depth", "name", "node", "staging")
 
     def __init__(self, name: str, node: Node, bounds: Sequence[IndexBound] = ()) -> None:
         self.name = name
@@ -142,6 +142,9 @@ class Feed:
         self.staging = np.zeros(node.shape, node.dtype.np)
         self.bounds = tuple(sorted(bounds, key=lambda b: b.depth))  # the tightest first
         self.depth = self.bounds[0].depth if self.bounds else 0
+        # index checks see the values as unsigned: a negative index is larger than any depth
+        kind = self.staging.dtype
+        self._unsigned = np.dtype(kind.str.replace("i", "u")) if kind.kind == "i" else kind
 
     def host_array(self, value: Any, staging: Array | None = None, row0: int | None = None) -> Array:
         """The array to copy from: the caller's own when it fits, else the staging array.
@@ -150,23 +153,24 @@ class Feed:
         against the number of classes). ``row0``: the first row of a data-parallel shard
         (messages then give indices in the global batch).
         """
-        what = f"input {self.name!r}"
-        if row0 is not None and self.node.shape:
-            what += f" [rows {row0}..{row0 + self.node.shape[0] - 1} of the batch]"
         if (type(value) is np.ndarray and value.dtype == self.staging.dtype
                 and value.flags.c_contiguous and value.shape == self.staging.shape):
             arr = value
         else:
             arr = self.staging if staging is None else staging
-            convert_into(arr, value, what, row0 or 0)
-        if self.bounds and arr.size:
-            self._check_indices(arr, what, row0 or 0)
+            convert_into(arr, value, self._what(row0), row0 or 0)
+        # One pass over the values (the hot path of every step that takes indices).
+        if self.bounds and arr.size and int(arr.view(self._unsigned).max()) >= self.depth:
+            self._refuse_indices(arr, self._what(row0), row0 or 0)
         return arr
 
-    def _check_indices(self, arr: Array, what: str, row0: int) -> None:
-        # One pass: seen as unsigned, a negative index is larger than any depth.
-        if int(arr.view(arr.dtype.str.replace("i", "u")).max()) < self.depth:
-            return
+    def _what(self, row0: int | None) -> str:
+        what = f"input {self.name!r}"
+        if row0 is not None and self.node.shape:
+            what += f" [rows {row0}..{row0 + self.node.shape[0] - 1} of the batch]"
+        return what
+
+    def _refuse_indices(self, arr: Array, what: str, row0: int) -> None:
         lo, hi = int(arr.min()), int(arr.max())
         at = int(np.argmin(arr)) if lo < 0 else int(np.argmax(arr))
         bound = self.bounds[0] if lo < 0 else next(b for b in self.bounds if hi >= b.depth)
