@@ -572,8 +572,8 @@ def constant(node: Node, values: Any) -> Fetch:
     # Read-only and never the caller's memory (0-d stays 0-d): the constant is the values of
     # now, whatever the caller does to its array later (its bytes are copied to devices when
     # linked, and on some backends read when the stream runs). A cast already made a new array.
-    owned = np.array(arr, order="C", copy=True) if arr is values or not arr.flags.owndata else arr
-    owned = np.require(owned, requirements="C")
+    borrowed = arr is values or not arr.flags.owndata
+    owned = np.array(arr, order="C", copy=True) if borrowed else np.require(arr, requirements="C")
     owned.setflags(write=False)
     return Fetch(node, Constant(owned))
 
