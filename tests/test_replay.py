@@ -327,3 +327,40 @@ def test_an_interrupt_between_two_operations_keeps_the_first_ones_arrays(
     assert ref() is not None or stream.done_seq > seq
     monkeypatch.undo()
     stream.synchronize()
+
+
+def test_replay_prepared_runs_what_replay_runs_and_refuses_a_wrong_count(
+        backend: Backend, exp: tuple[Routine, Node, Node]) -> None:
+    """The plans' entry (arrays they made and checked): the same copies and launches as
+    ``replay()``, one event; a wrong number of arrays, a closed replay or a finalized context
+    is refused before anything is enqueued, and the replay stays usable."""
+    r, a, out = exp
+    replay = backend.capture([r], inputs=[a], outputs=[out])
+    stream = r.context.stream
+    got = np.empty(N, np.float32)
+    seq = stream.seq
+    replay.replay_prepared([_values(3)], [got]).synchronize()
+    assert stream.seq == seq + 1
+    np.testing.assert_allclose(got, np.exp(_values(3)), rtol=1e-6)
+    replay.replay_prepared([_values(4)]).synchronize()  # in only: the node keeps the result
+    np.testing.assert_allclose(r.context.read(out), np.exp(_values(4)), rtol=1e-6)
+    seq = stream.seq
+    for ins, outs in (([_values(1), _values(2)], ()), ((), [got, got])):
+        with pytest.raises(InvalidArgumentError, match="arrays in and"):
+            replay.replay_prepared(ins, outs)
+    assert stream.seq == seq  # nothing was enqueued
+    replay.replay_prepared((), [got]).synchronize()
+    np.testing.assert_allclose(got, np.exp(_values(4)), rtol=1e-6)
+    replay.close()
+    with pytest.raises(FinalizedError):
+        replay.replay_prepared()
+
+
+def test_replay_prepared_refuses_a_finalized_context(backend: Backend) -> None:
+    a, out = Node("a", (N,)), Node("out", (N,))
+    code = backend.compile(ir.Comp.of(ir.apply(Op.EXP, a, into=out)), name="exp")
+    ctx = backend.get_device(0).make_context().init_from_host(a, np.zeros(N, np.float32))
+    replay = backend.capture([ctx.link(code)], inputs=[a])
+    ctx.finalize()
+    with pytest.raises(FinalizedError):
+        replay.replay_prepared([_values(0)])

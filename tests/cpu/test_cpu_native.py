@@ -26,6 +26,7 @@ from polyjit.backends.cpu.native import (
     TEAM_OPTIONAL,
     NativeRuntime,
     _apply_contention_mode,
+    host_address,
     load_runtime,
 )
 from polyjit.core.cache import BinaryCache
@@ -1394,3 +1395,18 @@ def test_a_child_forked_by_a_thread_that_helped_does_not_hang() -> None:
     proc = subprocess.run([sys.executable, "-c", FORK_AFTER_HELPING], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["helped", "True", "child", "team", "2", "child", "exit", "0"], proc.stdout
+
+
+@pytest.mark.parametrize("make", [
+    lambda: np.arange(10, dtype=np.float32),
+    lambda: np.arange(40, dtype=np.int64).reshape(5, 8)[2:],      # a view that starts later
+    lambda: np.arange(40, dtype=np.float64)[3::2],                # strided
+    lambda: np.full((), 2.5, np.float32),                         # 0-d
+    lambda: np.zeros((0, 3), np.uint8),                           # empty
+    lambda: np.frombuffer(b"0123456789abcdef", np.uint8)[5:],     # read-only, memory of bytes
+])
+def test_host_address_is_the_arrays_data_pointer(make: Callable[[], np.ndarray]) -> None:
+    """``host_address`` (numpy's C array interface) gives what ``array.ctypes.data`` gives:
+    the copies of the CPU driver read and write there."""
+    array = make()
+    assert host_address(array) == array.ctypes.data

@@ -21,7 +21,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from polyjit.backends.cpu import tiles
+from polyjit.backends.cpu import native, tiles
 from polyjit.backends.cpu.compiler import CCompiler
 from polyjit.backends.cpu.dialect import CpuDialect
 from polyjit.backends.cpu.host import cpu_model, host_cpu
@@ -170,10 +170,10 @@ class CpuDriver:
         self.rt.memset(stream, pool + offset, 0, nbytes)
 
     def copy_from_host(self, stream: int, pool: int, offset: int, array: np.ndarray) -> None:
-        self.rt.memcpy_in(stream, pool + offset, array.ctypes.data, array.nbytes)
+        self.rt.memcpy_in(stream, pool + offset, native.host_address(array), array.nbytes)
 
     def copy_to_host(self, stream: int, pool: int, offset: int, array: np.ndarray) -> None:
-        self.rt.memcpy(stream, array.ctypes.data, pool + offset, array.nbytes)
+        self.rt.memcpy(stream, native.host_address(array), pool + offset, array.nbytes)
 
     def copy_device(self, stream: int, dst: tuple[int, int, int], src: tuple[int, int, int], nbytes: int) -> None:
         self.rt.memcpy(stream, dst[1] + dst[2], src[1] + src[2], nbytes)

@@ -80,6 +80,28 @@ class LaunchDesc(ctypes.Structure):
                 ("worker_only", ctypes.c_int64), ("chunks", ctypes.c_int64))
 
 
+class _ArrayInterface(ctypes.Structure):
+    """numpy's ``PyArrayInterface`` (the capsule of ``__array_struct__``), up to its data."""
+
+    _fields_ = (("two", ctypes.c_int), ("nd", ctypes.c_int), ("typekind", ctypes.c_char),
+                ("itemsize", ctypes.c_int), ("flags", ctypes.c_int), ("shape", ctypes.c_void_p),
+                ("strides", ctypes.c_void_p), ("data", ctypes.c_void_p))
+
+
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.restype = ctypes.c_void_p
+_capsule_pointer.argtypes = (ctypes.py_object, ctypes.c_char_p)
+_void_at = ctypes.c_void_p.from_address
+_DATA_OFFSET = _ArrayInterface.data.offset
+
+
+def host_address(array: Any) -> int:
+    """The address of a numpy array's first element, through numpy's C array interface
+    (``__array_struct__``): half the cost of ``array.ctypes.data``, which builds an object
+    per call (2.6 against 1.5 us on the 2-vCPU EPYC VM of session 20)."""
+    return _void_at(_capsule_pointer(array.__array_struct__, None) + _DATA_OFFSET).value or 0
+
+
 def _source() -> str:
     return Path(__file__).with_name("runtime.c").read_text()
 
