@@ -48,6 +48,11 @@ CPU_FLAGS: tuple[str, ...] = (
     "-shared",
     "-std=gnu11",
     "-fno-math-errno",
+    # No kernel reads the floating-point exception flags, and with them GCC may not if-convert
+    # a branch whose float ops could trap: on AVX2 hosts (no masked vector ops) a tanh or exp
+    # epilogue then runs one lane at a time ("control flow in loop"): char_lm's hidden layer
+    # on the 2-vCPU EPYC VM of session 20 (AVX2) took a quarter of the step's CPU time.
+    "-fno-trapping-math",
     *_NO_RED_ZONE,
 )
 
