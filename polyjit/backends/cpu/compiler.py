@@ -48,11 +48,10 @@ CPU_FLAGS: tuple[str, ...] = (
     "-shared",
     "-std=gnu11",
     "-fno-math-errno",
-    # No kernel reads the floating-point exception flags, and with them GCC may not if-convert
-    # a branch whose float ops could trap: on AVX2 hosts (no masked vector ops) a tanh or exp
-    # epilogue then runs one lane at a time ("control flow in loop"): char_lm's hidden layer
-    # on the 2-vCPU EPYC VM of session 20 (AVX2) took a quarter of the step's CPU time.
-    "-fno-trapping-math",
+    # Not -fno-trapping-math, though on AVX2 hosts it lets GCC vectorize the tanh and exp
+    # helpers' selects (char_lm's step 25-35% faster on the VM of session 20): it also turns
+    # (float)(int)x into trunc(x), which gives -0.0 for x in (-1, 0) and changes out-of-range
+    # casts (session 20's review; docs/benchmarks.md).
     *_NO_RED_ZONE,
 )
 
