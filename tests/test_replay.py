@@ -329,38 +329,66 @@ def test_an_interrupt_between_two_operations_keeps_the_first_ones_arrays(
     stream.synchronize()
 
 
-def test_replay_prepared_runs_what_replay_runs_and_refuses_a_wrong_count(
+def test_a_plans_replay_runs_what_replay_runs_and_keeps_copies_inside_their_arrays(
         backend: Backend, exp: tuple[Routine, Node, Node]) -> None:
-    """The plans' entry (arrays they made and checked): the same copies and launches as
-    ``replay()``, one event; a wrong number of arrays, a closed replay or a finalized context
-    is refused before anything is enqueued, and the replay stays usable."""
+    """``_replay_prepared`` (a Plan's arrays, checked when it made them): the same copies and
+    launches as ``replay()``, one event. What could copy past an array or a node (a wrong
+    count, an array of another byte size, a strided one, a read-only output) is refused
+    before anything is enqueued, as are a closed replay and a finalized context."""
     r, a, out = exp
     replay = backend.capture([r], inputs=[a], outputs=[out])
     stream = r.context.stream
     got = np.empty(N, np.float32)
     seq = stream.seq
-    replay.replay_prepared([_values(3)], [got]).synchronize()
+    replay._replay_prepared([_values(3)], [got]).synchronize()
     assert stream.seq == seq + 1
     np.testing.assert_allclose(got, np.exp(_values(3)), rtol=1e-6)
-    replay.replay_prepared([_values(4)]).synchronize()  # in only: the node keeps the result
+    replay._replay_prepared([_values(4)]).synchronize()  # in only: the node keeps the result
     np.testing.assert_allclose(r.context.read(out), np.exp(_values(4)), rtol=1e-6)
+    read_only = np.empty(N, np.float32)
+    read_only.flags.writeable = False
     seq = stream.seq
-    for ins, outs in (([_values(1), _values(2)], ()), ((), [got, got])):
-        with pytest.raises(InvalidArgumentError, match="arrays in and"):
-            replay.replay_prepared(ins, outs)
+    for ins, outs, error in (
+            ([_values(1), _values(2)], (), InvalidArgumentError),
+            ((), [got, got], InvalidArgumentError),
+            ([np.zeros(4 * N, np.float32)], (), ShapeMismatchError),    # 4x the node's bytes
+            ([np.repeat(_values(1), 2)[::2]], (), ShapeMismatchError),  # strided
+            ((), [np.empty(N // 2, np.float32)], ShapeMismatchError),
+            ((), [read_only], ShapeMismatchError)):
+        with pytest.raises(error):
+            replay._replay_prepared(ins, outs)
     assert stream.seq == seq  # nothing was enqueued
-    replay.replay_prepared((), [got]).synchronize()
+    replay._replay_prepared((), [got]).synchronize()
     np.testing.assert_allclose(got, np.exp(_values(4)), rtol=1e-6)
     replay.close()
     with pytest.raises(FinalizedError):
-        replay.replay_prepared()
+        replay._replay_prepared()
 
 
-def test_replay_prepared_refuses_a_finalized_context(backend: Backend) -> None:
+def test_a_plans_replay_refuses_a_finalized_context(backend: Backend) -> None:
     a, out = Node("a", (N,)), Node("out", (N,))
     code = backend.compile(ir.Comp.of(ir.apply(Op.EXP, a, into=out)), name="exp")
     ctx = backend.get_device(0).make_context().init_from_host(a, np.zeros(N, np.float32))
     replay = backend.capture([ctx.link(code)], inputs=[a])
     ctx.finalize()
     with pytest.raises(FinalizedError):
-        replay.replay_prepared([_values(0)])
+        replay._replay_prepared([_values(0)])
+    with pytest.raises(FinalizedError):  # a finalized context comes before bad arrays
+        replay.replay([np.zeros(3, np.float32)])
+
+
+def test_a_subclass_that_overrides_replay_gets_plans_through_it(exp: tuple[Routine, Node, Node]) -> None:
+    r, a, out = exp
+    calls = []
+
+    class Counting(Replay):
+        def replay(self, inputs: Any = None, outputs: Any = None) -> Any:
+            calls.append((inputs, outputs))
+            return super().replay(inputs, outputs)
+
+    replay = Counting([r], inputs=[a], outputs=[out])
+    got = np.empty(N, np.float32)
+    replay._replay_prepared([_values(2)], [got]).synchronize()
+    replay._replay_prepared().synchronize()
+    assert [(len(i or ()), len(o or ())) for i, o in calls] == [(1, 1), (0, 0)]
+    np.testing.assert_allclose(got, np.exp(_values(2)), rtol=1e-6)

@@ -135,6 +135,11 @@ def check_takes(cls: type, method: str, names: Sequence[str], spelled: str) -> N
         raise TypeError(f"{cls.__name__}.{method} must take {', '.join(n + '=' for n in names)}: {spelled}")
 
 
+def _through_replay(self: Replay, ins: Sequence[np.ndarray] = (), outs: Sequence[np.ndarray] = ()) -> Event:
+    """A plan's replay of a subclass that overrides ``replay()``: through that override."""
+    return self.replay(list(ins) if ins else None, list(outs) if outs else None)
+
+
 class Replay:
     """Linked routines replayed as one unit (see :meth:`Backend.capture`), ordered by the
     per-node events like ``run()``, with host copies of some nodes in before them and out
@@ -151,6 +156,8 @@ class Replay:
             raise TypeError(f"{cls.__name__} overrides Replay._enqueue, which replay() no longer calls: "
                             "override _launches() (the driver calls that run the routines) instead")
         check_takes(cls, "replay", ("inputs", "outputs"), "replay(inputs=None, outputs=None)")
+        if "replay" in cls.__dict__ and "_replay_prepared" not in cls.__dict__:
+            cls._replay_prepared = _through_replay  # type: ignore[method-assign]
 
     def __init__(self, routines: Sequence[Routine], stream: Stream | None = None,
                  inputs: Sequence[Node] = (), outputs: Sequence[Node] = ()) -> None:
@@ -208,23 +215,41 @@ class Replay:
         anything is enqueued."""
         if self.closed:
             raise FinalizedError(f"{self!r} was closed")
-        ins = () if inputs is None else self._host_arrays(self.inputs, inputs, "inputs", into=False)
-        outs = () if outputs is None else self._host_arrays(self.outputs, outputs, "outputs", into=True)
-        return self.replay_prepared(ins, outs)
-
-    def replay_prepared(self, ins: Sequence[np.ndarray] = (), outs: Sequence[np.ndarray] = ()) -> Event:
-        """``replay()`` of arrays its caller made right and checked (a Plan's: its inputs
-        through ``Feed.host_array``, its own result arrays): one per captured node or none,
-        each C-contiguous, of its node's shape and dtype, the outputs writeable. Checking
-        them again cost a char_lm step 12 us of host time on the 2-vCPU EPYC VM of session 20,
-        where the host's time is the step's."""
-        if self.closed:
-            raise FinalizedError(f"{self!r} was closed")
-        if (ins and len(ins) != len(self.inputs)) or (outs and len(outs) != len(self.outputs)):
-            raise InvalidArgumentError(f"{self!r}: {len(ins)} arrays in and {len(outs)} out, for "
-                                       f"{len(self.inputs)} input and {len(self.outputs)} output nodes")
         for r in self.routines:
             r.context.check_alive()
+        ins = () if inputs is None else self._host_arrays(self.inputs, inputs, "inputs", into=False)
+        outs = () if outputs is None else self._host_arrays(self.outputs, outputs, "outputs", into=True)
+        return self._enqueue_copies(ins, outs)
+
+    def _replay_prepared(self, ins: Sequence[np.ndarray] = (), outs: Sequence[np.ndarray] = ()) -> Event:
+        """``replay()`` for a Plan, whose arrays are made right already (its inputs through
+        ``Feed.host_array``, its outputs its own arrays): none, or one per captured node. The
+        full checks cost a char_lm step 12 us of host time on the 2-vCPU EPYC VM of session 20,
+        where the host's time is the step's; what is left keeps every copy inside its array
+        and its node (the count, each array's byte size and layout, outputs writeable). A
+        subclass that overrides ``replay()`` gets plans through it (``__init_subclass__``)."""
+        if self.closed:
+            raise FinalizedError(f"{self!r} was closed")
+        for r in self.routines:
+            r.context.check_alive()
+        for arrays, nodes, into in ((ins, self.inputs, False), (outs, self.outputs, True)):
+            if not arrays:
+                continue
+            if len(arrays) != len(nodes):
+                raise InvalidArgumentError(f"{self!r}: {len(arrays)} arrays for {len(nodes)} "
+                                           f"{'output' if into else 'input'} nodes")
+            for node, a in zip(nodes, arrays):
+                flags = a.flags
+                if a.nbytes != node.nbytes or not flags.c_contiguous or (into and not flags.writeable):
+                    raise ShapeMismatchError(
+                        f"{self!r}: {'output' if into else 'input'} {node.label} needs a C-contiguous "
+                        f"{'writeable ' if into else ''}array of {node.nbytes} bytes, got {a.nbytes} bytes, "
+                        f"shape {a.shape}{'' if flags.c_contiguous else ', not contiguous'}"
+                        f"{'' if flags.writeable or not into else ', read-only'}")
+        return self._enqueue_copies(ins, outs)
+
+    def _enqueue_copies(self, ins: Sequence[np.ndarray], outs: Sequence[np.ndarray]) -> Event:
+        """The replay's one enqueue, of arrays already checked."""
         if logger.isEnabledFor(10):  # DEBUG
             logger.debug("replay %r on %r (%d copies in, %d out)", self, self.stream, len(ins), len(outs))
         with self.device.lock:  # the merge buffer must not move between the check and the launch

@@ -120,7 +120,7 @@ class _Linked:
         """Copy ``arrays`` into the inputs, run, copy the outputs into ``results`` (None: leave
         them on the device); the event behind it all."""
         if self.captured is not None:
-            return self.captured.full.replay_prepared(arrays, results or ())
+            return self.captured.full._replay_prepared(arrays, results or ())
         for node, arr in zip(self.feeds, arrays):
             base.from_host(node, arr)
         for r in self.routines:
@@ -139,8 +139,8 @@ class _Linked:
             enqueue_to_host(self.context, loss_node, loss)
             return self.context.stream.record()
         head, tail = split
-        ready = head.replay_prepared(arrays, (loss,))
-        tail.replay_prepared()
+        ready = head._replay_prepared(arrays, (loss,))
+        tail._replay_prepared()
         return ready
 
     def finalize(self) -> None:

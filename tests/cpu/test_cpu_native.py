@@ -1410,3 +1410,21 @@ def test_host_address_is_the_arrays_data_pointer(make: Callable[[], np.ndarray])
     the copies of the CPU driver read and write there."""
     array = make()
     assert host_address(array) == array.ctypes.data
+
+
+def test_host_address_reads_live_memory_under_python_dev_mode() -> None:
+    """``-X dev`` fills freed memory with 0xdd: an address read after numpy freed the array
+    interface struct (the capsule dropped too early) comes back as 0xdddddddddddddddd, and a
+    copy from it crashes the process."""
+    code = (
+        "import numpy as np\n"
+        "from polyjit import get_backend, ir\n"
+        "from polyjit.backends.cpu.native import host_address\n"
+        "arrays = [np.arange(n, dtype=np.float32)[1:] for n in range(2, 400)]\n"
+        "assert all(host_address(a) == a.ctypes.data for a in arrays for _ in range(5))\n"
+        "x = ir.Node('x', (1000,))\n"
+        "ctx = get_backend('cpu').get_device(0).make_context().init_from_host(x, np.ones(1000, np.float32))\n"
+        "assert float(ctx.read(x).sum()) == 1000.0\n"
+    )
+    done = subprocess.run([sys.executable, "-X", "dev", "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
