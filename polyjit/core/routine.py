@@ -252,24 +252,17 @@ class Replay:
         """The replay's one enqueue, of arrays already checked."""
         if logger.isEnabledFor(10):  # DEBUG
             logger.debug("replay %r on %r (%d copies in, %d out)", self, self.stream, len(ins), len(outs))
-        with self.device.lock:  # the merge buffer must not move between the check and the launch
-            for r in self.routines:
-                r.check_merge()
-            ops = self._operations(ins, outs)
-            return enqueue(self.stream, self._reads, self._writes, self, issue, (ops,), (self, ops))
-
-    def _operations(self, ins: Sequence[np.ndarray], outs: Sequence[np.ndarray]) -> list[Operation]:
-        """The driver calls of one replay, in order (device lock held; merge buffers checked):
-        the copies in, the launches (:meth:`_launches`), the copies out. What they take is
-        kept alive until the replay's event completes."""
         device = self.device
         driver, handle, pools = device.driver, self.stream.handle, device.pool_handle
-        ops = [(driver.copy_from_host, (handle, pools(loc.pool_id), loc.offset, a))
-               for loc, a in zip(self._in_locs, ins)]
-        ops += self._launches()
-        ops += [(driver.copy_to_host, (handle, pools(loc.pool_id), loc.offset, a))
-                for loc, a in zip(self._out_locs, outs)]
-        return ops
+        with device.lock:  # the merge buffer must not move between the check and the launch
+            for r in self.routines:
+                r.check_merge()
+            ops = [(driver.copy_from_host, (handle, pools(loc.pool_id), loc.offset, a))
+                   for loc, a in zip(self._in_locs, ins)]
+            ops += self._launches()
+            ops += [(driver.copy_to_host, (handle, pools(loc.pool_id), loc.offset, a))
+                    for loc, a in zip(self._out_locs, outs)]
+            return enqueue(self.stream, self._reads, self._writes, self, issue, (ops,), (self, ops))
 
     def _host_arrays(self, nodes: tuple[Node, ...], arrays: Sequence[np.ndarray], what: str,
                      into: bool) -> list[np.ndarray]:
