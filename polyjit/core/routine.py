@@ -239,13 +239,11 @@ class Replay:
                 raise InvalidArgumentError(f"{self!r}: {len(arrays)} arrays for {len(nodes)} "
                                            f"{'output' if into else 'input'} nodes")
             for node, a in zip(nodes, arrays):
-                flags = a.flags
-                if a.nbytes != node.nbytes or not flags.c_contiguous or (into and not flags.writeable):
-                    raise ShapeMismatchError(
-                        f"{self!r}: {'output' if into else 'input'} {node.label} needs a C-contiguous "
-                        f"{'writeable ' if into else ''}array of {node.nbytes} bytes, got {a.nbytes} bytes, "
-                        f"shape {a.shape}{'' if flags.c_contiguous else ', not contiguous'}"
-                        f"{'' if flags.writeable or not into else ', read-only'}")
+                if a.nbytes != node.nbytes or not a.flags.c_contiguous:
+                    raise ShapeMismatchError(f"{self!r}: {node.label} needs a C-contiguous array of "
+                                             f"{node.nbytes} bytes, got {a.nbytes} bytes, shape {a.shape}")
+                if into:
+                    check_writable(node, a, f"{self!r} output")
         return self._enqueue_copies(ins, outs)
 
     def _enqueue_copies(self, ins: Sequence[np.ndarray], outs: Sequence[np.ndarray]) -> Event:
