@@ -18,6 +18,7 @@ conversions); accumulators are float32 and round once, when they store.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 
@@ -81,6 +82,16 @@ class KernelSpec:
     outputs: tuple[ir.Node, ...]
     inputs: tuple[ir.Node, ...]
     plan: KernelPlan = attrs.field(eq=False)
+
+
+@attrs.frozen
+class VectorMath:
+    """A math function on a vector (Dialect.vector_math): the helper's name, the C type of the
+    vector it takes and gives back, and its lanes."""
+
+    helper: str
+    vector: str
+    lanes: int
 
 
 # A shape only one dialect writes (Dialect.shape_emitters): the lines inside the signature.
@@ -237,6 +248,11 @@ class Dialect:
             out.append((name, [f"{q} {t} {name}(int c, {t} a, {t} b) {{ return c ? a : b; }}"]))
         return out
 
+    def vector_math(self, fn: str, dt: DType) -> VectorMath | None:
+        """The helper that computes ``fn`` of ``dt`` on a vector of lanes, where the target has
+        one that a loop's lanes should share (:meth:`Emitter.lanes`); None here."""
+        return None
+
     def math_call(self, fn: str, dt: DType, args: Sequence[str]) -> str:
         suffix = "f" if dt is dtypes.float32 else ""
         name = {"abs": "fabs"}.get(fn, fn)
@@ -351,6 +367,9 @@ class Emitter:
         # A kernel's private nodes (Kernel.private) where a shape holds them, read there: the
         # value of the one cell every load of them reads (the cell the statement works on)
         self.held: dict[ir.Node, str] = {}
+        # While :meth:`lanes` renders a loop's bodies: the calls it computes a vector at a time
+        # (helper, argument, lanes), each read back as its lane of a local array
+        self.staged: list[tuple[VectorMath, str]] | None = None
 
     # -- expressions ---------------------------------------------------------
 
@@ -438,10 +457,10 @@ class Emitter:
                 return f"(({t})({args[0]}))"
             return f"(({t})(({args[0]}) < 0 ? -({args[0]}) : ({args[0]})))"
         if op in _MATH:
-            return self.d.math_call(_MATH[op], dt, args)
+            return self.math(e, _MATH[op], dt, args)
         if op is ir.Op.SIGMOID:
             one = self.literal(1, dt)
-            return f"({one} / ({one} + {self.d.math_call('exp', dt, [f'-({args[0]})'])}))"
+            return f"({one} / ({one} + {self.math(e, 'exp', dt, [f'-({args[0]})'])}))"
         if op is ir.Op.RELU:
             zero = self.literal(0, dt)
             return f"pj_max_{arg_dt.name}({args[0]}, {zero})"
@@ -460,6 +479,17 @@ class Emitter:
         if op is ir.Op.ID:
             return args[0]
         raise AssertionError(f"unhandled op {op}")
+
+    def math(self, e: Call, fn: str, dt: DType, args: Sequence[str]) -> str:
+        """``fn(args)``; in :meth:`lanes`, where the dialect has it on vectors, the lane of the
+        local array it was computed into (not where its argument divides integers: that runs
+        in the chunk's first pass for every lane, so a ``where`` could no longer guard it)."""
+        staged = self.staged
+        vm = None if staged is None or len(args) != 1 or _traps(e) else self.d.vector_math(fn, dt)
+        if staged is None or vm is None:
+            return self.d.math_call(fn, dt, args)
+        staged.append((vm, args[0]))
+        return f"pj_lv{len(staged) - 1}[pj_l]"
 
     # -- statements ----------------------------------------------------------
 
@@ -482,16 +512,69 @@ class Emitter:
                 value = self.combine(s.accum, s.node.dtype, self.load(s.node, target), self.expr(s.value))
             return [f"{pad}{self.store(s.node, target, value)};"]
         if isinstance(s, Loop):
-            v = self.names.var(s.sym)
-            simd = self.d.simd_for_pragma if independent_iterations(s) else None
-            return [*([f"{pad}{simd}"] if simd else []), f"{pad}for (int64_t {v} = 0; {v} < {s.extent}; ++{v}) {{",
-                    *self.stmt(s.body, indent + 1), f"{pad}}}"]
+            v, body = self.names.var(s.sym), s.body
+            if independent_iterations(s):
+                return self.lanes(v, "0", str(s.extent), [lambda ind: self.stmt(body, ind)], indent,
+                                  pragma=self.d.simd_for_pragma)
+            return [f"{pad}for (int64_t {v} = 0; {v} < {s.extent}; ++{v}) {{", *self.stmt(body, indent + 1), f"{pad}}}"]
         if isinstance(s, Seq):  # a fused kernel's statements, in order, in each iteration
             return [line for st in s.body for line in self.stmt(st, indent)]
         if isinstance(s, Segment):  # one member of a batch, on its iterations only
             v = self.names.var(s.sym)
             return [f"{pad}if ({v} >= {s.lo} && {v} < {s.hi}) {{", *self.stmt(s.body, indent + 1), f"{pad}}}"]
         return self.reduce(s, indent)
+
+    def lanes(self, var: str, lo: str, hi: str, bodies: Sequence[Callable[[int], list[str]]], indent: int,
+              head: Sequence[str] = (), pragma: str | None = None) -> list[str]:
+        """``for (var = lo; var < hi; ++var) { head; bodies }``, a loop whose iterations touch
+        disjoint cells: each body's lines come from its renderer, given their indent. Where
+        the dialect computes exp or tanh on vectors (:meth:`Dialect.vector_math`; GCC
+        vectorizes a loop that calls the scalar ones only where it has masked vector ops,
+        AVX-512, not on AVX2), the loop runs in chunks of a vector's lanes: each body's calls
+        first, an argument a lane into a local array, the function on the array as one
+        vector, then the body, reading its lanes. Each body's lanes run before the next
+        body's, which the disjoint cells allow."""
+        pad = "  " * indent
+        self.staged = []
+        try:
+            phases: list[tuple[int, list[str]]] = []  # (calls staged before, lines) of each body
+            for body in bodies:
+                phases.append((len(self.staged), body(indent + 3)))
+            staged = self.staged
+        finally:
+            self.staged = None
+        loop = [f"{pad}{pragma}"] if pragma else []
+        loop.append(f"{pad}for (int64_t {var} = {lo}; {var} < {hi}; ++{var}) {{")
+        if not staged:
+            return [*loop, *(f"{pad}  {h}" for h in head), *(ln[4:] for _, lines in phases for ln in lines), f"{pad}}}"]
+        lanes = staged[0][0].lanes
+        assert all(vm.lanes == lanes for vm, _ in staged)
+
+        def lane_loop(n: str, lines: list[str]) -> list[str]:
+            return [*([f"{pad}    {pragma}"] if pragma else []), f"{pad}    for (int pj_l = 0; pj_l < {n}; ++pj_l) {{",
+                    f"{pad}      const int64_t {var} = pj_lc + pj_l;", *(f"{pad}      {h}" for h in head),
+                    *lines, f"{pad}    }}"]
+
+        def chunk(n: str) -> list[str]:
+            out = [f"{pad}    float {', '.join(f'pj_lv{k}[{lanes}] = {{0}}' for k in range(len(staged)))};"]
+            for i, (first, lines) in enumerate(phases):
+                last = phases[i + 1][0] if i + 1 < len(phases) else len(staged)
+                for k in range(first, last):
+                    vm, arg = staged[k]
+                    out += lane_loop(n, [f"{pad}      pj_lv{k}[pj_l] = {arg};"])
+                    out.append(f"{pad}    {{ {vm.vector} pj_vx; __builtin_memcpy(&pj_vx, pj_lv{k}, sizeof pj_vx); "
+                               f"pj_vx = {vm.helper}(pj_vx); __builtin_memcpy(pj_lv{k}, &pj_vx, sizeof pj_vx); }}")
+                out += lane_loop(n, lines)
+            return out
+
+        count = int(hi) - int(lo) if lo.isdigit() and hi.isdigit() else None  # known here, or only when it runs
+        lines = [f"{pad}{{", f"{pad}  int64_t pj_lc = {lo};"]
+        if count is None or count >= lanes:
+            lines += [f"{pad}  for (; pj_lc + {lanes} <= {hi}; pj_lc += {lanes}) {{", *chunk(str(lanes)), f"{pad}  }}"]
+        if count is None or count % lanes:
+            lines += [f"{pad}  if (pj_lc < {hi}) {{", f"{pad}    const int pj_ln = (int)({hi} - pj_lc);",
+                      *chunk("pj_ln"), f"{pad}  }}"]
+        return [*lines, f"{pad}}}"]
 
     def reduce_cell(self, r: Reduce) -> tuple[str, str]:
         """A reduction's output cell (an lvalue: store into it with :meth:`store`) and the
@@ -537,22 +620,26 @@ def emit_body(em: Emitter, kernel: Kernel, plan: KernelPlan, names: Names) -> li
     return gpu.emit_body(em, kernel, plan, names, em.d.gpu)
 
 
-def range_loops(loops: Sequence[tuple[str, int]], indent: int) -> tuple[list[str], int]:
+def range_loop(loops: Sequence[tuple[str, int]]) -> tuple[str, list[str]]:
     """A ranged kernel's shared loops (variable, extent; outermost first) as one loop over its
-    range ``[pj_lo, pj_hi)`` of their iterations, flattened, each variable decoded from it;
-    returns the lines and the indent depth inside."""
-    p = "  " * indent
+    range ``[pj_lo, pj_hi)`` of their iterations, flattened: the loop's variable, and the
+    lines that decode each of theirs from it."""
     if len(loops) == 1:
-        ((v, _),) = loops
-        return [f"{p}for (int64_t {v} = pj_lo; {v} < pj_hi; ++{v}) {{"], indent + 1
+        return loops[0][0], []
     decoded, stride = [], 1
     for k in range(len(loops) - 1, -1, -1):
         v, n = loops[k]
         flat = "pj_it" if stride == 1 else f"pj_it / {stride}"
         decoded.append(f"{v} = {flat}" if k == 0 else f"{v} = {flat} % {n}")
         stride *= n
-    return [f"{p}for (int64_t pj_it = pj_lo; pj_it < pj_hi; ++pj_it) {{",
-            f"{p}  const int64_t {', '.join(reversed(decoded))};"], indent + 1
+    return "pj_it", [f"const int64_t {', '.join(reversed(decoded))};"]
+
+
+def range_loops(loops: Sequence[tuple[str, int]], indent: int) -> tuple[list[str], int]:
+    """:func:`range_loop` opened: its lines, and the indent depth inside."""
+    p = "  " * indent
+    v, head = range_loop(loops)
+    return [f"{p}for (int64_t {v} = pj_lo; {v} < pj_hi; ++{v}) {{", *(f"{p}  {h}" for h in head)], indent + 1
 
 
 def emit_loops(em: Emitter, kernel: Kernel, plan: KernelPlan, indent: int) -> list[str]:
@@ -569,26 +656,30 @@ def emit_loops(em: Emitter, kernel: Kernel, plan: KernelPlan, indent: int) -> li
         lines += shape(em, kernel, plan, indent)
         em.hoisted.clear()
         return lines
-    depth = indent
+    loops: list[tuple[str, str, str, list[str]]] = []  # variable, start, stop, head: outermost first
     if plan.team and nest and d.ranged:
-        opened, depth = range_loops([(em.names.var(s), n) for s, n in nest[:plan.team]], indent)
-        lines += opened
+        v, head = range_loop([(em.names.var(s), n) for s, n in nest[:plan.team]])
+        loops.append((v, "pj_lo", "pj_hi", head))
         nest = nest[plan.team:]
     elif plan.team and nest:
         pragma = d.pragma(d.parallel_for_pragma, plan.team)
         lines += [f"{'  ' * indent}{pragma}"] if pragma else []
     elif plan.team and isinstance(kernel.body, Reduce):
         return em.reduce(kernel.body, indent, d.pragma(d.parallel_reduction_pragma, plan.team, kernel.body.accum))
+    loops += [(em.names.var(s), "0", str(n), []) for s, n in nest]
     # not on a loop an OpenMP ``parallel for`` already heads (a dialect that is not ranged)
     covered = bool(plan.team) and not d.ranged and plan.team >= len(nest)
-    simd = d.simd_for_pragma if nest and not covered and only_stores(kernel.body) else None
-    for k, (sym, n) in enumerate(nest):
-        v = em.names.var(sym)
-        if simd and k == len(nest) - 1:
-            lines.append(f"{'  ' * depth}{simd}")
-        lines.append(f"{'  ' * depth}for (int64_t {v} = 0; {v} < {n}; ++{v}) {{")
+    independent = bool(loops) and not covered and only_stores(kernel.body)
+    depth = indent
+    for v, start, stop, head in loops[:-1] if independent else loops:
+        lines += [f"{'  ' * depth}for (int64_t {v} = {start}; {v} < {stop}; ++{v}) {{", *(f"{'  ' * depth}  {h}" for h in head)]
         depth += 1
-    lines += em.stmt(kernel.body, depth)
+    if independent:  # the innermost loop's iterations write their own cells
+        v, start, stop, head = loops[-1]
+        body = kernel.body
+        lines += em.lanes(v, start, stop, [lambda ind: em.stmt(body, ind)], depth, head, d.simd_for_pragma)
+    else:
+        lines += em.stmt(kernel.body, depth)
     em.hoisted.clear()
     for dd in range(depth - 1, indent - 1, -1):
         lines.append(f"{'  ' * dd}}}")
@@ -622,7 +713,11 @@ def _segment_loops(em: Emitter, kernel: Kernel, plan: KernelPlan, indent: int) -
         assert isinstance(seg, Segment)
         start = f"({seg.lo} > {lo} ? {seg.lo} : {lo})" if plan.team else str(seg.lo)
         stop = f"({seg.hi} < {hi} ? {seg.hi} : {hi})" if plan.team else str(seg.hi)
-        lines += [f"{p}for (int64_t {v} = {start}; {v} < {stop}; ++{v}) {{", *em.stmt(seg.body, indent + 1), f"{p}}}"]
+        body = seg.body
+        if only_stores(body):
+            lines += em.lanes(v, start, stop, [functools.partial(em.stmt, body)], indent)
+        else:
+            lines += [f"{p}for (int64_t {v} = {start}; {v} < {stop}; ++{v}) {{", *em.stmt(body, indent + 1), f"{p}}}"]
     return lines
 
 

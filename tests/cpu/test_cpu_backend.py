@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from polyjit.backends import get_backend
 from polyjit.backends.cpu import create_backend, split_cores
-from polyjit.core import ir, patterns
+from polyjit.core import dtypes, ir, patterns
 from polyjit.core.codegen import KernelSpec
 from polyjit.core.runtime import Backend, Routine
 
@@ -558,7 +558,7 @@ def test_vectorized_float32_exp_and_tanh_are_within_two_ulps() -> None:
     x, t, e = ir.Node("x", (n,)), ir.Node("t", (n,)), ir.Node("e", (n,))
     code = backend.compile_batch([ir.Comp.of(ir.apply(ir.Op.TANH, x, into=t)),
                                   ir.Comp.of(ir.apply(ir.Op.EXP, x, into=e))], names=["tanh32", "exp32"])
-    assert "pj_tanh_f32(" in code.source.text and "pj_exp_f32(" in code.source.text
+    assert "pj_tanh_vf32(" in code.source.text and "pj_exp_vf32(" in code.source.text
     rng = np.random.default_rng(11)
     special = [np.nan, np.inf, -np.inf, 0.0, -0.0, 88.8, -88.0, -120.0, 1e-30, 0.55, -0.55, 9.5]
     xv = np.concatenate([special, rng.uniform(-110, 90, n // 2 - len(special)), rng.uniform(-2, 2, n // 2)])
@@ -580,6 +580,73 @@ def test_vectorized_float32_exp_and_tanh_are_within_two_ulps() -> None:
     with np.errstate(over="ignore"):
         np.testing.assert_array_equal(got_e[:5], np.exp(xv[:5]))
         assert np.isinf(got_e[5]) and got_e[7] == 0.0
+    ctx.finalize()
+
+
+def _float32_bits_with_specials(n: int, seed: int) -> np.ndarray:
+    """``n`` float32s of random bits (NaNs, infinities and subnormals among them), the values
+    where exp and tanh change formula or saturate first."""
+    special = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-45, -1e-45, 88.72, 88.73, 89.0,
+                        -103.9, -104.0, -110.0, 0.55, -0.55, 0.5499, 10.0, -10.0, 1e-8], np.float32)
+    bits = np.random.default_rng(seed).integers(0, 1 << 32, n - len(special), dtype=np.uint64).astype(np.uint32)
+    return np.concatenate([special, bits.view(np.float32)])
+
+
+def test_vector_exp_and_tanh_give_the_scalar_helpers_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loop's float32 exp and tanh run a vector at a time (Emitter.lanes: pj_exp_vf32,
+    pj_tanh_vf32), also in a chunk's tail and nested; every result is the scalar helpers'
+    (which the loop ran before), bit for bit, NaN payloads included (sigmoid's NaNs aside)."""
+    from polyjit.backends.cpu.dialect import CpuDialect
+
+    backend = get_backend("cpu")
+    n = 4099  # chunks of a vector's lanes and a tail
+    x = ir.Node("x", (n,))
+    outs = {op: ir.Node(op.value, (n,)) for op in (ir.Op.TANH, ir.Op.EXP, ir.Op.SIGMOID)}
+    t, nested = ir.Node("t", (n,)), ir.Node("nested", (n,))
+    comps = [ir.Comp.of(ir.apply(op, x, into=out)) for op, out in outs.items()]
+    comps.append(ir.Comp.of(ir.apply(ir.Op.EXP, x, into=t), ir.apply(ir.Op.TANH, t, into=nested)))
+    xv = _float32_bits_with_specials(n, 5)
+    results = []
+    for vector in (True, False):
+        if not vector:
+            monkeypatch.setattr(CpuDialect, "vector_math", lambda self, fn, dt: None)
+        code = backend.compile_batch(comps, names=["tanh32", "exp32", "sigmoid32", "nested32"])
+        text = code.source.text
+        assert ("pj_tanh_vf32(" in text and "pj_lv1[pj_l]" in text) == vector and ("pj_tanh_f32(" in text) != vector
+        ctx = backend.get_device(0).make_context().init_from_host(x, xv)
+        routines = ctx.link_batch(code)
+        for r in routines:
+            r.run()
+        results.append([routines[-1].context.read(out).view(np.uint32) for out in [*outs.values(), nested]])
+        ctx.finalize()
+    for op, vec, scalar in zip([*outs, "nested"], *results):
+        if op is ir.Op.SIGMOID:  # 1 / (1 + exp(-x)): GCC folds the scalar 1 + -x into 1 - x, so a NaN's sign differs
+            np.testing.assert_array_equal(vec.view(np.float32), scalar.view(np.float32))
+        else:
+            np.testing.assert_array_equal(vec, scalar)
+
+
+def test_a_guarded_integer_division_keeps_its_exp_scalar() -> None:
+    """``where(b != 0, exp(a / b), 0)`` on int32 a, b: the exp's argument divides integers, so
+    it stays where the ``where`` guards it (C's ``?:``), not in a vector chunk's first pass,
+    which would run it on every lane and trap on a zero divisor."""
+    backend = get_backend("cpu")
+    n = 100
+    a, b = ir.Node("a", (n,), dtypes.int32), ir.Node("b", (n,), dtypes.int32)
+    q, f, e = ir.Node("q", (n,), dtypes.int32), ir.Node("f", (n,)), ir.Node("e", (n,))
+    nz, y = ir.Node("nz", (n,), dtypes.bool_), ir.Node("y", (n,))
+    comp = ir.Comp.of(ir.apply(ir.Op.DIV, a, b, into=q), ir.apply(ir.Op.CAST, q, into=f),
+                      ir.apply(ir.Op.EXP, f, into=e), ir.apply(ir.Op.NE, b, 0, into=nz),
+                      ir.apply(ir.Op.WHERE, nz, e, 0.0, into=y))
+    code = backend.compile_batch([comp], names=["guarded"])
+    assert "pj_exp_f32(" in code.source.text and "pj_lv0" not in code.source.text
+    av = np.arange(n, dtype=np.int32) - 50
+    bv = np.where(np.arange(n) % 3 == 0, 0, 7).astype(np.int32)
+    ctx = backend.get_device(0).make_context().init_from_host(a, av).init_from_host(b, bv)
+    (r,) = ctx.link_batch(code)
+    r.run()
+    expect = np.where(bv != 0, np.exp((np.fix(av / np.where(bv == 0, 1, bv))).astype(np.float32)), 0.0)
+    np.testing.assert_allclose(r.context.read(y), expect, rtol=1e-6)
     ctx.finalize()
 
 

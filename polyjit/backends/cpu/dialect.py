@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from polyjit.backends.cpu import tiles
 from polyjit.backends.cpu.host import host_cpu
 from polyjit.core import dtypes
-from polyjit.core.codegen import Dialect
+from polyjit.core.codegen import Dialect, VectorMath
 from polyjit.core.patterns import STAGED_MAX_LENGTH, STREAMING_MIN_BYTES
 
 __all__ = ["STREAMING_MIN_BYTES", "CpuDialect"]
@@ -54,12 +54,18 @@ class CpuDialect(Dialect):
         """Tail loads/stores of the tiles and float32 exp/tanh, then max/min: ``generate``
         keeps those the kernels call."""
         out: list[tuple[str, list[str]]] = []
-        for dt in sorted(batch_dtypes & set(tiles.VEC_SUFFIX), key=lambda d: d.name):
+        computed = {d.compute for d in batch_dtypes}  # half types compute in float32
+        for dt in sorted((batch_dtypes | computed) & set(tiles.VEC_SUFFIX), key=lambda d: d.name):
             out += tiles.tail_helpers(dt, self.type_name(dt), self.vector_bytes)
-        if dtypes.float32 in {d.compute for d in batch_dtypes}:  # half types compute in float32
-            out += tiles.FLOAT32_MATH
+        if dtypes.float32 in computed:
+            out += tiles.FLOAT32_MATH + tiles.vector_math(self.vector_bytes)
         out += [tiles.SCRATCH_HELPER, tiles.SCRATCH_TAG_HELPER, tiles.TRANSPOSE_HELPER]
         return out + super().helper_definitions(batch_dtypes)
+
+    def vector_math(self, fn: str, dt: dtypes.DType) -> VectorMath | None:
+        if dt is dtypes.float32 and fn in ("exp", "tanh"):
+            return VectorMath(f"pj_{fn}_vf32", "pj_vf32", self.vector_bytes // 4)
+        return None
 
     def math_call(self, fn: str, dt: dtypes.DType, args: Sequence[str]) -> str:
         if dt is dtypes.float32 and fn in ("exp", "tanh"):
