@@ -118,7 +118,7 @@ def test_folded_chains_are_bit_for_bit_what_the_kernels_compute(chain: tuple[str
     # unfolded: the same chain from a seed the context keeps (so none of it is uniform)
     stored = [attrs.evolve(assigns[0], node=nodes[0].with_mode(MemoryMode.ON_DEVICE))]
     unfolded = ir.Comp.of(*stored, *(_renamed(a, nodes[0], stored[0].node) for a in assigns[1:]))
-    got, plain = _run_cpu(comp, x, out, host), _run_cpu(unfolded, x, out, host)
+    got, plain = _run_cpu([comp, unfolded], x, out, host)
     np.testing.assert_array_equal(got.view(np.uint8), plain.view(np.uint8))
     # NaNs equal, whatever their sign (float32: numpy's testing does not see bfloat16's NaNs)
     np.testing.assert_array_equal(got.astype(np.float32), np.asarray(ref[out]).astype(np.float32))
@@ -129,13 +129,16 @@ def _renamed(a: ir.Assignment, old: Node, new: Node) -> ir.Assignment:
     return attrs.evolve(a, rhs=tuple(new if x is old else x for x in a.rhs))
 
 
-def _run_cpu(comp: ir.Comp, x: Node, out: Node, host: np.ndarray) -> np.ndarray:
+def _run_cpu(comps: list[ir.Comp], x: Node, out: Node, host: np.ndarray) -> list[np.ndarray]:
+    """``out`` after each of ``comps``, from ``x`` = ``host``, on the CPU (one compile)."""
     backend = backend_or_skip("cpu")
-    code = backend.compile(comp, name="fold")
+    code = backend.compile_batch(comps, names=[f"fold{k}" for k in range(len(comps))])
+    results = []
     with backend.get_device(0).make_context() as ctx:
-        routine = ctx.init_from_host(x, host).link(code)
-        routine.run()
-        return routine.context.read(out)
+        for routine in ctx.init_from_host(x, host).link_batch(code):
+            routine.run()
+            results.append(routine.context.read(out))
+    return results
 
 
 def test_the_cross_entropy_gradient_runs_in_the_log_softmax_kernel() -> None:

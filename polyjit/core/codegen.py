@@ -87,11 +87,12 @@ class KernelSpec:
 @attrs.frozen
 class VectorMath:
     """A math function on a vector (Dialect.vector_math): the helper's name, the C type of the
-    vector it takes and gives back, and its lanes."""
+    vector it takes and gives back, its lanes and the C type of one."""
 
     helper: str
     vector: str
     lanes: int
+    scalar: str
 
 
 # A shape only one dialect writes (Dialect.shape_emitters): the lines inside the signature.
@@ -514,8 +515,7 @@ class Emitter:
         if isinstance(s, Loop):
             v, body = self.names.var(s.sym), s.body
             if independent_iterations(s):
-                return self.lanes(v, "0", str(s.extent), [lambda ind: self.stmt(body, ind)], indent,
-                                  pragma=self.d.simd_for_pragma)
+                return self.lanes(v, "0", str(s.extent), self.bodies(body), indent, pragma=self.d.simd_for_pragma)
             return [f"{pad}for (int64_t {v} = 0; {v} < {s.extent}; ++{v}) {{", *self.stmt(body, indent + 1), f"{pad}}}"]
         if isinstance(s, Seq):  # a fused kernel's statements, in order, in each iteration
             return [line for st in s.body for line in self.stmt(st, indent)]
@@ -523,6 +523,12 @@ class Emitter:
             v = self.names.var(s.sym)
             return [f"{pad}if ({v} >= {s.lo} && {v} < {s.hi}) {{", *self.stmt(s.body, indent + 1), f"{pad}}}"]
         return self.reduce(s, indent)
+
+    def bodies(self, s: Stmt) -> list[Callable[[int], list[str]]]:
+        """The renderers of ``s``'s statements in order (a Seq's one by one), for :meth:`lanes`."""
+        if isinstance(s, Seq):
+            return [r for st in s.body for r in self.bodies(st)]
+        return [functools.partial(self.stmt, s)]
 
     def lanes(self, var: str, lo: str, hi: str, bodies: Sequence[Callable[[int], list[str]]], indent: int,
               head: Sequence[str] = (), pragma: str | None = None) -> list[str]:
@@ -549,6 +555,7 @@ class Emitter:
             return [*loop, *(f"{pad}  {h}" for h in head), *(ln[4:] for _, lines in phases for ln in lines), f"{pad}}}"]
         lanes = staged[0][0].lanes
         assert all(vm.lanes == lanes for vm, _ in staged)
+        arrays = " ".join(f"{vm.scalar} pj_lv{k}[{lanes}] = {{0}};" for k, (vm, _) in enumerate(staged))
 
         def lane_loop(n: str, lines: list[str]) -> list[str]:
             return [*([f"{pad}    {pragma}"] if pragma else []), f"{pad}    for (int pj_l = 0; pj_l < {n}; ++pj_l) {{",
@@ -556,7 +563,7 @@ class Emitter:
                     *lines, f"{pad}    }}"]
 
         def chunk(n: str) -> list[str]:
-            out = [f"{pad}    float {', '.join(f'pj_lv{k}[{lanes}] = {{0}}' for k in range(len(staged)))};"]
+            out = [f"{pad}    {arrays}"]
             for i, (first, lines) in enumerate(phases):
                 last = phases[i + 1][0] if i + 1 < len(phases) else len(staged)
                 for k in range(first, last):
@@ -676,8 +683,7 @@ def emit_loops(em: Emitter, kernel: Kernel, plan: KernelPlan, indent: int) -> li
         depth += 1
     if independent:  # the innermost loop's iterations write their own cells
         v, start, stop, head = loops[-1]
-        body = kernel.body
-        lines += em.lanes(v, start, stop, [lambda ind: em.stmt(body, ind)], depth, head, d.simd_for_pragma)
+        lines += em.lanes(v, start, stop, em.bodies(kernel.body), depth, head, d.simd_for_pragma)
     else:
         lines += em.stmt(kernel.body, depth)
     em.hoisted.clear()
@@ -715,7 +721,7 @@ def _segment_loops(em: Emitter, kernel: Kernel, plan: KernelPlan, indent: int) -
         stop = f"({seg.hi} < {hi} ? {seg.hi} : {hi})" if plan.team else str(seg.hi)
         body = seg.body
         if only_stores(body):
-            lines += em.lanes(v, start, stop, [functools.partial(em.stmt, body)], indent)
+            lines += em.lanes(v, start, stop, em.bodies(body), indent)
         else:
             lines += [f"{p}for (int64_t {v} = {start}; {v} < {stop}; ++{v}) {{", *em.stmt(body, indent + 1), f"{p}}}"]
     return lines

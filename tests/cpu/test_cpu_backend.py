@@ -626,6 +626,22 @@ def test_vector_exp_and_tanh_give_the_scalar_helpers_bits(monkeypatch: pytest.Mo
             np.testing.assert_array_equal(vec, scalar)
 
 
+def test_fused_statements_run_their_vector_chunks_in_turn() -> None:
+    """tanh(tanh(tanh(a))) into one node, three statements of one kernel: each statement's
+    lanes (and the tanh its value needs, staged) run after the one before it wrote them."""
+    backend = get_backend("cpu")
+    n = 1003
+    a, out = ir.Node("a", (n,)), ir.Node("out", (n,))
+    chain = ir.Comp.of(*[ir.apply(ir.Op.TANH, a if k == 0 else out, into=out) for k in range(3)], embedded=[out])
+    code = backend.compile(chain, name="chain")
+    assert "pj_lv0[pj_l]" in code.source
+    av = np.linspace(-3, 3, n, dtype=np.float32)
+    r = backend.get_device(0).make_context().init_from_host(a, av).link(code)
+    r.run()
+    np.testing.assert_allclose(r.context.read(out), np.tanh(np.tanh(np.tanh(av))), rtol=2e-6, atol=1e-7)
+    r.context.finalize()
+
+
 def test_a_guarded_integer_division_keeps_its_exp_scalar() -> None:
     """``where(b != 0, exp(a / b), 0)`` on int32 a, b: the exp's argument divides integers, so
     it stays where the ``where`` guards it (C's ``?:``), not in a vector chunk's first pass,

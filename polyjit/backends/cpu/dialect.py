@@ -64,7 +64,7 @@ class CpuDialect(Dialect):
 
     def vector_math(self, fn: str, dt: dtypes.DType) -> VectorMath | None:
         if dt is dtypes.float32 and fn in ("exp", "tanh"):
-            return VectorMath(f"pj_{fn}_vf32", "pj_vf32", self.vector_bytes // 4)
+            return VectorMath(f"pj_{fn}_vf32", "pj_vf32", self.vector_bytes // 4, "float")
         return None
 
     def math_call(self, fn: str, dt: dtypes.DType, args: Sequence[str]) -> str:

@@ -29,7 +29,6 @@
 
 from __future__ import annotations
 
-import functools
 import re
 from collections.abc import Callable
 
@@ -403,7 +402,7 @@ def _tile(em: Emitter, plan: KernelPlan, names: Names, rows: int, vecs: int, tai
         bodies: list[Callable[[int], list[str]]] = []
         if plan.transposed and not private:
             bodies.append(lambda ind: [f"{'  ' * ind}{out} = pj_cell[pj_er][pj_ec];"])
-        bodies += [functools.partial(em.stmt, st) for st in c.epilogue]
+        bodies += [r for st in c.epilogue for r in em.bodies(st)]
         # the cells' exp and tanh a vector at a time (Emitter.lanes)
         lines += [*cells[:2], *em.lanes(inner[0], "0", str(inner[1]), bodies, 1, [inner[2]]), "}"]
         em.held.clear()
