@@ -128,7 +128,9 @@ def step_gpu_tests() -> dict[str, Any]:
     env = os.environ.copy()
     os.environ["POLYJIT_REQUIRE_BACKENDS"] = "cuda"
     try:
-        rc = pytest.main(["-q", "-m", "gpu", "-p", "no:cacheprovider", str(tests)])
+        # in this process (-o addopts= drops pyproject's -n auto): the GPU tests count the
+        # device's memory and time it, as if it were theirs, and xdist need not be installed
+        rc = pytest.main(["-o", "addopts=", "-q", "-m", "gpu", "-p", "no:cacheprovider", str(tests)])
     finally:
         os.environ.clear()
         os.environ.update(env)

@@ -85,7 +85,10 @@ class _Child:
     def start(self, root: Path, stub_dir: Path, base: Path) -> None:
         env = stub.stub_env(stub_dir, base / "kernels", base / "host", PJSTUB_CHILD="1",
                             PJSTUB_RESULTS=str(self.results), **dict(self.env_key))
-        cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--no-header", *self.nodeids]
+        # one process (-o addopts= drops the workers of pyproject's -n auto): this child is
+        # already one of several, and its reports go to one results file
+        cmd = [sys.executable, "-m", "pytest", "-o", "addopts=", "-p", "no:cacheprovider", "-q", "--no-header",
+               *self.nodeids]
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
         self.started = time.monotonic()

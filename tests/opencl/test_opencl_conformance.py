@@ -57,7 +57,7 @@ def test_two_device_tests_in_a_subprocess(backend: Backend) -> None:
     env = {**os.environ, "POCL_DEVICES": "pthread pthread", IN_SUBPROCESS: "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE), "-k", select],
+        [sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider", str(HERE), "-k", select],
         env=env, capture_output=True, text=True, timeout=900, cwd=ROOT,
     )
     tail = (out.stdout + out.stderr)[-6000:]
