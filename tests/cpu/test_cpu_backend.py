@@ -129,6 +129,23 @@ def test_streaming_store_kernels_match_numpy_including_the_tail() -> None:
     routine.context.finalize()
 
 
+def test_streaming_tanh_runs_a_vector_at_a_time_and_matches_numpy() -> None:
+    """A streamed output's tanh (its blocks, its tail) goes through the vector helper."""
+    from polyjit.backends.cpu.dialect import STREAMING_MIN_BYTES
+    from polyjit.backends.cpu.host import host_cpu
+
+    n = STREAMING_MIN_BYTES // 4 + 5
+    backend = get_backend("cpu")
+    a, out = ir.Node("a", (n,)), ir.Node("out", (n,))
+    code = backend.compile(ir.Comp.of(ir.apply(ir.Op.TANH, a, into=out)), name="tanh_big")
+    assert "pj_tanh_vf32(" in code.source and ("_stream_" in code.source or host_cpu().vector_bytes < 32)
+    av = np.random.default_rng(8).uniform(-6, 6, n).astype(np.float32)
+    routine = backend.get_device(0).make_context().init_from_host(a, av).link(code)
+    routine.run()
+    np.testing.assert_allclose(routine.context.read(out), np.tanh(av.astype(np.float64)), rtol=3e-7, atol=1e-38)
+    routine.context.finalize()
+
+
 @settings(max_examples=25)
 @given(batch=st.integers(0, 2), rows=st.integers(8, 70), cols=st.integers(8, 70),
        dtype=st.sampled_from(["float32", "int32"]), seed=st.integers(0, 2**31))

@@ -482,8 +482,13 @@ def streaming(em: Emitter, kernel: Kernel, plan: KernelPlan, names: Names) -> li
     lanes = d.vector_bytes // dt.itemsize
     suffix = "ps" if dt is dtypes.float32 else "pd"
     width, guard = ("512", "__AVX512F__") if d.vector_bytes == 64 else ("256", "__AVX__")
-    i, out, value = names.var(sym), names.buffer(body.node), em.expr(body.value)
+    i, out = names.var(sym), names.buffer(body.node)
     lo, hi = ("pj_lo", "pj_hi") if plan.team else ("0", str(n))  # this call's elements
+
+    def into(ref: str) -> Callable[[int], list[str]]:  # the store, rendered where Emitter.lanes stages its exp/tanh
+        return lambda indent: [f"{'  ' * indent}{ref} = {em.expr(body.value)};"]
+
+    block = f"const int64_t {i} = pj_start + pj_head + pj_blk * {lanes} + pj_k;"
     return [
         f"#if defined({guard})",
         f"  const int64_t pj_start = {lo}, pj_n = {hi} - pj_start;",
@@ -491,17 +496,14 @@ def streaming(em: Emitter, kernel: Kernel, plan: KernelPlan, names: Names) -> li
         f"  pj_head = pj_head % {dt.itemsize} ? pj_n : pj_head / {dt.itemsize};",
         "  if (pj_head > pj_n) pj_head = pj_n;",
         f"  const int64_t pj_blocks = (pj_n - pj_head) / {lanes};",
-        f"  for (int64_t {i} = pj_start; {i} < pj_start + pj_head; ++{i}) {out}[{i}] = {value};",
+        *em.lanes(i, "pj_start", "pj_start + pj_head", [into(f"{out}[{i}]")], 1),
         "  for (int64_t pj_blk = 0; pj_blk < pj_blocks; ++pj_blk) {",
         f"    {d.type_name(dt)} pj_tmp[{lanes}] __attribute__((aligned({d.vector_bytes})));",
-        f"    for (int pj_l = 0; pj_l < {lanes}; ++pj_l) {{",
-        f"      const int64_t {i} = pj_start + pj_head + pj_blk * {lanes} + pj_l;",
-        f"      pj_tmp[pj_l] = {value};",
-        "    }",
+        *em.lanes("pj_k", "0", str(lanes), [into("pj_tmp[pj_k]")], 2, [block]),
         f"    _mm{width}_stream_{suffix}(&{out}[pj_start + pj_head + pj_blk * {lanes}], _mm{width}_load_{suffix}(pj_tmp));",
         "  }",
         "  _mm_sfence();  /* streaming stores are weakly ordered */",
-        f"  for (int64_t {i} = pj_start + pj_head + pj_blocks * {lanes}; {i} < {hi}; ++{i}) {out}[{i}] = {value};",
+        *em.lanes(i, f"pj_start + pj_head + pj_blocks * {lanes}", hi, [into(f"{out}[{i}]")], 1),
         "#else",
         *emit_loops(em, kernel, plan, 1),
         "#endif",
