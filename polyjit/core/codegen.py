@@ -683,7 +683,8 @@ def emit_loops(em: Emitter, kernel: Kernel, plan: KernelPlan, indent: int) -> li
         depth += 1
     if independent:  # the innermost loop's iterations write their own cells
         v, start, stop, head = loops[-1]
-        lines += em.lanes(v, start, stop, em.bodies(kernel.body), depth, head, d.simd_for_pragma)
+        simd = d.simd_for_pragma if nest else None  # a nest's loop, not the range's flattened one
+        lines += em.lanes(v, start, stop, em.bodies(kernel.body), depth, head, simd)
     else:
         lines += em.stmt(kernel.body, depth)
     em.hoisted.clear()
