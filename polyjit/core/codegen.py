@@ -254,6 +254,10 @@ class Dialect:
         one that a loop's lanes should share (:meth:`Emitter.lanes`); None here."""
         return None
 
+    def bool_to_float(self, dt: DType, arg: str) -> str:
+        """A bool (0 or 1) as 0.0 or 1.0 of the float type ``dt``."""
+        return f"(({self.type_name(dt)})({arg}))"
+
     def math_call(self, fn: str, dt: DType, args: Sequence[str]) -> str:
         suffix = "f" if dt is dtypes.float32 else ""
         name = {"abs": "fabs"}.get(fn, fn)
@@ -472,6 +476,8 @@ class Emitter:
                 return f"(({t})(({args[0]}) != 0))"
             if e.dtype.is_half and e.args[0].dtype is dtypes.float64:  # round once, not twice
                 return f"{half.F64_TO_F32_ODD}({args[0]})"
+            if e.args[0].dtype.is_bool and dt.is_float:
+                return self.d.bool_to_float(dt, args[0])
             return f"(({t})({args[0]}))"
         if op is ir.Op.WHERE:
             if any(_traps(a) for a in e.args[1:]):  # only the value chosen may run (C's ?:)

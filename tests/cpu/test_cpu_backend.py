@@ -659,6 +659,28 @@ def test_fused_statements_run_their_vector_chunks_in_turn() -> None:
     r.context.finalize()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+def test_a_bool_cast_to_a_float_is_zero_or_one(dtype: str) -> None:
+    """``x - float(x > 0)`` (the shape of ``softmax - onehot``): the C spells the cast through
+    the bits of 1.0 (tiles.BOOL_TO_FLOAT), which GCC cannot turn into a branch; the values
+    are numpy's, NaN's comparison included."""
+    backend = get_backend("cpu")
+    dt = dtypes.as_dtype(dtype)
+    n = 101
+    x, pos, one, out = ir.Node("x", (n,), dt), ir.Node("pos", (n,), dtypes.bool_), ir.Node("one", (n,), dt), ir.Node("out", (n,), dt)
+    comp = ir.Comp.of(ir.apply(ir.Op.GT, x, 0.0, into=pos), ir.apply(ir.Op.CAST, pos, into=one),
+                      ir.apply(ir.Op.SUB, x, one, into=out))
+    code = backend.compile(comp, name="onehot")
+    assert f"pj_bool_{'f64' if dtype == 'float64' else 'f32'}(" in code.source
+    xv = np.concatenate([[np.nan, -0.0, 0.0, np.inf, -np.inf], np.linspace(-3, 3, n - 5)]).astype(dt.np)
+    r = backend.get_device(0).make_context().init_from_host(x, xv).link(code)
+    r.run()
+    with np.errstate(invalid="ignore"):
+        expect = xv - (xv > 0).astype(dt.np)
+    np.testing.assert_array_equal(r.context.read(out), expect)
+    r.context.finalize()
+
+
 def test_a_guarded_integer_division_keeps_its_exp_scalar() -> None:
     """``where(b != 0, exp(a / b), 0)`` on int32 a, b: the exp's argument divides integers, so
     it stays where the ``where`` guards it (C's ``?:``), not in a vector chunk's first pass,

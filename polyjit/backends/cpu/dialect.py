@@ -59,6 +59,7 @@ class CpuDialect(Dialect):
             out += tiles.tail_helpers(dt, self.type_name(dt), self.vector_bytes)
         if dtypes.float32 in computed:
             out += tiles.FLOAT32_MATH + tiles.vector_math(self.vector_bytes)
+        out += [tiles.BOOL_TO_FLOAT[dt] for dt in sorted(computed & set(tiles.BOOL_TO_FLOAT), key=lambda d: d.name)]
         out += [tiles.SCRATCH_HELPER, tiles.SCRATCH_TAG_HELPER, tiles.TRANSPOSE_HELPER]
         return out + super().helper_definitions(batch_dtypes)
 
@@ -66,6 +67,11 @@ class CpuDialect(Dialect):
         if dt is dtypes.float32 and fn in ("exp", "tanh"):
             return VectorMath(f"pj_{fn}_vf32", "pj_vf32", self.vector_bytes // 4, "float")
         return None
+
+    def bool_to_float(self, dt: dtypes.DType, arg: str) -> str:
+        if dt in tiles.BOOL_TO_FLOAT:  # as bits (tiles.BOOL_TO_FLOAT says why)
+            return f"{tiles.BOOL_TO_FLOAT[dt][0]}({arg})"
+        return super().bool_to_float(dt, arg)
 
     def math_call(self, fn: str, dt: dtypes.DType, args: Sequence[str]) -> str:
         if dt is dtypes.float32 and fn in ("exp", "tanh"):

@@ -165,6 +165,19 @@ static inline pj_vf32 pj_tanh_vf32(pj_vf32 x) {
 ]
 
 
+# A bool as 0.0 or 1.0 through its bits: GCC 12 rewrites ``x - (float)c`` (the cross-entropy
+# gradient's ``softmax - onehot``) as ``c ? x - 1 : x``, a branch holding a float op, which
+# its vectorizer then leaves scalar on hosts without masked vector ops (AVX2).
+BOOL_TO_FLOAT: dict[dtypes.DType, tuple[str, list[str]]] = {
+    dt: (f"pj_bool_{sfx}", [
+        f"static inline {ct} pj_bool_{sfx}(int c) {{",
+        f"  const {ut} u = -({ut})(c != 0) & {one}; {ct} f; __builtin_memcpy(&f, &u, sizeof f); return f;",
+        "}"])
+    for dt, sfx, ct, ut, one in ((dtypes.float32, "f32", "float", "uint32_t", "0x3f800000u"),
+                                 (dtypes.float64, "f64", "double", "uint64_t", "0x3ff0000000000000ull"))
+}
+
+
 VEC_SUFFIX = {dtypes.float32: "f32", dtypes.float64: "f64"}
 
 
