@@ -547,18 +547,19 @@ class Emitter:
         vector, then the body, reading its lanes. Each body's lanes run before the next
         body's, which the disjoint cells allow."""
         pad = "  " * indent
-        self.staged = []
+        outer, self.staged = self.staged, None if self.staged is not None else []  # a loop in a chunk: plain
         try:
             phases: list[tuple[int, list[str]]] = []  # (calls staged before, lines) of each body
             for body in bodies:
-                phases.append((len(self.staged), body(indent + 3)))
-            staged = self.staged
+                phases.append((len(self.staged or ()), body(indent + 3)))
+            staged = self.staged or []
         finally:
-            self.staged = None
+            self.staged = outer
         loop = [f"{pad}{pragma}"] if pragma else []
         loop.append(f"{pad}for (int64_t {var} = {lo}; {var} < {hi}; ++{var}) {{")
-        if not staged:
-            return [*loop, *(f"{pad}  {h}" for h in head), *(ln[4:] for _, lines in phases for ln in lines), f"{pad}}}"]
+        if not staged:  # the lines one level in, not three
+            lines = [ln[4:] if ln.startswith("    ") else ln for _, body_lines in phases for ln in body_lines]
+            return [*loop, *(f"{pad}  {h}" for h in head), *lines, f"{pad}}}"]
         lanes = staged[0][0].lanes
         assert all(vm.lanes == lanes for vm, _ in staged)
         arrays = " ".join(f"{vm.scalar} pj_lv{k}[{lanes}] = {{0}};" for k, (vm, _) in enumerate(staged))
