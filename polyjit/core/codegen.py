@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 
 import attrs
@@ -355,6 +356,19 @@ def _traps(e: Expr) -> bool:
     return any(isinstance(x, Call) and x.op is ir.Op.DIV and not x.dtype.is_float for x in walk_expr(e))
 
 
+def _used_declarations(decls: Sequence[str], lines: Sequence[str]) -> list[str]:
+    """Of ``decls`` (``const int64_t a = ..., b = ...;``, each reading only those before it),
+    those whose variables ``lines`` or a kept later declaration read."""
+    kept: list[str] = []
+    text = "\n".join(lines)
+    for d in reversed(decls):
+        names = re.findall(r"(?:int64_t|,)\s*(\w+)\s*=", d)
+        if any(re.search(rf"\b{name}\b", text) for name in names):
+            kept.append(d)
+            text += "\n" + d.split("=", 1)[1]
+    return kept[::-1]
+
+
 def _rounds(e: Call) -> bool:
     """The call's float32 result must be rounded to its half type."""
     if not e.dtype.is_half or e.op in _EXACT_ON_HALF:
@@ -565,9 +579,10 @@ class Emitter:
         arrays = " ".join(f"{vm.scalar} pj_lv{k}[{lanes}] = {{0}};" for k, (vm, _) in enumerate(staged))
 
         def lane_loop(n: str, lines: list[str]) -> list[str]:
+            # the loop's variable and head, those the pass reads (no unused variables)
+            decls = _used_declarations([f"const int64_t {var} = pj_lc + pj_l;", *head], lines)
             return [*([f"{pad}    {pragma}"] if pragma else []), f"{pad}    for (int pj_l = 0; pj_l < {n}; ++pj_l) {{",
-                    f"{pad}      const int64_t {var} = pj_lc + pj_l;", *(f"{pad}      {h}" for h in head),
-                    *lines, f"{pad}    }}"]
+                    *(f"{pad}      {h}" for h in decls), *lines, f"{pad}    }}"]
 
         def chunk(n: str) -> list[str]:
             out = [f"{pad}    {arrays}"]
