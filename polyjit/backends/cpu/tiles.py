@@ -62,6 +62,30 @@ from polyjit.core.patterns import (
 # x^17 below 0.55 (truncation < 2^-27 relative), 1 - 2 / (exp(2|x|) + 1) above. Measured
 # against float64 numpy over 4.6M points: exp within 0.92 ulp, tanh within 1.6 ulp (glibc's
 # tanhf: 2.1, numpy's: 1.4); NaN, +-inf, +-0 and subnormal results as libm gives them.
+# exp's Taylor coefficients, r^7 first, and tanh's odd series', x^17 first (Horner), which the
+# scalar and the vector helpers both run, op for op, so that they give the same bits.
+_EXP_TAYLOR = ("1.0f / 5040.0f", "+ 1.0f / 720.0f", "+ 1.0f / 120.0f", "+ 1.0f / 24.0f", "+ 1.0f / 6.0f",
+               "+ 0.5f", "+ 1.0f", "+ 1.0f")
+_TANH_SERIES = ("6404582.0f / 10854718875.0f", "- 929569.0f / 638512875.0f", "+ 21844.0f / 6081075.0f",
+                "- 1382.0f / 155925.0f", "+ 62.0f / 2835.0f", "- 17.0f / 315.0f", "+ 2.0f / 15.0f", "- 1.0f / 3.0f")
+
+
+def _exp_core(t: str, splat: str) -> list[str]:
+    """exp's lines on ``y`` (clamped, not NaN) in type ``t``, up to its polynomial ``p``; ``splat``
+    makes a scalar constant a ``t`` ("" for float, "zero + " for a vector)."""
+    first, *rest = _EXP_TAYLOR
+    return [f"  const {t} n = (y * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  /* y over ln 2, rounded */",
+            f"  const {t} r = (y - n * 0.693145751953125f) - n * 1.428606820309417232e-6f;",
+            f"  {t} p = {splat}{first};", *(f"  p = p * r {c};" for c in rest)]
+
+
+def _tanh_series(t: str, splat: str) -> list[str]:
+    """tanh's odd series in type ``t``: ``small``, from ``x`` and ``z = x * x``."""
+    first, *rest = _TANH_SERIES
+    return [f"  {t} q = {splat}{first};", *(f"  q = q * z {c};" for c in rest),
+            f"  const {t} small = x + x * z * q;"]
+
+
 FLOAT32_MATH: list[tuple[str, list[str]]] = [
     ("pj_pow2i_f32", """\
 static inline float pj_pow2i_f32(int32_t k) {  /* 2^k, k in [-126, 127] */
@@ -70,39 +94,22 @@ static inline float pj_pow2i_f32(int32_t k) {  /* 2^k, k in [-126, 127] */
   __builtin_memcpy(&f, &bits, sizeof f);
   return f;
 }""".splitlines()),
-    ("pj_exp_f32", """\
-static inline float pj_exp_f32(float x) {
-  const float y = x < -104.0f ? -104.0f : (x > 89.0f ? 89.0f : x);
-  const float n = (y * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  /* y over ln 2, rounded */
-  const float r = (y - n * 0.693145751953125f) - n * 1.428606820309417232e-6f;
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t k = (int32_t)n, k1 = k >> 1;
-  const float v = p * pj_pow2i_f32(k1) * pj_pow2i_f32(k - k1);
-  return x != x ? x : v;
-}""".splitlines()),
-    ("pj_tanh_f32", """\
-static inline float pj_tanh_f32(float x) {
-  const float a = fabsf(x), z = x * x;
-  float q = 6404582.0f / 10854718875.0f;
-  q = q * z - 929569.0f / 638512875.0f;
-  q = q * z + 21844.0f / 6081075.0f;
-  q = q * z - 1382.0f / 155925.0f;
-  q = q * z + 62.0f / 2835.0f;
-  q = q * z - 17.0f / 315.0f;
-  q = q * z + 2.0f / 15.0f;
-  q = q * z - 1.0f / 3.0f;
-  const float small = x + x * z * q;
-  const float e = pj_exp_f32(2.0f * (a < 10.0f ? a : 10.0f));
-  const float v = copysignf(a < 0.55f ? small : 1.0f - 2.0f / (e + 1.0f), x);
-  return x != x ? x : v;
-}""".splitlines()),
+    ("pj_exp_f32", [
+        "static inline float pj_exp_f32(float x) {",
+        "  const float y = x < -104.0f ? -104.0f : (x > 89.0f ? 89.0f : x);",
+        *_exp_core("float", ""),
+        "  const int32_t k = (int32_t)n, k1 = k >> 1;",
+        "  const float v = p * pj_pow2i_f32(k1) * pj_pow2i_f32(k - k1);",
+        "  return x != x ? x : v;",
+        "}"]),
+    ("pj_tanh_f32", [
+        "static inline float pj_tanh_f32(float x) {",
+        "  const float a = fabsf(x), z = x * x;",
+        *_tanh_series("float", ""),
+        "  const float e = pj_exp_f32(2.0f * (a < 10.0f ? a : 10.0f));",
+        "  const float v = copysignf(a < 0.55f ? small : 1.0f - 2.0f / (e + 1.0f), x);",
+        "  return x != x ? x : v;",
+        "}"]),
 ]
 
 
@@ -124,44 +131,29 @@ VECTOR_MATH: list[tuple[str, list[str]]] = [
 static inline pj_vf32 pj_vsel_f32(pj_vi32 m, pj_vf32 a, pj_vf32 b) {  /* m ? a : b, lane by lane */
   return (pj_vf32)((m & (pj_vi32)a) | (~m & (pj_vi32)b));
 }""".splitlines()),
-    ("pj_exp_vf32", """\
-static inline pj_vf32 pj_exp_vf32(pj_vf32 x) {
-  const pj_vf32 zero = {0};
-  const pj_vi32 nan = x != x;
-  pj_vf32 y = pj_vsel_f32(x < -104.0f, zero - 104.0f, x);
-  y = pj_vsel_f32(y > 89.0f, zero + 89.0f, y);
-  y = pj_vsel_f32(nan, zero, y);  /* a NaN comes back as it came, below */
-  const pj_vf32 n = (y * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const pj_vf32 r = (y - n * 0.693145751953125f) - n * 1.428606820309417232e-6f;
-  pj_vf32 p = r * (1.0f / 5040.0f) + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const pj_vi32 k = __builtin_convertvector(n, pj_vi32), k1 = k >> 1;
-  const pj_vf32 v = p * (pj_vf32)((k1 + 127) << 23) * (pj_vf32)((k - k1 + 127) << 23);
-  return pj_vsel_f32(nan, x, v);
-}""".splitlines()),
-    ("pj_tanh_vf32", """\
-static inline pj_vf32 pj_tanh_vf32(pj_vf32 x) {
-  const pj_vf32 zero = {0};
-  const pj_vi32 sign = (pj_vi32)-zero;  /* the sign bit */
-  const pj_vf32 a = (pj_vf32)((pj_vi32)x & ~sign), z = x * x;
-  pj_vf32 q = z * (6404582.0f / 10854718875.0f) - 929569.0f / 638512875.0f;
-  q = q * z + 21844.0f / 6081075.0f;
-  q = q * z - 1382.0f / 155925.0f;
-  q = q * z + 62.0f / 2835.0f;
-  q = q * z - 17.0f / 315.0f;
-  q = q * z + 2.0f / 15.0f;
-  q = q * z - 1.0f / 3.0f;
-  const pj_vf32 small = x + x * z * q;
-  const pj_vf32 e = pj_exp_vf32(2.0f * pj_vsel_f32(a < 10.0f, a, zero + 10.0f));
-  const pj_vf32 m = pj_vsel_f32(a < 0.55f, small, 1.0f - 2.0f / (e + 1.0f));
-  const pj_vf32 v = (pj_vf32)(((pj_vi32)m & ~sign) | ((pj_vi32)x & sign));
-  return pj_vsel_f32(x != x, x, v);
-}""".splitlines()),
+    ("pj_exp_vf32", [
+        "static inline pj_vf32 pj_exp_vf32(pj_vf32 x) {",
+        "  const pj_vf32 zero = {0};",
+        "  const pj_vi32 nan = x != x;",
+        "  pj_vf32 y = pj_vsel_f32(x < -104.0f, zero - 104.0f, x);",
+        "  y = pj_vsel_f32(y > 89.0f, zero + 89.0f, y);",
+        "  y = pj_vsel_f32(nan, zero, y);  /* a NaN comes back as it came, below */",
+        *_exp_core("pj_vf32", "zero + "),
+        "  const pj_vi32 k = __builtin_convertvector(n, pj_vi32), k1 = k >> 1;",
+        "  const pj_vf32 v = p * (pj_vf32)((k1 + 127) << 23) * (pj_vf32)((k - k1 + 127) << 23);",
+        "  return pj_vsel_f32(nan, x, v);",
+        "}"]),
+    ("pj_tanh_vf32", [
+        "static inline pj_vf32 pj_tanh_vf32(pj_vf32 x) {",
+        "  const pj_vf32 zero = {0};",
+        "  const pj_vi32 sign = (pj_vi32)-zero;  /* the sign bit */",
+        "  const pj_vf32 a = (pj_vf32)((pj_vi32)x & ~sign), z = x * x;",
+        *_tanh_series("pj_vf32", "zero + "),
+        "  const pj_vf32 e = pj_exp_vf32(2.0f * pj_vsel_f32(a < 10.0f, a, zero + 10.0f));",
+        "  const pj_vf32 m = pj_vsel_f32(a < 0.55f, small, 1.0f - 2.0f / (e + 1.0f));",
+        "  const pj_vf32 v = (pj_vf32)(((pj_vi32)m & ~sign) | ((pj_vi32)x & sign));",
+        "  return pj_vsel_f32(x != x, x, v);",
+        "}"]),
 ]
 
 
