@@ -605,6 +605,35 @@ def test_vectorized_float32_exp_and_tanh_are_within_two_ulps() -> None:
     ctx.finalize()
 
 
+def test_the_scalar_exp_and_tanh_have_no_undefined_behaviour(tmp_path: Path) -> None:
+    """The scalar float32 helpers under UBSan (a float cast out of an int's range is undefined:
+    exp's ``(int32_t)n`` of a NaN was), on the values where they clamp, switch or give NaN."""
+    from polyjit.backends.cpu import tiles
+
+    cc = shutil.which("gcc")
+    if cc is None:
+        pytest.skip("gcc is not installed")
+    helpers = [ln for _, lines in tiles.FLOAT32_MATH for ln in lines]
+    main = textwrap.dedent("""\
+        volatile float in[] = {NAN, -NAN, INFINITY, -INFINITY, 0.0f, -0.0f, 1e30f, -1e30f, 88.8f,
+                               -120.0f, 0.55f, 1e-45f};
+        int main(void) {
+          for (unsigned i = 0; i < sizeof in / sizeof in[0]; ++i)
+            printf("%a %a\\n", (double)pj_exp_f32(in[i]), (double)pj_tanh_f32(in[i]));
+          return 0;
+        }""")
+    src = tmp_path / "math.c"
+    src.write_text("\n".join(["#include <math.h>", "#include <stdint.h>", "#include <stdio.h>", *helpers, main]))
+    exe = tmp_path / "math"
+    subprocess.run([cc, "-O1", "-fsanitize=undefined,float-cast-overflow", "-fno-sanitize-recover=all",
+                    str(src), "-o", str(exe), "-lm"], check=True, capture_output=True)
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    rows = [[float.fromhex(v) for v in line.split()] for line in run.stdout.splitlines()]
+    assert all(np.isnan(v) for v in rows[0] + rows[1])
+    assert rows[2] == [np.inf, 1.0] and rows[3] == [0.0, -1.0] and rows[9][0] == 0.0
+
+
 def _float32_bits_with_specials(n: int, seed: int) -> np.ndarray:
     """``n`` float32s of random bits (NaNs, infinities and subnormals among them), the values
     where exp and tanh change formula or saturate first."""

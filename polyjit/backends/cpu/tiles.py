@@ -96,7 +96,7 @@ static inline float pj_pow2i_f32(int32_t k) {  /* 2^k, k in [-126, 127] */
 }""".splitlines()),
     ("pj_exp_f32", [
         "static inline float pj_exp_f32(float x) {",
-        "  const float y = x < -104.0f ? -104.0f : (x > 89.0f ? 89.0f : x);",
+        "  const float y = x < -104.0f ? -104.0f : (x > 89.0f ? 89.0f : (x != x ? 0.0f : x));  /* no NaN to cast */",
         *_exp_core("float", ""),
         "  const int32_t k = (int32_t)n, k1 = k >> 1;",
         "  const float v = p * pj_pow2i_f32(k1) * pj_pow2i_f32(k - k1);",
