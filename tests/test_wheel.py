@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# One xdist worker runs this module (--dist loadgroup): two wheel builds at once in the one
+# source tree would share its build/ directory.
+pytestmark = pytest.mark.xdist_group("wheel")
 
 
 def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: int = 300) -> str:

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from retry import attempts
 
 from polyjit.backends import get_backend
 from polyjit.backends.cpu import create_backend, split_cores
@@ -52,7 +53,7 @@ def test_the_gil_is_free_while_a_kernel_runs() -> None:
     routine.run()  # warm up (page faults, thread team)
     routine.context.stream.synchronize()
     tries = []
-    for _ in range(3):  # on 2 cores the kernel's team may preempt this thread for a time slice
+    for _ in attempts():  # on 2 cores the kernel's team (or another process) may preempt this thread
         t0 = time.perf_counter()
         routine.run()
         enqueue = time.perf_counter() - t0
@@ -79,7 +80,7 @@ def test_two_devices_compute_at_once() -> None:
         r.run()
         r.context.stream.synchronize()
     best = float("inf")
-    for _ in range(5):  # best of five: another process may share the cores
+    for _ in attempts():  # another process may share the cores: the best ratio until a deadline
         t0 = time.perf_counter()
         r0.run()
         r0.context.stream.synchronize()
@@ -91,8 +92,10 @@ def test_two_devices_compute_at_once() -> None:
         r1.context.stream.synchronize()
         both = time.perf_counter() - t0
         best = min(best, both / single)
-    # sequential would be 2x; on an idle machine this is about 1.05x
-    assert best < 1.75, f"two devices took {best:.2f}x one device's time"
+        if best < 1.75:  # sequential would be 2x; on an idle machine this is about 1.05x
+            break
+    else:
+        raise AssertionError(f"two devices took {best:.2f}x one device's time")
 
 
 def test_static_bindings_are_read_when_run_enqueues() -> None:

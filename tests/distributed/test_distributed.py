@@ -167,7 +167,7 @@ def test_nccl_unique_id_reaches_every_rank(job2: Job) -> None:
 def test_an_exception_on_one_rank_aborts_the_job_with_its_traceback(mpiexec: str) -> None:
     job = run_job(2, "abort", timeout=120)
     assert job.rc != 0, job.text()
-    assert job.seconds < 30, job.text()  # rank 0 waited in a collective with a 120 s timeout
+    assert job.seconds < 60, job.text()  # rank 0 waited in a collective with a 120 s timeout
     assert "[rank 1] Traceback (most recent call last):" in job.err, job.text()
     assert "[rank 1] RuntimeError: boom on purpose" in job.err, job.text()
     assert "aborting the job" in job.err, job.text()
