@@ -275,21 +275,27 @@ def test_block_transposes_compile_with_clang(tmp_path: Path) -> None:
 
 # Panels of y are k * (2 or 4 vectors) * vector bytes: 1000-deep ones lie between
 # PACK_MIN_BYTES and PACK_MAX_BYTES on AVX2 (2 vectors of 32 bytes) and AVX-512 hosts (4 of 64)
-# alike, 6000-deep ones above, 100-deep ones below.
+# alike, 6000-deep ones above, 100-deep ones below. x's are packed where x lies across k
+# (tiles.packs_x) and k is PACK_X_MIN_K deep or more.
 @pytest.mark.parametrize(("spec", "a_shape", "b_shape", "packed"), [
-    ("ik,kj->ij", (64, 1000), (1000, 1024), True),  # rows of y a power of two apart
-    ("bik,bkj->bij", (2, 20, 1000), (2, 1000, 80), True),  # a panel per batch index and column block
-    ("ki,kj->ij", (1000, 30), (1000, 72), True),  # x transposed; full column blocks and an edge
-    ("ik,kj->ij", (13, 1000), (1000, 64), True),  # an edge tile of one row reads the panel too
-    ("ik,kj->ij", (6, 1000), (1000, 64), False),  # one row tile: a panel would be read once
-    ("ik,kj->ij", (64, 100), (100, 64), False),  # a panel under PACK_MIN_BYTES: cached as it is
-    ("ik,kj->ij", (12, 6000), (6000, 64), False),  # a panel over PACK_MAX_BYTES: read in place
+    ("ik,kj->ij", (64, 1000), (1000, 1024), "y"),  # rows of y a power of two apart
+    ("bik,bkj->bij", (2, 20, 1000), (2, 1000, 80), "y"),  # a panel per batch index and column block
+    ("ik,kj->ij", (13, 1000), (1000, 64), "y"),  # an edge tile of one row reads the panel too
+    ("ik,kj->ij", (6, 1000), (1000, 64), ""),  # one row tile: a panel would be read once
+    ("ik,kj->ij", (64, 100), (100, 64), ""),  # a panel under PACK_MIN_BYTES: cached as it is
+    ("ik,kj->ij", (12, 6000), (6000, 64), ""),  # a panel over PACK_MAX_BYTES: read in place
+    ("ki,kj->ij", (1000, 30), (1000, 72), "x"),  # x transposed; an edge row tile and edge columns
+    ("ki,kj->ij", (256, 784), (256, 256), "x"),  # the MLP's weight gradient x.T @ dh
+    ("bki,bkj->bij", (2, 300, 20), (2, 300, 40), "x"),  # a panel per batch index and row block
+    ("ki,kj->ij", (300, 30), (300, 16), ""),  # one column tile: x's panel would be read once
+    ("ki,kj->ij", (100, 30), (100, 72), ""),  # a shallow k: x's lines stay in the L1 cache
 ])
-def test_register_tiles_pack_panels_of_y(spec: str, a_shape: tuple[int, ...], b_shape: tuple[int, ...],
-                                         packed: bool) -> None:
-    """Full-width tiles read y from a panel packed once per (batch, column block) where one
-    panel serves several row tiles and is between PACK_MIN_BYTES and PACK_MAX_BYTES; products
-    match numpy either way, whichever threads share the range."""
+def test_register_tiles_pack_panels(spec: str, a_shape: tuple[int, ...], b_shape: tuple[int, ...],
+                                    packed: str) -> None:
+    """Full tiles read y from a panel packed once per (batch, column block) where one panel
+    serves several row tiles and is between PACK_MIN_BYTES and PACK_MAX_BYTES, or x from one
+    packed once per (batch, row block); products match numpy either way, whichever threads
+    share the range."""
     from polyjit.backends.cpu.dialect import CpuDialect
     from polyjit.backends.cpu.tiles import PACK_MAX_BYTES, PACK_MIN_BYTES
     from polyjit.core.patterns import register_vectors
@@ -307,7 +313,8 @@ def test_register_tiles_pack_panels_of_y(spec: str, a_shape: tuple[int, ...], b_
     want = np.einsum(spec, av, bv)
     out = ir.Node("out", want.shape)
     code = backend.compile(ir.Comp.of(ir.einsum(spec, a, b, into=out)), name="packed")
-    assert ("pj_panel" in code.source) == packed, code.source
+    assert ("pj_vec (*pj_panel)" in code.source) == (packed == "y"), code.source
+    assert ("float (*pj_panel)" in code.source) == (packed == "x"), code.source
     ctx = backend.get_device(0).make_context().init_from_host(a, av).init_from_host(b, bv)
     routine = ctx.link(code)
     for _ in range(3):  # the range shared differently each run (the host thread may join)
@@ -351,26 +358,28 @@ def test_packed_panels_run_on_threads_with_small_stacks() -> None:
     assert done.stdout.split() == ["[True]"], done.stdout
 
 
-def test_packed_tiles_read_y_in_place_without_scratch_memory() -> None:
+@pytest.mark.parametrize(("spec", "a_shape"), [("ik,kj->ij", (64, 1000)), ("ki,kj->ij", (1000, 64))])
+def test_packed_tiles_read_in_place_without_scratch_memory(spec: str, a_shape: tuple[int, int]) -> None:
     """A module whose scratch pointer is unset (or a thread out of memory) runs its full
-    tiles unpacked, with the same products."""
+    tiles unpacked, with the same products: y's panels or (x transposed) x's."""
     import ctypes
 
     from polyjit.backends.cpu.tiles import SCRATCH_FN
 
     backend = get_backend("cpu")
-    a, b, o = ir.Node("a", (64, 1000)), ir.Node("b", (1000, 256)), ir.Node("o", (64, 256))
-    code = backend.compile(ir.Comp.of(ir.einsum("ik,kj->ij", a, b, into=o)), name="noscratch")
+    a, b, o = ir.Node("a", a_shape), ir.Node("b", (1000, 256)), ir.Node("o", (64, 256))
+    code = backend.compile(ir.Comp.of(ir.einsum(spec, a, b, into=o)), name="noscratch")
     assert f"{SCRATCH_FN}(" in code.source
     rng = np.random.default_rng(3)
-    av, bv = rng.standard_normal((64, 1000)).astype(np.float32), rng.standard_normal((1000, 256)).astype(np.float32)
+    av, bv = rng.standard_normal(a_shape).astype(np.float32), rng.standard_normal((1000, 256)).astype(np.float32)
+    want = np.einsum(spec, av, bv)
     routine = backend.get_device(0).make_context().init_from_host(a, av).init_from_host(b, bv).link(code)
     slot = ctypes.c_void_p.in_dll(routine._module.handle, SCRATCH_FN)
     assert slot.value  # the driver gave it the runtime's
     slot.value = None
     try:
         routine.run()
-        np.testing.assert_allclose(routine.context.read(o), av @ bv, rtol=1e-3, atol=1e-3)
+        np.testing.assert_allclose(routine.context.read(o), want, rtol=1e-3, atol=1e-3)
     finally:
         slot.value = backend.driver.rt.scratch_address  # type: ignore[attr-defined]
     routine.context.finalize()
