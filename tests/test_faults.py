@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from settle import settled_memory
 
 from polyjit import ir
 from polyjit.backends.cpu import CpuDriver
@@ -95,7 +96,7 @@ def test_synchronous_driver_failures_are_typed_and_leave_the_context_usable() ->
     code = backend.compile(ir.Comp.of(ir.apply(Op.EXP, a, into=out)), name="k")
     ctx = dev.make_context().init_from_host(a, np.zeros(64, np.float32))
     r = ctx.link(code)
-    used = dev.used_memory()
+    used = settled_memory(dev)
     driver.armed = True
     with pytest.raises(DriverError, match=r"cpu:0.*injected launch failure"):
         r.run()

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from retry import attempts
+from settle import settled_memory
 
 from polyjit import ir
 from polyjit.core.errors import FinalizedError, StreamClosedError
@@ -37,12 +38,6 @@ def _child(code: str, timeout: int = 240) -> str:
                           timeout=timeout, cwd=ROOT, env=os.environ.copy())
     assert done.returncode == 0, f"exit {done.returncode}\nstdout:\n{done.stdout}\nstderr:\n{done.stderr[-4000:]}"
     return done.stdout
-
-
-def _settled(dev: object) -> int:
-    gc.collect()
-    dev.synchronize()  # type: ignore[attr-defined]
-    return int(dev.used_memory())  # type: ignore[attr-defined]
 
 
 def _exp_code(backend: Backend, n: int) -> tuple[Node, Node, object]:
@@ -224,7 +219,7 @@ def test_finalize_with_work_in_flight_frees_after_the_work(backend: Backend) -> 
     a, out = Node("a", (n,)), Node("out", (n,))
     chain = ir.Comp.of(*[ir.apply(Op.TANH, a if k == 0 else out, into=out) for k in range(6)])
     code = backend.compile(chain, name="long")
-    base = _settled(dev)
+    base = settled_memory(dev)
     root = dev.make_context()
     ctx = root.init_from_host(a, np.ones(n, np.float32))
     r = ctx.link(code)
@@ -249,7 +244,7 @@ def test_garbage_collected_contexts_give_their_pools_back(backend: Backend) -> N
     dev = backend.get_device(0)
     n = 1 << 16
     a, _out, code = _exp_code(backend, n)
-    base = _settled(dev)
+    base = settled_memory(dev)
 
     def scope() -> None:
         ctx = dev.make_context().init_from_host(a, np.ones(n, np.float32))
@@ -257,14 +252,14 @@ def test_garbage_collected_contexts_give_their_pools_back(backend: Backend) -> N
 
     for _ in range(10):
         scope()
-    assert _settled(dev) == base
+    assert settled_memory(dev) == base
 
 
 def test_a_child_keeps_its_parents_pools(backend: Backend) -> None:
     dev = backend.get_device(0)
     n = 4096
     a, out, code = _exp_code(backend, n)
-    base = _settled(dev)
+    base = settled_memory(dev)
     parent = dev.make_context().init_from_host(a, np.full(n, 2, np.float32))
     r = parent.link(code)
     del parent  # r.context is a child: it holds the parent and so the buffer of a
@@ -272,13 +267,13 @@ def test_a_child_keeps_its_parents_pools(backend: Backend) -> None:
     r.run()
     np.testing.assert_allclose(r.context.read(out), np.exp(np.float32(2)), rtol=1e-6)
     del r
-    assert _settled(dev) == base
+    assert settled_memory(dev) == base
 
 
 def test_with_make_context_finalizes_on_exit(backend: Backend) -> None:
     dev = backend.get_device(0)
     a, _out, code = _exp_code(backend, 1000)
-    base = _settled(dev)
+    base = settled_memory(dev)
     with dev.make_context() as root:
         r = root.init_from_host(a, np.ones(1000, np.float32)).link(code)
         r.run()

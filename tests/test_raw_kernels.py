@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from settle import settled_memory
 
 from polyjit.backends import get_backend
 from polyjit.backends.cpu import CpuDriver, create_backend
@@ -155,7 +156,7 @@ def test_many_outputs_share_one_pool_and_each_gets_its_own_place(cpu: Backend) -
            "  for (int i = 0; i < 7; i++) c[i] = 0.5 * i;\n}\n")
     code = cpu.raw_kernel(src, "fill", [raw.write(a), raw.write(b), raw.write(c)])
     dev = cpu.get_device(0)
-    before = dev.used_memory()
+    before = settled_memory(dev)
     r = dev.make_context().link(code)
     assert len({r.context.buffers[n].pool_id for n in (a, b, c)}) == 1
     r.run()

@@ -5,6 +5,7 @@ demo from a directory that is not the checkout (issue 12: installed, not only ch
 from __future__ import annotations
 
 import os
+import shutil
 import site
 import subprocess
 import sys
@@ -13,9 +14,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-# One xdist worker runs this module (--dist loadgroup): two wheel builds at once in the one
-# source tree would share its build/ directory.
-pytestmark = pytest.mark.xdist_group("wheel")
 
 
 def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: int = 300) -> str:
@@ -30,8 +28,14 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]
     no download), but imports polyjit from its own site-packages, as the test checks."""
     tmp = tmp_path_factory.mktemp("wheel")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    # built from a copy: each xdist worker that reaches a test here builds one, and two builds
+    # in the checkout share its build/ directory (one failed on a file the other removed)
+    src = tmp / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+        ".git", "build", "*.egg-info", "__pycache__", ".hypothesis", ".pytest_cache", ".mypy_cache", ".ruff_cache",
+        ".venv", ".whl"))
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-          "-w", str(tmp / "dist"), str(ROOT)], tmp, env)
+          "-w", str(tmp / "dist"), str(src)], tmp, env)
     (wheel,) = (tmp / "dist").glob("polyjit-*.whl")
     _run([sys.executable, "-m", "venv", "--system-site-packages", str(tmp / "venv")], tmp, env)
     bin_dir = tmp / "venv" / "bin"

@@ -37,16 +37,6 @@ IN_CHILD = os.environ.get("PJSTUB_CHILD") == "1"
 CHILD_TIMEOUT_S = float(os.environ.get("PJSTUB_CHILD_TIMEOUT", "900"))
 
 
-XDIST_GROUP = "cuda_stub"
-
-
-def _plain(nodeid: str) -> str:
-    """The node id without the ``@group`` suffix that xdist's loadgroup adds (a child runs
-    without xdist)."""
-    suffix = f"@{XDIST_GROUP}"
-    return nodeid[: -len(suffix)] if nodeid.endswith(suffix) else nodeid
-
-
 def _ours(item: pytest.Item) -> bool:
     return Path(str(item.path)).resolve().parent == HERE
 
@@ -151,7 +141,7 @@ class _Children:
         for item in self.session.items:
             if _ours(item):
                 env = getattr(getattr(item, "module", None), "STUB_ENV", {})
-                groups.setdefault(tuple(sorted(env.items())), []).append(_plain(item.nodeid))
+                groups.setdefault(tuple(sorted(env.items())), []).append(item.nodeid)
         root = Path(str(self.session.config.rootpath))
         for key, nodeids in groups.items():
             child = _Child(key, nodeids, self.base)
@@ -165,8 +155,8 @@ class _Children:
             pytest.skip(self.skip)
         if self.error:
             pytest.fail(self.error, pytrace=False)
-        child = self.by_item[_plain(item.nodeid)]
-        records = child.records(_plain(item.nodeid))
+        child = self.by_item[item.nodeid]
+        records = child.records(item.nodeid)
         if not any(r.get("done") for r in records):
             pytest.fail(f"the stub child process did not finish {item.nodeid} (it crashed or timed out); "
                         f"its output ends:\n{child.output_tail()}", pytrace=False)
@@ -226,15 +216,11 @@ _CHILDREN: _Children | None = None
 
 if not IN_CHILD:
 
-    @pytest.hookimpl(tryfirst=True)  # before xdist reads the group
     def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config,
                                       items: list[pytest.Item]) -> None:
         for item in items:
             if _ours(item):
                 item.setup = lambda: None  # type: ignore[method-assign]  # no fixtures here
-                # one xdist worker runs them all (--dist loadgroup), so one set of children
-                # runs, not one per worker that reaches a test here
-                item.add_marker(pytest.mark.xdist_group(XDIST_GROUP))
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 from opencl_helpers import ROOT, f32
+from settle import settled_memory
 
 from polyjit.core import ir, raw
 from polyjit.core.errors import (
@@ -159,7 +160,7 @@ def test_wrong_parameters_are_refused_at_link(backend: Backend) -> None:
     n = 64
     out, x, y = f32("out", (n,)), f32("x", (n,)), f32("y", (n,))
     ctx = dev.make_context().init_from_host(x, np.ones(n, np.float32)).init_from_host(y, np.ones(n, np.float32))
-    before = dev.used_memory()
+    before = settled_memory(dev)
     too_few = backend.raw_kernel(SAXPY, "saxpy", [raw.write(out), raw.read(x), raw.read(y)], global_size=n)
     with pytest.raises(InvalidArgumentError, match="takes 5 parameters, but raw_kernel names 3"):
         ctx.link(too_few)
@@ -227,7 +228,7 @@ def test_nodes_read_must_be_in_the_context(backend: Backend) -> None:
 
 def test_dropped_objects_while_in_flight(backend: Backend, gate: Any) -> None:
     dev = backend.get_device(0)
-    base = dev.used_memory()
+    base = settled_memory(dev)
     n = 128
     stream = dev.new_stream()
     out, x, y, *_, code = _saxpy(backend, n)
