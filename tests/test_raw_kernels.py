@@ -371,9 +371,7 @@ def test_dropped_objects_while_in_flight(cpu: Backend) -> None:
     n = 200
     x, y = f64("x", (n,)), f64("y", (n,))
     sn = StaticSymbol("n", n + 1)
-    gc.collect()  # what earlier tests dropped is freed before the count, not during it
-    dev.synchronize()
-    base = dev.used_memory()
+    base = settled_memory(dev)
     stream = dev.new_stream()
     ctx = dev.make_context(stream).init_from_host(x, np.arange(n, dtype=np.float64))
     r = ctx.link(cpu.raw_kernel(SLOW_COPY, "slow_copy", [raw.write(y), raw.read(x)], statics=[sn],
@@ -389,9 +387,7 @@ def test_dropped_objects_while_in_flight(cpu: Backend) -> None:
                                  bindings={sn: n}))
     r2.run()
     del r2, out, ctx, stream  # routine, code, contexts and stream, all while the kernel sleeps
-    gc.collect()
-    dev.synchronize()
-    assert dev.used_memory() == base
+    assert settled_memory(dev) == base
 
 
 def test_threads_compile_link_and_run_raw_kernels(cpu: Backend) -> None:

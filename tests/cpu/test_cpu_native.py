@@ -625,20 +625,26 @@ def run_times(rt: NativeRuntime, kernels: Kernels, stream: int, name: str, buffe
     rt.sync(stream, rt.last_ticket(stream))
 
 
+def tune_until(rt: NativeRuntime, kernels: Kernels, stream: int, name: str, buffers: list[int],
+               statics: list[int], n: int, team: int) -> None:
+    """Launch the kernel ``name`` in rounds of ``n`` until the stream picks a team of
+    ``team`` threads for it. A delayed thread (the other xdist worker takes a core) may make
+    the other size win for a while; the tuner re-times the loser at least once a second, so
+    the right size must win within the deadline."""
+    for _ in attempts():
+        run_times(rt, kernels, stream, name, buffers, statics, n)
+        if rt.team_of(stream, kernels.addr(name)) == team:
+            return
+    raise AssertionError(f"a team of {team} never won for {name}")
+
+
 def test_tuner_keeps_the_full_team_when_it_pays(
     rt: NativeRuntime, kernels: Kernels, stream2: int
 ) -> None:
-    """The team halves the kernel's time, so it wins. Another process (a pytest-xdist worker)
-    may delay the team's second thread for a while and make one thread win then; the tuner
-    re-times the team at least once a second, so the team must win within the deadline."""
+    """The team halves the kernel's time, so it wins (within tune_until's deadline)."""
     out = np.zeros(1, dtype=np.int64)
     assert rt.team_of(stream2, kernels.addr("split_sleep")) == 0  # never run
-    for _ in attempts():
-        run_times(rt, kernels, stream2, "split_sleep", [ptr(out)], [20000], 20)
-        if rt.team_of(stream2, kernels.addr("split_sleep")) == 2:
-            break
-    else:
-        raise AssertionError("the full team never won")
+    tune_until(rt, kernels, stream2, "split_sleep", [ptr(out)], [20000], 20, team=2)
     rt.sync(stream2, kernels.launch(stream2, "split_sleep", [ptr(out)], [20000]))
     assert out[0] == 2
 
@@ -648,12 +654,7 @@ def test_tuner_drops_to_one_thread_when_the_team_costs(
 ) -> None:
     out, penalty = np.zeros(1, dtype=np.int64), np.ones(1, dtype=np.int64)
     bufs = [ptr(out), ptr(penalty)]
-    for _ in attempts():  # a delayed one-thread run may make the team win until re-timed
-        run_times(rt, kernels, stream2, "team_penalty", bufs, [3000, 300], 30)
-        if rt.team_of(stream2, kernels.addr("team_penalty")) == 1:
-            break
-    else:
-        raise AssertionError("one thread never won")
+    tune_until(rt, kernels, stream2, "team_penalty", bufs, [3000, 300], 30, team=1)
     rt.sync(stream2, kernels.launch(stream2, "team_penalty", bufs, [3000, 300]))
     assert out[0] == 1
 
@@ -664,19 +665,9 @@ def test_tuner_goes_back_to_the_team_when_the_cost_goes(
     """A size that lost is re-timed (at least once a second), so the team comes back."""
     out, penalty = np.zeros(1, dtype=np.int64), np.ones(1, dtype=np.int64)
     bufs, statics = [ptr(out), ptr(penalty)], [8000, 4000]
-    for _ in attempts():
-        run_times(rt, kernels, stream2, "team_penalty", bufs, statics, 20)
-        if rt.team_of(stream2, kernels.addr("team_penalty")) == 1:
-            break
-    else:
-        raise AssertionError("one thread never won")
+    tune_until(rt, kernels, stream2, "team_penalty", bufs, statics, 20, team=1)
     penalty[0] = 0  # from now on the team halves the time
-    for _ in attempts():
-        run_times(rt, kernels, stream2, "team_penalty", bufs, statics, 20)
-        if rt.team_of(stream2, kernels.addr("team_penalty")) == 2:
-            break
-    else:
-        raise AssertionError("the full team never came back")
+    tune_until(rt, kernels, stream2, "team_penalty", bufs, statics, 20, team=2)
 
 
 def test_tuner_off_always_runs_the_full_team(

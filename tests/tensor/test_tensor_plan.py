@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from settle import settled_memory
 
 from polyjit import tensor as pt
 from polyjit.core.errors import (
@@ -396,16 +397,11 @@ def test_plans_dropped_right_after_a_step_free_everything_once_their_work_is_don
         plan = pt.compile(loss=loss, optimizer=pt.AdamW(0.01), device=dev)
         return plan.step(**data[0]) + plan.step(**data[1])  # dropped with the second update queued
 
-    def settled() -> int:
-        gc.collect()
-        dev.synchronize()
-        return int(dev.used_memory())
-
     first = one()
-    base = settled()
+    base = settled_memory(dev)
     for _ in range(10):
         assert one() == first
-    assert settled() == base
+    assert settled_memory(dev) == base
 
 
 def test_threads_sharing_a_plan_take_turns() -> None:
