@@ -60,7 +60,9 @@ from polyjit.core.patterns import (
 # tanhf costs ~18 ns, this 0.8 ns). exp: Cody-Waite reduction by ln 2 (ln2_hi has trailing
 # zero bits, so n * ln2_hi is exact), Taylor to r^7 (|r| <= ln2 / 2: truncation < 2^-27),
 # 2^n as two factors so subnormal results come out right. tanh: its odd Taylor series to
-# x^17 below 0.55 (truncation < 2^-27 relative), 1 - 2 / (exp(2|x|) + 1) above. Measured
+# x^17 below 0.55 (truncation < 2^-27 relative), 1 - 2 / (exp(2|x|) + 1) above, with exp's
+# argument in [0, 20]: no clamp, no NaN, and 2^n one factor (the same bits as exp's own;
+# the vector tanh 1.3x faster, session 23). Measured
 # against float64 numpy over 4.6M points: exp within 0.92 ulp, tanh within 1.6 ulp (glibc's
 # tanhf: 2.1, numpy's: 1.4); NaN, +-inf, +-0 and subnormal results as libm gives them.
 # exp's Taylor coefficients, r^7 first, and tanh's odd series', x^17 first (Horner), which the
@@ -107,7 +109,9 @@ static inline float pj_pow2i_f32(int32_t k) {  /* 2^k, k in [-126, 127] */
         "static inline float pj_tanh_f32(float x) {",
         "  const float a = fabsf(x), z = x * x;",
         *_tanh_series("float", ""),
-        "  const float e = pj_exp_f32(2.0f * (a < 10.0f ? a : 10.0f));",
+        "  const float y = 2.0f * (a < 10.0f ? a : 10.0f);",
+        *_exp_core("float", ""),
+        "  const float e = p * pj_pow2i_f32((int32_t)n);",
         "  const float v = copysignf(a < 0.55f ? small : 1.0f - 2.0f / (e + 1.0f), x);",
         "  return x != x ? x : v;",
         "}"]),
@@ -150,7 +154,9 @@ static inline pj_vf32 pj_vsel_f32(pj_vi32 m, pj_vf32 a, pj_vf32 b) {  /* m ? a :
         "  const pj_vi32 sign = (pj_vi32)-zero;  /* the sign bit */",
         "  const pj_vf32 a = (pj_vf32)((pj_vi32)x & ~sign), z = x * x;",
         *_tanh_series("pj_vf32", "zero + "),
-        "  const pj_vf32 e = pj_exp_vf32(2.0f * pj_vsel_f32(a < 10.0f, a, zero + 10.0f));",
+        "  const pj_vf32 y = 2.0f * pj_vsel_f32(a < 10.0f, a, zero + 10.0f);",
+        *_exp_core("pj_vf32", "zero + "),
+        "  const pj_vf32 e = p * (pj_vf32)((__builtin_convertvector(n, pj_vi32) + 127) << 23);",
         "  const pj_vf32 m = pj_vsel_f32(a < 0.55f, small, 1.0f - 2.0f / (e + 1.0f));",
         "  const pj_vf32 v = (pj_vf32)(((pj_vi32)m & ~sign) | ((pj_vi32)x & sign));",
         "  return pj_vsel_f32(x != x, x, v);",
