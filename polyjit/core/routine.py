@@ -242,7 +242,7 @@ class Replay:
                 if a.nbytes != node.nbytes or not a.flags.c_contiguous:
                     raise ShapeMismatchError(f"{self!r}: {node.label} needs a C-contiguous array of "
                                              f"{node.nbytes} bytes, got {a.nbytes} bytes, shape {a.shape}")
-                if into:
+                if into and not a.flags.writeable:  # the message's repr only when it is raised
                     check_writable(node, a, f"{self!r} output")
         return self._enqueue_copies(ins, outs)
 

@@ -1445,12 +1445,24 @@ def test_a_child_forked_by_a_thread_that_helped_does_not_hang() -> None:
     lambda: np.full((), 2.5, np.float32),                         # 0-d
     lambda: np.zeros((0, 3), np.uint8),                           # empty
     lambda: np.frombuffer(b"0123456789abcdef", np.uint8)[5:],     # read-only, memory of bytes
+    lambda: np.asfortranarray(np.ones((3, 4), np.float32))[1:],   # Fortran order
+    lambda: np.arange(12, dtype=np.float32).view(_Subclass)[3:],  # a subclass: the capsule
 ])
 def test_host_address_is_the_arrays_data_pointer(make: Callable[[], np.ndarray]) -> None:
-    """``host_address`` (numpy's C array interface) gives what ``array.ctypes.data`` gives:
-    the copies of the CPU driver read and write there."""
+    """``host_address`` (the data pointer read from an exact ndarray, numpy's C array interface
+    for anything else) gives what ``array.ctypes.data`` gives: the copies of the CPU driver
+    read and write there. On CPython the direct read is on (it agreed with the capsule at
+    import)."""
+    from polyjit.backends.cpu import native
+
     array = make()
-    assert host_address(array) == array.ctypes.data
+    assert host_address(array) == array.ctypes.data == native._struct_address(array)
+    if sys.implementation.name == "cpython":
+        assert native._DIRECT is np.ndarray
+
+
+class _Subclass(np.ndarray):
+    pass
 
 
 def test_host_address_reads_live_memory_under_python_dev_mode() -> None:
