@@ -18,7 +18,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import os
-import platform
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -117,7 +117,7 @@ _OBJECT_HEADER = object.__basicsize__
 
 
 def _reads_data_pointer() -> bool:
-    if platform.python_implementation() != "CPython":
+    if sys.implementation.name != "cpython":
         return False
     base = np.arange(12, dtype=np.float64).reshape(3, 4)
     probes = (base, base[1:, 2:], base.T, np.zeros(0, np.int8), base[::2].view(np.int32))
