@@ -8,7 +8,6 @@ working. ``polyjit.testing.faults`` injects both at random.
 
 from __future__ import annotations
 
-import gc
 from typing import Any
 
 import numpy as np
@@ -49,9 +48,7 @@ def test_1000_operations_with_random_faults(name: str, seed: int) -> None:
     assert counts.get("DeviceFaultError", 0) > 0 and counts.get("DriverError", 0) > 0, counts
     assert counts.get("ok", 0) > 400, counts  # most operations still work
     driver.armed = False
-    gc.collect()
-    dev.synchronize()
-    assert dev.used_memory() == 0
+    assert settled_memory(dev) == 0
     assert dev.pending_free_memory() == 0
     assert inner.allocated_bytes(0) == allocated  # the driver really freed every pool
 

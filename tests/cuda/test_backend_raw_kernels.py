@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 from scenarios import f32
+from settle import settled_memory
 
 from polyjit.backends import cuda
 from polyjit.core import ir, raw
@@ -235,9 +236,7 @@ def test_dropped_objects_while_in_flight(backend: Any, schedule: str) -> None:
                                       global_size=n))
     r2.run()
     del r2, keep, ctx, stream
-    gc.collect()
-    dev.synchronize()
-    assert dev.used_memory() == base
+    assert settled_memory(dev) == base
 
 
 def test_threads_compile_link_and_run(backend: Any) -> None:
