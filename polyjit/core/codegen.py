@@ -535,7 +535,8 @@ class Emitter:
         if isinstance(s, Loop):
             v, body = self.names.var(s.sym), s.body
             if independent_iterations(s):
-                return self.lanes(v, "0", str(s.extent), self.bodies(body), indent, pragma=self.d.simd_for_pragma)
+                return self.lanes(v, "0", str(s.extent), self.bodies(body), indent, pragma=self.d.simd_for_pragma,
+                                  repeatable=repeatable(body))
             return [f"{pad}for (int64_t {v} = 0; {v} < {s.extent}; ++{v}) {{", *self.stmt(body, indent + 1), f"{pad}}}"]
         if isinstance(s, Seq):  # a fused kernel's statements, in order, in each iteration
             return [line for st in s.body for line in self.stmt(st, indent)]
@@ -551,7 +552,7 @@ class Emitter:
         return [functools.partial(self.stmt, s)]
 
     def lanes(self, var: str, lo: str, hi: str, bodies: Sequence[Callable[[int], list[str]]], indent: int,
-              head: Sequence[str] = (), pragma: str | None = None) -> list[str]:
+              head: Sequence[str] = (), pragma: str | None = None, repeatable: bool = False) -> list[str]:
         """``for (var = lo; var < hi; ++var) { head; bodies }``, a loop whose iterations touch
         disjoint cells: each body's lines come from its renderer, given their indent. Where
         the dialect computes exp or tanh on vectors (:meth:`Dialect.vector_math`; GCC
@@ -559,7 +560,12 @@ class Emitter:
         AVX-512, not on AVX2), the loop runs in chunks of a vector's lanes: each body's calls
         first, an argument a lane into a local array, the function on the array as one
         vector, then the body, reading its lanes. Each body's lanes run before the next
-        body's, which the disjoint cells allow."""
+        body's, which the disjoint cells allow. A tail shorter than a vector goes through the
+        local arrays a lane at a time, and the vector read of lanes just stored one by one
+        waits for the stores to retire (a failed store-to-load forward); where the bodies are
+        ``repeatable`` (:func:`repeatable`) and the count is known and over a vector, the tail
+        is instead the last whole vector, some iterations again (char_lm's softmax and
+        cross-entropy kernel, 27-wide rows: 11 against 15 us, the same bits)."""
         pad = "  " * indent
         outer, self.staged = self.staged, None if self.staged is not None else []  # a loop in a chunk: plain
         try:
@@ -600,7 +606,9 @@ class Emitter:
         lines = [f"{pad}{{", f"{pad}  int64_t pj_lc = {lo};"]
         if count is None or count >= lanes:
             lines += [f"{pad}  for (; pj_lc + {lanes} <= {hi}; pj_lc += {lanes}) {{", *chunk(str(lanes)), f"{pad}  }}"]
-        if count is None or count % lanes:
+        if repeatable and count is not None and count > lanes and count % lanes:
+            lines += [f"{pad}  {{", f"{pad}    pj_lc = {int(hi) - lanes};", *chunk(str(lanes)), f"{pad}  }}"]
+        elif count is None or count % lanes:
             lines += [f"{pad}  if (pj_lc < {hi}) {{", f"{pad}    const int pj_ln = (int)({hi} - pj_lc);",
                       *chunk("pj_ln"), f"{pad}  }}"]
         return [*lines, f"{pad}}}"]
@@ -706,7 +714,7 @@ def emit_loops(em: Emitter, kernel: Kernel, plan: KernelPlan, indent: int) -> li
     if independent:  # the innermost loop's iterations write their own cells
         v, start, stop, head = loops[-1]
         simd = d.simd_for_pragma if nest else None  # a nest's loop, not the range's flattened one
-        lines += em.lanes(v, start, stop, em.bodies(kernel.body), depth, head, simd)
+        lines += em.lanes(v, start, stop, em.bodies(kernel.body), depth, head, simd, repeatable(kernel.body))
     else:
         lines += em.stmt(kernel.body, depth)
     em.hoisted.clear()
@@ -744,7 +752,7 @@ def _segment_loops(em: Emitter, kernel: Kernel, plan: KernelPlan, indent: int) -
         stop = f"({seg.hi} < {hi} ? {seg.hi} : {hi})" if plan.team else str(seg.hi)
         body = seg.body
         if only_stores(body):
-            lines += em.lanes(v, start, stop, em.bodies(body), indent)
+            lines += em.lanes(v, start, stop, em.bodies(body), indent, repeatable=repeatable(body))
         else:
             lines += [f"{p}for (int64_t {v} = {start}; {v} < {stop}; ++{v}) {{", *em.stmt(body, indent + 1), f"{p}}}"]
     return lines
@@ -773,6 +781,18 @@ def only_stores(body: Stmt) -> bool:
     outer loop would reorder nothing, but GCC 12 miscompiles some in-order float folds) and
     no row picked by data (two iterations might write one place)."""
     return all(isinstance(st, Store) and st.row is None for st in walk_stmts(body) if not isinstance(st, Seq))
+
+
+def repeatable(body: Stmt) -> bool:
+    """Whether running some iterations of a loop over ``body`` twice leaves what running each
+    once does (``Emitter.lanes`` recomputes the last whole vector over a tail): every statement
+    is a plain store at an affine place (no accumulation, no row picked by data), and none
+    reads a node one of them stores (``x = exp(x)`` would take exp twice)."""
+    stmts = [st for st in walk_stmts(body) if not isinstance(st, (Seq, Loop, Segment))]
+    if not all(isinstance(st, Store) and st.accum is None and st.row is None for st in stmts):
+        return False
+    stored = {st.node for st in stmts}
+    return not any(isinstance(e, Load) and e.node in stored for e in walk_exprs(body))
 
 
 def independent_iterations(loop: Loop) -> bool:

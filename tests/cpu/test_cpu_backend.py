@@ -705,6 +705,58 @@ def test_fused_statements_run_their_vector_chunks_in_turn() -> None:
     r.context.finalize()
 
 
+@pytest.mark.parametrize("n", [27, 8 * 3 + 1, 4099])
+def test_a_tail_is_the_last_whole_vector_again_only_where_that_changes_nothing(
+        monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    """A loop's exp over ``n`` elements, not a multiple of a vector's lanes: ``y = exp(x)``
+    runs its tail as the last whole vector, some elements a second time (Emitter.lanes: no
+    lane-by-lane staging); ``x = exp(x)`` would take exp twice there, and keeps the staged
+    tail. Both give the scalar loop's bits."""
+    from polyjit.backends.cpu.dialect import CpuDialect
+
+    backend = get_backend("cpu")
+    lanes = backend.driver.dialect.vector_bytes // 4
+    x, y = ir.Node("x", (n,)), ir.Node("y", (n,))
+    comps = [ir.Comp.of(ir.apply(ir.Op.EXP, x, into=y)), ir.Comp.of(ir.apply(ir.Op.EXP, x, into=x, accum=None))]
+    xv = _float32_bits_with_specials(n, 7)
+    results = []
+    for vector in (True, False):
+        if not vector:
+            monkeypatch.setattr(CpuDialect, "vector_math", lambda self, fn, dt: None)
+        code = backend.compile_batch(comps, names=["apart", "inplace"])
+        if vector:
+            apart, inplace = code.source.text.split("\nvoid inplace")
+            assert f"pj_lc = {n - lanes};" in apart and "const int pj_ln" not in apart
+            assert "const int pj_ln" in inplace and f"pj_lc = {n - lanes};" not in inplace
+        ctx = backend.get_device(0).make_context().init_from_host(x, xv)
+        first, second = ctx.link_batch(code)
+        first.run()
+        second.run()
+        results.append([second.context.read(node).view(np.uint32) for node in (y, x)])
+        ctx.finalize()
+    for vec, scalar in zip(*results):
+        np.testing.assert_array_equal(vec, scalar)
+    with np.errstate(over="ignore", invalid="ignore"):
+        once = np.exp(xv.astype(np.float64)).astype(np.float32)
+    finite = np.isfinite(once) & (np.abs(once) > 1e-30)
+    np.testing.assert_allclose(results[0][1].view(np.float32)[finite], once[finite], rtol=4e-7)
+
+
+def test_which_loops_may_run_iterations_twice() -> None:
+    """codegen.repeatable: plain stores of nodes the loop does not read."""
+    from polyjit.core.codegen import repeatable
+    from polyjit.core.loops import Load, Seq, Store
+
+    i = ir.Symbol("i")
+    x, y, z = ir.Node("x", (8,)), ir.Node("y", (8,)), ir.Node("z", (8,))
+    at = ir.as_affine(i)
+    assert repeatable(Store(y, at, Load(x, at)))
+    assert repeatable(Seq((Store(y, at, Load(x, at)), Store(z, at, Load(x, at)))))
+    assert not repeatable(Store(x, at, Load(x, at)))  # in place
+    assert not repeatable(Seq((Store(y, at, Load(x, at)), Store(z, at, Load(y, at)))))  # reads what it stores
+    assert not repeatable(Store(y, at, Load(x, at), accum=ir.AccumOp.ADD))
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
 def test_a_bool_cast_to_a_float_is_zero_or_one(dtype: str) -> None:
     """``x - float(x > 0)`` (the shape of ``softmax - onehot``): the C spells the cast through

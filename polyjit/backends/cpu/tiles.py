@@ -499,7 +499,8 @@ class _StagingEmitter(Emitter):
         target, init = self.reduce_cell(r)
         return [f"{pad}{{",
                 f"{pad}  {t} pj_vals[{n}];",
-                *self.lanes(k, "0", str(n), [lambda ind: [f"{'  ' * ind}pj_vals[{k}] = {self.expr(r.value)};"]], indent + 1),
+                *self.lanes(k, "0", str(n), [lambda ind: [f"{'  ' * ind}pj_vals[{k}] = {self.expr(r.value)};"]],
+                            indent + 1, repeatable=True),  # the values go to a local array, which none reads
                 f"{pad}  {t} pj_acc = {init};",
                 f"{pad}  for (int64_t {k} = 0; {k} < {n}; ++{k}) "
                 f"pj_acc = {self.combine(r.accum, r.node.dtype, 'pj_acc', f'pj_vals[{k}]')};",
