@@ -121,3 +121,36 @@ def test_a_members_loop_is_vectorized_only_where_its_iterations_write_their_own_
     # the shift, and the gradient's two passes (its exps a vector at a time: Emitter.lanes)
     # over its chunks and its tail; not the folds
     assert len(marked) == 5 and not any("pj_acc" in line for line in marked)
+
+
+def test_a_row_groups_tails_run_whole_vectors_with_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Softmax over 27-wide rows: the staged sum of exp and the divide's loop run their
+    3-wide tails as the last whole vector again (Emitter.lanes, codegen.repeatable), and give
+    the bits of the scalar loops."""
+    import numpy as np
+
+    from polyjit.backends.cpu.dialect import CpuDialect
+
+    backend = backend_or_skip("cpu")
+    lanes = backend.driver.dialect.vector_bytes // 4
+    if 27 % lanes == 0 or lanes > 27:
+        pytest.skip(f"{lanes} lanes leave 27-wide rows no tail")
+    prog = by_name("rows.softmax.float32")
+    rng = np.random.default_rng(3)
+    values = [(node, gen(rng)) for node, gen in prog.inputs]
+    results = []
+    for vector in (True, False):
+        if not vector:
+            monkeypatch.setattr(CpuDialect, "vector_math", lambda self, fn, dt: None)
+        code = backend.compile(prog.comps[0], name="sm")
+        if vector:
+            assert code.source.count(f"pj_lc = {27 - lanes};") == 2 and "const int pj_ln" not in code.source
+        ctx = backend.get_device(0).make_context()
+        for node, v in values:
+            ctx = ctx.init_from_host(node, v)
+        r = ctx.link(code)
+        r.run()
+        results.append([r.context.read(n).view(np.uint32) for n in prog.outputs])
+        ctx.finalize()
+    for vec, scalar in zip(*results):
+        np.testing.assert_array_equal(vec, scalar)

@@ -745,7 +745,7 @@ def test_a_tail_is_the_last_whole_vector_again_only_where_that_changes_nothing(
 def test_which_loops_may_run_iterations_twice() -> None:
     """codegen.repeatable: plain stores of nodes the loop does not read."""
     from polyjit.core.codegen import repeatable
-    from polyjit.core.loops import Load, Seq, Store
+    from polyjit.core.loops import Load, Reduce, Row, Seq, Store
 
     i = ir.Symbol("i")
     x, y, z = ir.Node("x", (8,)), ir.Node("y", (8,)), ir.Node("z", (8,))
@@ -755,6 +755,11 @@ def test_which_loops_may_run_iterations_twice() -> None:
     assert not repeatable(Store(x, at, Load(x, at)))  # in place
     assert not repeatable(Seq((Store(y, at, Load(x, at)), Store(z, at, Load(y, at)))))  # reads what it stores
     assert not repeatable(Store(y, at, Load(x, at), accum=ir.AccumOp.ADD))
+    assert not repeatable(Store(y, at, Load(x, at), accum=ir.AccumOp.MAX))
+    k = ir.Symbol("k")
+    picked = Row(Load(ir.Node("idx", (8,), dtypes.int32), at), 8, 1)  # a scatter's row, picked by data
+    assert not repeatable(Store(y, ir.fixed(0), Load(x, at), row=picked))
+    assert not repeatable(Reduce(y, at, ir.AccumOp.ADD, None, ((k, 8),), Load(x, ir.as_affine(k))))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
