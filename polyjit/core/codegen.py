@@ -788,11 +788,12 @@ def repeatable(body: Stmt) -> bool:
     once does (``Emitter.lanes`` recomputes the last whole vector over a tail): every statement
     is a plain store at an affine place (no accumulation, no row picked by data), and none
     reads a node one of them stores (``x = exp(x)`` would take exp twice)."""
-    stmts = [st for st in walk_stmts(body) if not isinstance(st, (Seq, Loop, Segment))]
-    if not all(isinstance(st, Store) and st.accum is None and st.row is None for st in stmts):
+    if not only_stores(body):
         return False
-    stored = {st.node for st in stmts}
-    return not any(isinstance(e, Load) and e.node in stored for e in walk_exprs(body))
+    stores = [st for st in walk_stmts(body) if isinstance(st, Store)]
+    stored = {st.node for st in stores}
+    return all(st.accum is None for st in stores) and not any(
+        isinstance(e, Load) and e.node in stored for e in walk_exprs(body))
 
 
 def independent_iterations(loop: Loop) -> bool:
