@@ -1121,14 +1121,23 @@ def test_waiting_threads_run_the_work_of_a_contended_stream(rt: NativeRuntime, k
     assert ran_on & hosts, "no waiting thread ran a task"
 
 
-def _run_range(rt: NativeRuntime, kernels: Kernels, s: int, n: int, sleep_us: int, team: int = TEAM_ADAPT,
-               ) -> tuple[np.ndarray, np.ndarray]:
+def _launch_range(rt: NativeRuntime, kernels: Kernels, s: int, n: int, sleep_us: int, team: int = TEAM_ADAPT,
+                  ) -> tuple[np.ndarray, np.ndarray, int, object]:
+    """mark_range over [0, n), launched: counts, tids, the ticket, and what the worker reads
+    until then (the caller keeps it until its sync)."""
     counts = np.zeros(n, dtype=np.int64)
     tids = np.zeros(n, dtype=np.int64)
     bufs = rt.make_ptr_array([ptr(counts), ptr(tids)])
     descs = rt.make_descs([(kernels.addr("mark_range"), ctypes.addressof(bufs), team, False, n)])
     st = (ctypes.c_int64 * 1)(sleep_us)
-    rt.sync(s, rt.launch_seq(s, descs, 1, st, 1))
+    return counts, tids, rt.launch_seq(s, descs, 1, st, 1), (bufs, descs, st)
+
+
+def _run_range(rt: NativeRuntime, kernels: Kernels, s: int, n: int, sleep_us: int, team: int = TEAM_ADAPT,
+               ) -> tuple[np.ndarray, np.ndarray]:
+    counts, tids, ticket, keep = _launch_range(rt, kernels, s, n, sleep_us, team)
+    rt.sync(s, ticket)
+    del keep
     return counts, tids
 
 
@@ -1151,8 +1160,17 @@ def test_a_waiting_thread_runs_part_of_a_kernel_range(rt: NativeRuntime, kernels
     s = rt.stream_create(1, None)
     try:
         joined = False
-        for _ in range(5):  # the host must reach sync while the kernel runs: 64 calls of 200 us
-            counts, tids = _run_range(rt, kernels, s, 64, 200)
+        for _ in range(5):
+            # 8 grains of 2 ms. The host calls sync once the worker has started the kernel: on a
+            # loaded machine (CI's other xdist worker) waking the worker can take longer than the
+            # wait's spin budget, and a waiter that parked before the kernel started is not called
+            # back to a kernel whose team is the whole stream.
+            counts, tids, ticket, keep = _launch_range(rt, kernels, s, 64, 2000)
+            deadline = time.monotonic() + 10
+            while not counts.any() and time.monotonic() < deadline:
+                time.sleep(0)
+            rt.sync(s, ticket)
+            del keep
             np.testing.assert_array_equal(counts, np.ones(64, dtype=np.int64))
             if threading.get_native_id() in set(tids.tolist()):
                 joined = True
