@@ -285,7 +285,7 @@ def test_waits_are_device_side(backend: Backend, gate: Any) -> None:
     t0 = time.perf_counter()
     s2.wait(e1)  # must not block the host
     e2 = s2.record()
-    assert time.perf_counter() - t0 < 1.0
+    assert time.perf_counter() - t0 < 5.0  # a wait that blocked would hang: the gate opens below
     time.sleep(0.05)
     assert not e1.is_done() and not e2.is_done()
     gate.set_status(cl.command_execution_status.COMPLETE)
@@ -316,7 +316,7 @@ def test_host_copies_do_not_block_and_keep_their_arrays(backend: Backend, gate: 
     _block(ctx.stream, gate)
     t0 = time.perf_counter()
     ctx.from_host(x, np.arange(100_000, dtype=np.float32))  # the only reference to the array
-    assert time.perf_counter() - t0 < 1.0
+    assert time.perf_counter() - t0 < 5.0  # generous: PoCL's threads and CI's other worker share the cores
     gc.collect()
     assert ctx.stream.backlog() == 1  # the runtime keeps the array and pyopencl's NannyEvent
     time.sleep(0.05)
