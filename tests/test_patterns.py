@@ -247,6 +247,22 @@ def test_an_elementwise_chain() -> None:
     assert _plan(_chain(40), CudaDialect()).launch == LaunchShape((64,), (64,))  # a multiple of 32
 
 
+def test_kernels_that_call_exp_log_or_tanh_are_shared_from_fewer_iterations_on_the_cpu() -> None:
+    """Each iteration of a kernel that calls a costly function counts COSTLY_OP_WEIGHT times
+    against omp_min_work; a kernel of plain ops of the same size runs on one thread."""
+    n = CPU.omp_min_work // patterns.COSTLY_OP_WEIGHT  # the fewest iterations that share
+    for op in sorted(patterns.COSTLY_OPS, key=lambda o: o.value):
+        x, y = Node("x", (n,)), Node("y", (n,))
+        assert _plan(ir.Comp.of(ir.apply(op, x, into=y)), CPU).team == 1, op
+        x, y = Node("x", (n - 1,)), Node("y", (n - 1,))
+        assert _plan(ir.Comp.of(ir.apply(op, x, into=y)), CPU).team == 0, op
+    for op in (Op.SQRT, Op.DIV, Op.MUL):  # a few cycles an element: counted once
+        x, y = Node("x", (n,)), Node("y", (n,))
+        assert _plan(ir.Comp.of(ir.apply(op, x, x, into=y) if op is not Op.SQRT else ir.apply(op, x, into=y)),
+                     CPU).team == 0, op
+    assert _plan(_chain(n), CPU).team == 0
+
+
 def test_streaming_stores_for_big_outputs_where_the_host_has_avx() -> None:
     n = patterns.STREAMING_MIN_BYTES // 4
     assert _plan(_chain(n), CPU).shape == STREAMING

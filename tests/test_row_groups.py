@@ -11,7 +11,7 @@ from catalog_check import backend_or_skip, kernel_comments
 
 from polyjit.core import ir
 from polyjit.core.fusion import fuse_rows
-from polyjit.core.ir import AccumOp, Node, Symbol
+from polyjit.core.ir import AccumOp, MemoryMode, Node, Symbol
 from polyjit.core.loops import Kernel, Load, Loop, Reduce, Seq, Store
 from polyjit.testing.programs import by_name
 
@@ -154,3 +154,47 @@ def test_a_row_groups_tails_run_whole_vectors_with_the_same_bits(monkeypatch: py
         ctx.finalize()
     for vec, scalar in zip(*results):
         np.testing.assert_array_equal(vec, scalar)
+
+
+def test_a_row_group_that_calls_exp_shares_its_rows_with_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Softmax over 251 rows of 27 (char_lm's logits are 128x27): its exps make the group worth
+    sharing (patterns.sharing_work), so its blocks of rows are a range the stream's threads
+    split (251: a tail block, and grains that start inside a block); the results are the bits
+    of the group run whole on one thread, and the reference's values."""
+    import numpy as np
+
+    from polyjit.core import patterns
+    from polyjit.core.reference import run_reference
+
+    backend = backend_or_skip("cpu")
+    x, m, s = Node("x", (251, 27)), Node("m", (251, 1), mode=MemoryMode.ON_DEVICE), Node("s", (251, 27))
+    z, lse, e, p = Node("z", (251, 1)), Node("lse", (251, 1)), Node("e", (251, 27)), Node("p", (251, 27))
+    i, j = Symbol("i"), Symbol("j")
+    rows = ir.Projections(((i, 251), (j, 27)), (ir.as_affine(i), ir.fixed(0)), ((ir.as_affine(i), ir.as_affine(j)),))
+    comp = ir.Comp.of(ir.Accum(m, AccumOp.MAX, ir.Op.ID, (x,), rows, init_neutral=True),
+                      ir.apply(ir.Op.SUB, x, m, into=s),
+                      ir.Accum(z, AccumOp.ADD, ir.Op.EXP, (s,), rows, init_neutral=True),
+                      ir.apply(ir.Op.LOG, z, into=lse), ir.apply(ir.Op.EXP, s, into=e), ir.apply(ir.Op.DIV, e, z, into=p))
+    xv = np.random.default_rng(5).standard_normal((251, 27)).astype(np.float32) * 4
+    results = []
+    for shared in (True, False):
+        if not shared:
+            monkeypatch.setattr(patterns, "COSTLY_OP_WEIGHT", 1)
+        code = backend.compile(comp, name="sm")
+        assert code.source.count("void sm_") == 1
+        assert ("pj_rb = pj_lo" in code.source) == shared
+        ctx = backend.get_device(0).make_context().init_from_host(x, xv)
+        r = ctx.link(code)
+        runs = []
+        for _ in range(20):  # the threads split the range differently from run to run
+            r.run()
+            runs.append([r.context.read(n).view(np.uint32) for n in (m, lse, p)])
+        ctx.finalize()
+        for run in runs[1:]:
+            for a, b in zip(run, runs[0]):
+                np.testing.assert_array_equal(a, b)
+        results.append(runs[0])
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
+    ref = run_reference([comp], {x: xv.astype(np.float64)})
+    np.testing.assert_allclose(results[0][2].view(np.float32), ref[p], rtol=1e-5, atol=1e-7)
