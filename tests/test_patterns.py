@@ -248,19 +248,44 @@ def test_an_elementwise_chain() -> None:
 
 
 def test_kernels_that_call_exp_log_or_tanh_are_shared_from_fewer_iterations_on_the_cpu() -> None:
-    """Each iteration of a kernel that calls a costly function counts COSTLY_OP_WEIGHT times
-    against omp_min_work; a kernel of plain ops of the same size runs on one thread."""
+    """Each iteration of a statement that calls a costly function counts COSTLY_OP_WEIGHT
+    times against omp_min_work; a kernel shared only for that is optional (the runtime shares
+    it while that pays). Plain ops of the same size, and a dialect whose runtime does not time
+    optional kernels, run it on one thread."""
     n = CPU.omp_min_work // patterns.COSTLY_OP_WEIGHT  # the fewest iterations that share
+
+    def costly(op: Op, size: int) -> ir.Comp:
+        x, y = Node("x", (size,)), Node("y", (size,))
+        return ir.Comp.of(ir.apply(op, x, x, into=y) if op is Op.POW else ir.apply(op, x, into=y))
+
     for op in sorted(patterns.COSTLY_OPS, key=lambda o: o.value):
-        x, y = Node("x", (n,)), Node("y", (n,))
-        assert _plan(ir.Comp.of(ir.apply(op, x, into=y)), CPU).team == 1, op
-        x, y = Node("x", (n - 1,)), Node("y", (n - 1,))
-        assert _plan(ir.Comp.of(ir.apply(op, x, into=y)), CPU).team == 0, op
+        assert (_plan(costly(op, n), CPU).team, _plan(costly(op, n), CPU).optional) == (1, True), op
+        assert _plan(costly(op, n - 1), CPU).team == 0, op
+        assert _plan(costly(op, n), Dialect()).team == 0, op  # plain OpenMP: no optional sharing
+    big = _plan(costly(Op.EXP, CPU.omp_min_work), CPU)
+    assert (big.team, big.optional) == (1, False)  # shared by its size alone, always
     for op in (Op.SQRT, Op.DIV, Op.MUL):  # a few cycles an element: counted once
         x, y = Node("x", (n,)), Node("y", (n,))
         assert _plan(ir.Comp.of(ir.apply(op, x, x, into=y) if op is not Op.SQRT else ir.apply(op, x, into=y)),
                      CPU).team == 0, op
     assert _plan(_chain(n), CPU).team == 0
+
+
+def test_a_small_exp_does_not_weigh_the_members_of_its_batch() -> None:
+    """A batch (fuse_segments) of plain products and one short exp: each member's iterations
+    count by what it calls, so the batch stays on one thread."""
+    from polyjit.backends import get_backend
+
+    n = CPU.omp_min_work // patterns.COSTLY_OP_WEIGHT
+    sizes = (n, n + 1, n + 2)  # apart: segments of one batch, not one horizontally fused nest
+    stmts = [ir.apply(Op.MUL, Node(f"a{k}", (m,)), Node(f"b{k}", (m,)), into=Node(f"c{k}", (m,)))
+             for k, m in enumerate(sizes)]
+    stmts.append(ir.apply(Op.EXP, Node("s", (8,)), into=Node("t", (8,))))
+    backend = get_backend("cpu")
+    (kernel,) = backend.compile_batch([ir.Comp.of(*stmts)], names=["c"]).lowered.kernels  # one batch
+    assert kernel.work == sum(sizes) + 8
+    assert patterns.sharing_work(kernel) == sum(sizes) + 8 * patterns.COSTLY_OP_WEIGHT
+    assert plan_kernel(kernel, backend.driver.dialect).team == 0
 
 
 def test_streaming_stores_for_big_outputs_where_the_host_has_avx() -> None:

@@ -40,6 +40,7 @@ from polyjit.core.loops import (
     Load,
     Loop,
     Reduce,
+    Segment,
     Seq,
     Stmt,
     Store,
@@ -260,7 +261,8 @@ class KernelPlan:
     chunks: int = 1  # LOOPS: the iterations of those loops, flattened: the range a ranged
     # dialect's kernel takes (Dialect.ranged), which the runtime shares among its threads
     optional: bool = False  # LOOPS: the runtime shares that range only while sharing pays
-    # (it times itself both ways), else one thread runs it (Dialect.optional_matmul_min_work)
+    # (it times itself both ways), else one thread runs it: mid-sized matmuls
+    # (Dialect.optional_matmul_min_work), and kernels shared for what they call (sharing_work)
     dims: tuple[tuple[tuple[Symbol, int], ...], ...] = ()  # GLOBAL_IDS: the parallel loops of each dim
     contraction: Contraction | None = None
     tiles: Tiles | None = None
@@ -378,10 +380,13 @@ def _loops_plan(kernel: Kernel, d: Dialect) -> KernelPlan:
         return KernelPlan(ELEMENTWISE, launch, TRANSPOSE, len(block_loops) if big else 0,
                           math.prod(block_loops) if big else 1)
     nest, body = kernel.parallel, kernel.body
-    if nest and sharing_work(kernel) >= d.omp_min_work:
+    plain = kernel.total_work >= d.omp_min_work
+    # what it calls makes it worth sharing: only while sharing pays, where the runtime times that
+    costly = not plain and d.optional_matmul_min_work is not None and sharing_work(kernel) >= d.omp_min_work
+    if nest and (plain or costly):
         # a short outer loop: share the next ones too
         team = len(nest) - 1 if len(nest) > 1 and nest[0][1] < 64 else 1
-        return KernelPlan(_kind(kernel), launch, shape, team, math.prod(n for _, n in nest[:team]))
+        return KernelPlan(_kind(kernel), launch, shape, team, math.prod(n for _, n in nest[:team]), optional=costly)
     if (not nest and isinstance(body, Reduce) and body.loops and body.length >= OMP_REDUCTION_MIN_LENGTH
             and not body.ordered):
         # OpenMP threads share the reduced loops (a reduction clause): one call, no range
@@ -389,21 +394,40 @@ def _loops_plan(kernel: Kernel, d: Dialect) -> KernelPlan:
     return KernelPlan(_kind(kernel), launch, shape)
 
 
-# A call of exp, log, tanh or sigmoid costs tens of cycles an element, where a load or an add
-# costs about one: a kernel that makes one per element is worth sharing from fewer
-# iterations than omp_min_work counts for plain ones. char_lm's softmax and cross-entropy
-# (128x27 logits, two exps and a log a row), shared: its step 0.96-0.97x the time (11 of 12
-# and 13 of 16 rounds faster; the MLP's 0.98, session 25). Sharing its 8K-iteration gather
-# and weight transposes instead (a plain threshold of 8192): 1.02x.
-COSTLY_OPS = frozenset({ir.Op.EXP, ir.Op.LOG, ir.Op.TANH, ir.Op.SIGMOID})
+# A call of exp, log, tanh, sigmoid or pow costs several to tens of cycles an element, where a
+# load or an add costs about one: a kernel whose statements make one per iteration may be
+# worth sharing from fewer iterations than omp_min_work counts for plain ones. Such a kernel
+# under omp_min_work is shared only while sharing pays (KernelPlan.optional: the runtime
+# times the stream both ways). char_lm's softmax and cross-entropy (128x27 logits, two exps
+# and a log a row), shared: its step 0.96-0.97x the time (11 of 12 and 13 of 16 rounds
+# faster; the MLP's 0.98, session 25). Sharing its 8K-iteration gather and weight
+# transposes instead (a plain threshold of 8192): 1.02x.
+COSTLY_OPS = frozenset({ir.Op.EXP, ir.Op.LOG, ir.Op.TANH, ir.Op.SIGMOID, ir.Op.POW})
 COSTLY_OP_WEIGHT = 16
 
 
 def sharing_work(kernel: Kernel) -> int:
-    """The kernel's iterations as its loops plan compares them with ``omp_min_work``: each
-    counts ``COSTLY_OP_WEIGHT`` times where the kernel calls one of ``COSTLY_OPS``."""
-    costly = any(isinstance(e, Call) and e.op in COSTLY_OPS for e in walk_exprs(kernel.body))
-    return kernel.total_work * (COSTLY_OP_WEIGHT if costly else 1)
+    """The kernel's iterations as its loops plan weighs them against ``omp_min_work``: each
+    statement's counted ``COSTLY_OP_WEIGHT`` times where it calls one of ``COSTLY_OPS``; a
+    batch's members each over their own segment (one small exp does not weigh its
+    neighbours)."""
+    body = kernel.body
+    members = body.body if isinstance(body, Seq) else (body,)
+    if members and all(isinstance(st, Segment) for st in members):
+        return sum((st.hi - st.lo) * _weighted_work(st.body) for st in members if isinstance(st, Segment))
+    return kernel.work * _weighted_work(body)
+
+
+def _weighted_work(s: Stmt) -> int:
+    """Iterations of ``s`` for one iteration of the parallel nest, as ``sharing_work`` counts them."""
+    if isinstance(s, Segment):
+        return _weighted_work(s.body)
+    if isinstance(s, Seq):
+        return max((_weighted_work(st) for st in s.body), default=1)
+    if isinstance(s, Loop):
+        return s.extent * _weighted_work(s.body)
+    costly = any(isinstance(e, Call) and e.op in COSTLY_OPS for e in walk_exprs(s))
+    return (s.length if isinstance(s, Reduce) else 1) * (COSTLY_OP_WEIGHT if costly else 1)
 
 
 def column_reduction(kernel: Kernel) -> Reduce | None:

@@ -744,6 +744,40 @@ def test_a_tail_is_the_last_whole_vector_again_only_where_that_changes_nothing(
     np.testing.assert_allclose(results[0][1].view(np.float32)[finite], once[finite], rtol=4e-7)
 
 
+def test_a_shared_exp_loop_gives_the_bits_of_the_loop_run_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``y = exp(x)`` over 4099 elements is shared (patterns.sharing_work; optional: while it
+    pays), and its threads' grains cut vectors anywhere: each grain's tail runs lane by lane.
+    Shared on every run (the stream's tuner off), 20 runs give the bits of the loop run whole."""
+    from polyjit.backends.cpu.native import load_runtime
+    from polyjit.core import patterns
+
+    backend = get_backend("cpu")
+    n = 4099
+    x, y = ir.Node("x", (n,)), ir.Node("y", (n,))
+    comp = ir.Comp.of(ir.apply(ir.Op.EXP, x, into=y))
+    xv = _float32_bits_with_specials(n, 11)
+    results = []
+    for shared in (True, False):
+        if not shared:
+            monkeypatch.setattr(patterns, "COSTLY_OP_WEIGHT", 1)
+        code = backend.compile(comp, name="e")
+        (spec,) = code.batch.source.all_kernels
+        assert (spec.plan.team, spec.plan.optional) == ((1, True) if shared else (0, False))
+        assert ("pj_lo;" in code.source) == shared  # the loop starts at its range
+        ctx = backend.get_device(0).make_context().init_from_host(x, xv)
+        load_runtime().set_adaptive(ctx.stream.handle, False)  # share every run
+        r = ctx.link(code)
+        runs = []
+        for _ in range(20 if shared else 1):
+            r.run()
+            runs.append(r.context.read(y).view(np.uint32))
+        ctx.finalize()
+        for run in runs[1:]:
+            np.testing.assert_array_equal(run, runs[0])
+        results.append(runs[0])
+    np.testing.assert_array_equal(results[0], results[1])
+
+
 def test_which_loops_may_run_iterations_twice() -> None:
     """codegen.repeatable: plain stores of nodes the loop does not read."""
     from polyjit.core.codegen import repeatable
