@@ -200,17 +200,19 @@ class Kernel:
     def total_work(self) -> int:
         """Iterations of the innermost statement: the parallel nest times the loops inside it
         (of a ``Seq``'s statements, the longest: what a fused kernel's thresholds compare)."""
-        return self.work * _inner_work(self.body)
+        return self.work * inner_work(self.body)
 
 
-def _inner_work(s: Stmt) -> int:
+def inner_work(s: Stmt, weight: Callable[[Stmt], int] | None = None) -> int:
+    """Iterations of ``s`` for one iteration of the parallel nest (of a ``Seq``, its longest
+    statement's); ``weight`` multiplies each store's or reduction's own."""
     if isinstance(s, Segment):
-        return _inner_work(s.body)
+        return inner_work(s.body, weight)
     if isinstance(s, Seq):
-        return max((_inner_work(st) for st in s.body), default=1)
+        return max((inner_work(st, weight) for st in s.body), default=1)
     if isinstance(s, Loop):
-        return s.extent * _inner_work(s.body)
-    return s.length if isinstance(s, Reduce) else 1
+        return s.extent * inner_work(s.body, weight)
+    return (s.length if isinstance(s, Reduce) else 1) * (1 if weight is None else weight(s))
 
 
 # ---------------------------------------------------------------------------

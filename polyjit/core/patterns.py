@@ -44,6 +44,7 @@ from polyjit.core.loops import (
     Seq,
     Stmt,
     Store,
+    inner_work,
     walk_exprs,
     walk_stmts,
 )
@@ -414,20 +415,13 @@ def sharing_work(kernel: Kernel) -> int:
     body = kernel.body
     members = body.body if isinstance(body, Seq) else (body,)
     if members and all(isinstance(st, Segment) for st in members):
-        return sum((st.hi - st.lo) * _weighted_work(st.body) for st in members if isinstance(st, Segment))
-    return kernel.work * _weighted_work(body)
+        return sum((st.hi - st.lo) * inner_work(st.body, _cost) for st in members if isinstance(st, Segment))
+    return kernel.work * inner_work(body, _cost)
 
 
-def _weighted_work(s: Stmt) -> int:
-    """Iterations of ``s`` for one iteration of the parallel nest, as ``sharing_work`` counts them."""
-    if isinstance(s, Segment):
-        return _weighted_work(s.body)
-    if isinstance(s, Seq):
-        return max((_weighted_work(st) for st in s.body), default=1)
-    if isinstance(s, Loop):
-        return s.extent * _weighted_work(s.body)
+def _cost(s: Stmt) -> int:
     costly = any(isinstance(e, Call) and e.op in COSTLY_OPS for e in walk_exprs(s))
-    return (s.length if isinstance(s, Reduce) else 1) * (COSTLY_OP_WEIGHT if costly else 1)
+    return COSTLY_OP_WEIGHT if costly else 1
 
 
 def column_reduction(kernel: Kernel) -> Reduce | None:
