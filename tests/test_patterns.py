@@ -254,20 +254,19 @@ def test_kernels_that_call_exp_log_or_tanh_are_shared_from_fewer_iterations_on_t
     optional kernels, run it on one thread."""
     n = CPU.omp_min_work // patterns.COSTLY_OP_WEIGHT  # the fewest iterations that share
 
-    def costly(op: Op, size: int) -> ir.Comp:
+    def one_op(op: Op, size: int) -> ir.Comp:
         x, y = Node("x", (size,)), Node("y", (size,))
-        return ir.Comp.of(ir.apply(op, x, x, into=y) if op is Op.POW else ir.apply(op, x, into=y))
+        return ir.Comp.of(ir.apply(op, x, x, into=y) if op in (Op.POW, Op.DIV, Op.MUL) else ir.apply(op, x, into=y))
 
     for op in sorted(patterns.COSTLY_OPS, key=lambda o: o.value):
-        assert (_plan(costly(op, n), CPU).team, _plan(costly(op, n), CPU).optional) == (1, True), op
-        assert _plan(costly(op, n - 1), CPU).team == 0, op
-        assert _plan(costly(op, n), Dialect()).team == 0, op  # plain OpenMP: no optional sharing
-    big = _plan(costly(Op.EXP, CPU.omp_min_work), CPU)
+        at = _plan(one_op(op, n), CPU)
+        assert (at.team, at.optional) == (1, True), op
+        assert _plan(one_op(op, n - 1), CPU).team == 0, op
+        assert _plan(one_op(op, n), Dialect()).team == 0, op  # plain OpenMP: no optional sharing
+    big = _plan(one_op(Op.EXP, CPU.omp_min_work), CPU)
     assert (big.team, big.optional) == (1, False)  # shared by its size alone, always
     for op in (Op.SQRT, Op.DIV, Op.MUL):  # a few cycles an element: counted once
-        x, y = Node("x", (n,)), Node("y", (n,))
-        assert _plan(ir.Comp.of(ir.apply(op, x, x, into=y) if op is not Op.SQRT else ir.apply(op, x, into=y)),
-                     CPU).team == 0, op
+        assert _plan(one_op(op, n), CPU).team == 0, op
     assert _plan(_chain(n), CPU).team == 0
 
 

@@ -383,7 +383,8 @@ def _loops_plan(kernel: Kernel, d: Dialect) -> KernelPlan:
     nest, body = kernel.parallel, kernel.body
     plain = kernel.total_work >= d.omp_min_work
     # what it calls makes it worth sharing: only while sharing pays, where the runtime times that
-    costly = not plain and d.optional_matmul_min_work is not None and sharing_work(kernel) >= d.omp_min_work
+    costly = bool(nest) and not plain and d.optional_matmul_min_work is not None and \
+        sharing_work(kernel) >= d.omp_min_work
     if nest and (plain or costly):
         # a short outer loop: share the next ones too
         team = len(nest) - 1 if len(nest) > 1 and nest[0][1] < 64 else 1

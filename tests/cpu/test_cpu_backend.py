@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from retry import attempts
+from sharing import shared_every_run
 
 from polyjit.backends import get_backend
 from polyjit.backends.cpu import create_backend, split_cores
@@ -748,7 +749,6 @@ def test_a_shared_exp_loop_gives_the_bits_of_the_loop_run_whole(monkeypatch: pyt
     """``y = exp(x)`` over 4099 elements is shared (patterns.sharing_work; optional: while it
     pays), and its threads' grains cut vectors anywhere: each grain's tail runs lane by lane.
     Shared on every run (the stream's tuner off), 20 runs give the bits of the loop run whole."""
-    from polyjit.backends.cpu.native import load_runtime
     from polyjit.core import patterns
 
     backend = get_backend("cpu")
@@ -765,12 +765,12 @@ def test_a_shared_exp_loop_gives_the_bits_of_the_loop_run_whole(monkeypatch: pyt
         assert (spec.plan.team, spec.plan.optional) == ((1, True) if shared else (0, False))
         assert ("pj_lo;" in code.source) == shared  # the loop starts at its range
         ctx = backend.get_device(0).make_context().init_from_host(x, xv)
-        load_runtime().set_adaptive(ctx.stream.handle, False)  # share every run
         r = ctx.link(code)
         runs = []
-        for _ in range(20 if shared else 1):
-            r.run()
-            runs.append(r.context.read(y).view(np.uint32))
+        with shared_every_run(ctx.stream.handle):
+            for _ in range(20 if shared else 1):
+                r.run()
+                runs.append(r.context.read(y).view(np.uint32))
         ctx.finalize()
         for run in runs[1:]:
             np.testing.assert_array_equal(run, runs[0])
