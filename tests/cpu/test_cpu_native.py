@@ -1172,6 +1172,35 @@ def test_a_kernel_range_runs_each_iteration_once(rt: NativeRuntime, kernels: Ker
         rt.stream_destroy(s)
 
 
+@pytest.mark.parametrize("team", [1, 2])
+@pytest.mark.parametrize("n", [5, 64, 1000])
+def test_a_kernel_ranges_grains_shrink_as_it_runs_out(rt: NativeRuntime, kernels: Kernels, n: int, team: int) -> None:
+    """Each claim takes a share of what is left (a quarter on a team of one and a helper), at
+    least a sixteenth of a thread's share (runtime.c, work_chunks). A grain's size depends
+    only on where it starts, so whichever threads claim them, the calls are these."""
+    threads = team + 1  # a waiting host thread may help
+    least = max(1, n // (16 * threads))
+    want = np.zeros(n, dtype=np.int64)
+    lo = 0
+    while lo < n:
+        hi = min(n, lo + max((n - lo) // (2 * threads), least))
+        want[lo:hi] = hi - lo
+        lo = hi
+    assert want[0] >= want[-1]
+    s = rt.stream_create(2, None)
+    try:
+        for _ in range(3):
+            calls, ways = np.zeros(n, dtype=np.int64), np.zeros(2, dtype=np.int64)
+            flags, length = np.zeros(1, dtype=np.int64), np.array([n], dtype=np.int64)
+            bufs = rt.make_ptr_array([ptr(calls), ptr(flags), ptr(length), ptr(ways)])
+            descs = rt.make_descs([(kernels.addr("share_probe"), ctypes.addressof(bufs), team, False, n)])
+            st = (ctypes.c_int64 * 2)(0, 0)
+            rt.sync(s, rt.launch_seq(s, descs, 1, st, 2))
+            np.testing.assert_array_equal(calls, want)
+    finally:
+        rt.stream_destroy(s)
+
+
 def test_a_waiting_thread_runs_part_of_a_kernel_range(rt: NativeRuntime, kernels: Kernels) -> None:
     """Uncontended, a host thread spinning in sync claims iterations of the running kernel's
     range (the core a team would need); each iteration still runs once."""
