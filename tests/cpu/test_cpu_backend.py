@@ -524,6 +524,38 @@ def test_launches_never_reuse_each_others_panels() -> None:
     ctx.finalize()
 
 
+@pytest.mark.parametrize("features, classes, prefetched", [(787, 250, True), (40, 16, False)])
+def test_a_large_epilogues_rows_are_prefetched(features: int, classes: int, prefetched: bool) -> None:
+    """A weight gradient whose momentum and weight span at least tiles.PREFETCH_MIN_BYTES
+    prefetches each tile's rows of them (full, edge and masked tiles: 787 rows, 250 columns);
+    a small one does not. Two SGD steps with momentum match numpy's."""
+    from polyjit import tensor as pt
+    from polyjit.backends.cpu.tiles import PREFETCH_MIN_BYTES
+
+    assert (2 * features * classes * 4 >= PREFETCH_MIN_BYTES) == prefetched
+    batch, lr, mu = 64, 0.01, 0.9
+    x, y = pt.input("x", (batch, features)), pt.input("y", (batch,), "int32")
+    layer = pt.Linear("wide", features, classes, seed=4)
+    plan = pt.compile(loss=pt.cross_entropy(layer(x), y), optimizer=pt.SGD(lr, momentum=mu))
+    assert ("__builtin_prefetch(" in plan.source) == prefetched
+    rng = np.random.default_rng(8)
+    w, b = plan.read(layer.weight).astype(np.float64), plan.read(layer.bias).astype(np.float64)
+    vw, vb = np.zeros_like(w), np.zeros_like(b)
+    for _ in range(2):
+        xs = rng.standard_normal((batch, features)).astype(np.float32)
+        ys = rng.integers(0, classes, batch).astype(np.int32)
+        plan.step(x=xs, y=ys)
+        logits = xs.astype(np.float64) @ w + b
+        p = np.exp(logits - logits.max(1, keepdims=True))
+        p /= p.sum(1, keepdims=True)
+        p[np.arange(batch), ys] -= 1
+        vw, vb = mu * vw + xs.T.astype(np.float64) @ (p / batch), mu * vb + p.sum(0) / batch
+        w, b = w - lr * vw, b - lr * vb
+    np.testing.assert_allclose(plan.read(layer.weight), w, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(plan.read(layer.bias), b, rtol=1e-4, atol=1e-5)
+    plan.close()
+
+
 @pytest.mark.parametrize("registers", [16, 32])
 def test_register_tiles_fit_the_hosts_vector_registers(registers: int) -> None:
     """A tile holds 6 rows x 2 vectors with 16 vector registers, 6 x 4 with 32 (AVX-512, Arm);
