@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -553,6 +554,57 @@ def test_a_large_epilogues_rows_are_prefetched(features: int, classes: int, pref
         w, b = w - lr * vw, b - lr * vb
     np.testing.assert_allclose(plan.read(layer.weight), w, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(plan.read(layer.bias), b, rtol=1e-4, atol=1e-5)
+    plan.close()
+
+
+@pytest.mark.parametrize("registers", [16, 32])
+def test_prefetches_take_every_cache_line_of_a_tiles_row(registers: int) -> None:
+    """The catalog's large in-place update (its values are checked on every backend): a
+    tile of 2 vectors of float32 prefetches each row's first and last cell; of 4 (32
+    registers: 128 bytes a row), a cell a cache line and the last. The tiles still match
+    numpy with either width."""
+    from polyjit.backends.cpu.dialect import CpuDialect
+    from polyjit.backends.cpu.tiles import CACHE_LINE
+    from polyjit.testing.programs import by_name
+
+    backend = create_backend()
+    dialect = backend.driver.dialect = CpuDialect(vector_registers=registers)  # type: ignore[attr-defined]
+    width = patterns.register_vectors(dialect) * dialect.vector_bytes // 4
+    p = by_name("epilogue.update_large.float32")
+    code = backend.compile(p.comps[0], name=f"pf{registers}")
+    step = CACHE_LINE // 4
+    cells = {int(c) for c in re.findall(r"pj_j0 \+ (\d+); __builtin_prefetch", code.source)}
+    nodes = {node.name: node for node, _ in p.inputs}
+    edge = nodes["mom"].shape[-1] % width  # the last tiles' masked columns (244 of them in all)
+    assert edge and cells == {*range(0, width, step), width - 1, *range(0, edge, step), edge - 1}
+    rng = np.random.default_rng(registers)
+    a, d, mom, wt = (rng.standard_normal(nodes[n].shape).astype(np.float32) for n in ("a", "d", "mom", "wt"))
+    ctx = backend.get_device(0).make_context()
+    for name, value in (("a", a), ("d", d), ("mom", mom), ("wt", wt)):
+        ctx = ctx.init_from_host(nodes[name], value)
+    routine = ctx.link(code)
+    routine.run()
+    want_mom = mom + a.T.astype(np.float64) @ d
+    np.testing.assert_allclose(routine.context.read(nodes["mom"]), want_mom, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(routine.context.read(nodes["wt"]), wt - want_mom, rtol=1e-5, atol=1e-5)
+    routine.context.finalize()
+
+
+def test_a_transposed_tile_prefetches_nothing() -> None:
+    """A head's weight gradient narrower than a vector runs its tiles down the columns
+    (plan.transposed), whose rows in memory run along the tile's columns: no prefetches,
+    however large its update."""
+    from polyjit import tensor as pt
+    from polyjit.backends.cpu.tiles import PREFETCH_MIN_BYTES
+
+    dialect = get_backend("cpu").driver.dialect
+    classes = min(10, dialect.vector_bytes // 4 - 1)  # narrower than a vector
+    x, y = pt.input("x", (256, 5000)), pt.input("y", (256,), "int32")
+    head = pt.Linear("head", 5000, classes, seed=3)
+    plan = pt.compile(loss=pt.cross_entropy(head(x), y), optimizer=pt.SGD(0.01, momentum=0.9))
+    assert 2 * 5000 * classes * 4 >= PREFETCH_MIN_BYTES
+    assert f"acc[{classes}][{patterns.column_vectors(dialect, classes)}]" in plan.source  # down the columns
+    assert "__builtin_prefetch(" not in plan.source
     plan.close()
 
 

@@ -1209,10 +1209,11 @@ def test_a_waiting_thread_runs_part_of_a_kernel_range(rt: NativeRuntime, kernels
     try:
         joined = False
         for _ in attempts():
-            # 8 grains of 2 ms. The host calls sync once the worker has started the kernel: on a
-            # loaded machine (CI's other xdist worker) waking the worker can take longer than the
-            # wait's spin budget, and a waiter that parked before the kernel started is not called
-            # back to a kernel whose team is the whole stream.
+            # 12 grains of 2 ms (16 iterations first, down to 1). The host calls sync once the
+            # worker has started the kernel: on a loaded machine (CI's other xdist worker) waking
+            # the worker can take longer than the wait's spin budget, and a waiter that parked
+            # before the kernel started is not called back to a kernel whose team is the whole
+            # stream.
             counts, tids, ticket, keep = _launch_range(rt, kernels, s, 64, 2000)
             deadline = time.monotonic() + 10
             while not counts.any() and time.monotonic() < deadline:
@@ -1241,7 +1242,7 @@ def test_a_parked_waiter_is_called_back_to_share_a_kernel(rt: NativeRuntime, ker
     tids = np.zeros(n, dtype=np.int64)
     stamp = np.zeros(3, dtype=np.int64)
     try:
-        # 8 grains of 5 ms: a busy machine (CI's other xdist worker) may take milliseconds to
+        # 12 grains of 5 ms: a busy machine (CI's other xdist worker) may take milliseconds to
         # run a woken thread
         for _ in attempts():
             counts[:] = 0
@@ -1314,7 +1315,7 @@ def _waiters_called_back(rt: NativeRuntime, kernels: Kernels, s: int, kernels_ru
     ticket = 0
     for r in range(kernels_run):
         kernels.launch(s, "busy_stamped", [ptr(stamp)], [5_000])  # 5 ms: the waiters park
-        # 8 grains of 5 ms: a called-back waiter may wait milliseconds for a core on a busy machine
+        # 12 grains of 5 ms: a called-back waiter may wait milliseconds for a core on a busy machine
         ticket = kernels.launch(s, "mark_range", [ptr(counts[r]), ptr(tids[r])], [5000], team=1, chunks=n)
 
     def wait() -> None:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from polyjit.core import dtypes
+from polyjit.core import dtypes, ir
 from polyjit.core.codegen import (
     Emitter,
     Names,
@@ -397,7 +397,7 @@ def _tile(em: Emitter, plan: KernelPlan, names: Names, rows: int, vecs: int, tai
         outer, inner = inner, outer
     cells = [f"for (int64_t {outer[0]} = 0; {outer[0]} < {outer[1]}; ++{outer[0]}) {{", f"  {outer[2]}",
              f"  for (int64_t {inner[0]} = 0; {inner[0]} < {inner[1]}; ++{inner[0]}) {{", f"    {inner[2]}"]
-    lines = [*_prefetch_epilogue(em, c, names, rows, width), f"pj_vec acc[{rows}][{nvt}];"]
+    lines = [*_prefetch_epilogue(em, plan, names, rows, width), f"pj_vec acc[{rows}][{nvt}];"]
     # A sum only the epilogue reads (Kernel.private) goes to a local array, not memory; so do
     # a transposed tile's sums, on their way to memory
     private = bool(c.epilogue) and c.reduce.node in c.kernel.private
@@ -451,23 +451,28 @@ def _tile(em: Emitter, plan: KernelPlan, names: Names, rows: int, vecs: int, tai
 
 # An epilogue's rows are prefetched when what it reads and writes, its own sums aside, spans
 # at least this many bytes: the MLP's weight and momentum (1.6 MB) and its hidden layer's
-# output (256 KB) come from beyond the L2 cache by the time a step writes them (prefetching
-# the output too: step 0.961, 0.933, 1.005 against a floor of 512 KiB); char_lm's (under
-# 100 KB) are in it, and prefetching them only added instructions (its step 3-5% slower).
+# output (256 KB: exactly the floor, so a batch of 255 would not prefetch it) come from
+# beyond the L2 cache by the time a step writes them (prefetching the output too: step
+# 0.961, 0.933, 1.005 against a floor of 512 KiB); char_lm's (under 100 KB) are in it, and
+# prefetching them only added instructions (its step 3-5% slower).
 PREFETCH_MIN_BYTES = 256 << 10
+CACHE_LINE = 64
 
 
-def _prefetch_epilogue(em: Emitter, c: Contraction, names: Names, rows: int, width: int) -> list[str]:
+def _prefetch_epilogue(em: Emitter, plan: KernelPlan, names: Names, rows: int, width: int) -> list[str]:
     """Prefetches, at a tile's start, of the tile's rows of what its epilogue reads and writes
     other than its own sums (an optimizer's weights and moments, a layer's output): their
     lines arrive while the k loop runs instead of stalling the epilogue, whose rows lie a
     row apart (the MLP's weight gradient with its momentum update, one core: the update cost
-    8-15% of the kernel, half of that once prefetched). A row's first and last cell, so a row
-    that straddles two lines gets both."""
-    if not c.epilogue:
+    8-15% of the kernel, half of that once prefetched). One cell a cache line along each row,
+    and its last, so a row that straddles a line gets both. Not in a transposed tile, whose
+    rows in memory run along its columns (narrow products, not measured)."""
+    c = plan.contraction
+    assert c is not None
+    if not c.epilogue or plan.transposed:
         return []
     refs: dict[tuple[str, str], int] = {}  # (buffer, index) -> 1 if written
-    nodes: dict[int, int] = {}  # id -> bytes
+    nodes: dict[int, ir.Node] = {}
     for st in c.epilogue:
         assert isinstance(st, Store)
         loads = [e for e in walk_expr(st.value) if isinstance(e, Load) and e.row is None and not e.merge]
@@ -475,14 +480,15 @@ def _prefetch_epilogue(em: Emitter, c: Contraction, names: Names, rows: int, wid
             if node is not c.reduce.node and c.i in index.vars:  # rows apart: not a bias's one row
                 key = (names.buffer(node), em.index(index))
                 refs[key] = max(refs.get(key, 0), write)
-                nodes[id(node)] = node.nbytes
-    if sum(nodes.values()) < PREFETCH_MIN_BYTES:
+                nodes[id(node)] = node
+    if sum(n.nbytes for n in nodes.values()) < PREFETCH_MIN_BYTES:
         return []
     i, j = names.var(c.i), names.var(c.j)
-    ends = [0, width - 1] if width > 1 else [0]
+    step = max(1, CACHE_LINE // min(n.dtype.itemsize for n in nodes.values()))
+    cells = sorted({*range(0, width, step), width - 1})
     return [f"{{ const int64_t {i} = pj_i0 + {r}, {j} = pj_j0 + {e}; "
             + " ".join(f"__builtin_prefetch(&{buf}[{idx}], {w});" for (buf, idx), w in refs.items()) + " }"
-            for r in range(rows) for e in ends]
+            for r in range(rows) for e in cells]
 
 
 # ---------------------------------------------------------------------------
