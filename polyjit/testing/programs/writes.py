@@ -175,23 +175,18 @@ def epilogues() -> list[CatalogProgram]:
             inputs=[(x, q(x.shape)), (w, q(w.shape)), (bias, q(bias.shape))], outputs=[h, act],
             virtual=(biased,),
         ))
-        # an optimizer's update of a weight from its gradient, in place (momentum, then the weight)
-        a, d = Node("a", (30, 14), dt), Node("d", (30, 50), dt)
-        g, mom, wt = Node("g", (14, 50), dt), Node("mom", (14, 50), dt), Node("wt", (14, 50), dt)
-        out.append(program(
-            f"epilogue.update_in_place.{dt}", ir.einsum("ki,kj->ij", a, d, into=g),
-            ir.apply(Op.ADD, mom, g, into=mom), ir.apply(Op.SUB, wt, mom, into=wt),
-            inputs=[(a, q(a.shape)), (d, q(d.shape)), (mom, q(mom.shape)), (wt, q(wt.shape))], outputs=[mom, wt],
-        ))
-        # the same, large enough that the CPU's tiles prefetch their rows of the momentum and
-        # the weight (tiles.PREFETCH_MIN_BYTES), with edge rows and a masked last vector
-        a, d = Node("a", (30, 301), dt), Node("d", (30, 244), dt)
-        g, mom, wt = Node("g", (301, 244), dt), Node("mom", (301, 244), dt), Node("wt", (301, 244), dt)
-        out.append(program(
-            f"epilogue.update_large.{dt}", ir.einsum("ki,kj->ij", a, d, into=g),
-            ir.apply(Op.ADD, mom, g, into=mom), ir.apply(Op.SUB, wt, mom, into=wt),
-            inputs=[(a, q(a.shape)), (d, q(d.shape)), (mom, q(mom.shape)), (wt, q(wt.shape))], outputs=[mom, wt],
-        ))
+        # an optimizer's update of a weight from its gradient, in place (momentum, then the
+        # weight); large, the CPU's tiles prefetch their rows of the momentum and the weight
+        # (tiles.PREFETCH_MIN_BYTES), with edge rows and a masked last vector
+        for name, (kk, m, n) in (("update_in_place", (30, 14, 50)), ("update_large", (30, 301, 244))):
+            a, d = Node("a", (kk, m), dt), Node("d", (kk, n), dt)
+            g, mom, wt = Node("g", (m, n), dt), Node("mom", (m, n), dt), Node("wt", (m, n), dt)
+            out.append(program(
+                f"epilogue.{name}.{dt}", ir.einsum("ki,kj->ij", a, d, into=g),
+                ir.apply(Op.ADD, mom, g, into=mom), ir.apply(Op.SUB, wt, mom, into=wt),
+                inputs=[(a, q(a.shape)), (d, q(d.shape)), (mom, q(mom.shape)), (wt, q(wt.shape))],
+                outputs=[mom, wt],
+            ))
         # the same update of a head narrower than a vector (the MLP's 256x10: its tiles run
         # down the columns), its gradient scratch (only the tiles see it) or kept as well
         for kept in (False, True):
