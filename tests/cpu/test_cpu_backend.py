@@ -225,6 +225,14 @@ def test_narrow_products_down_the_columns_match_numpy(batch: int, m: int, k: int
     ctx.finalize()
 
 
+def _cross_entropy_logit_grad(logits: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """The summed cross-entropy's gradient in the logits: softmax minus the labels' one-hot."""
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    p[np.arange(len(labels)), labels] -= 1
+    return p
+
+
 def test_a_large_narrow_product_is_shared_among_threads() -> None:
     """Its tiles down the columns are the range the runtime shares (4100 rows: the last tile
     a masked vector), and the epilogue of an optimizer's update runs on each of them."""
@@ -242,10 +250,7 @@ def test_a_large_narrow_product_is_shared_among_threads() -> None:
     ys = np.random.default_rng(7).integers(0, classes, 256).astype(np.int32)
     w0 = plan.read(head.weight).copy()
     plan.step(x=xs, y=ys)
-    logits = xs.astype(np.float64) @ w0  # the bias starts at zero
-    p = np.exp(logits - logits.max(1, keepdims=True))
-    p /= p.sum(1, keepdims=True)
-    p[np.arange(256), ys] -= 1
+    p = _cross_entropy_logit_grad(xs.astype(np.float64) @ w0, ys)  # the bias starts at zero
     grad = xs.T.astype(np.float64) @ (p / 256)
     np.testing.assert_allclose(plan.read(head.weight), w0 - 0.01 * grad, rtol=1e-4, atol=1e-6)  # momentum 0 at first
     plan.close()
@@ -546,10 +551,7 @@ def test_a_large_epilogues_rows_are_prefetched(features: int, classes: int, pref
         xs = rng.standard_normal((batch, features)).astype(np.float32)
         ys = rng.integers(0, classes, batch).astype(np.int32)
         plan.step(x=xs, y=ys)
-        logits = xs.astype(np.float64) @ w + b
-        p = np.exp(logits - logits.max(1, keepdims=True))
-        p /= p.sum(1, keepdims=True)
-        p[np.arange(batch), ys] -= 1
+        p = _cross_entropy_logit_grad(xs.astype(np.float64) @ w + b, ys)
         vw, vb = mu * vw + xs.T.astype(np.float64) @ (p / batch), mu * vb + p.sum(0) / batch
         w, b = w - lr * vw, b - lr * vb
     np.testing.assert_allclose(plan.read(layer.weight), w, rtol=1e-4, atol=1e-5)

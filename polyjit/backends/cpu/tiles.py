@@ -472,7 +472,7 @@ def _prefetch_epilogue(em: Emitter, plan: KernelPlan, names: Names, rows: int, w
     if not c.epilogue or plan.transposed:
         return []
     refs: dict[tuple[str, str], int] = {}  # (buffer, index) -> 1 if written
-    nodes: dict[int, ir.Node] = {}
+    nodes: set[ir.Node] = set()
     for st in c.epilogue:
         assert isinstance(st, Store)
         loads = [e for e in walk_expr(st.value) if isinstance(e, Load) and e.row is None and not e.merge]
@@ -480,11 +480,11 @@ def _prefetch_epilogue(em: Emitter, plan: KernelPlan, names: Names, rows: int, w
             if node is not c.reduce.node and c.i in index.vars:  # rows apart: not a bias's one row
                 key = (names.buffer(node), em.index(index))
                 refs[key] = max(refs.get(key, 0), write)
-                nodes[id(node)] = node
-    if sum(n.nbytes for n in nodes.values()) < PREFETCH_MIN_BYTES:
+                nodes.add(node)
+    if sum(n.nbytes for n in nodes) < PREFETCH_MIN_BYTES:
         return []
     i, j = names.var(c.i), names.var(c.j)
-    step = max(1, CACHE_LINE // min(n.dtype.itemsize for n in nodes.values()))
+    step = max(1, CACHE_LINE // min(n.dtype.itemsize for n in nodes))
     cells = sorted({*range(0, width, step), width - 1})
     return [f"{{ const int64_t {i} = pj_i0 + {r}, {j} = pj_j0 + {e}; "
             + " ".join(f"__builtin_prefetch(&{buf}[{idx}], {w});" for (buf, idx), w in refs.items()) + " }"
