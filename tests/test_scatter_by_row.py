@@ -1,7 +1,8 @@
 """A scatter-add computed by row (core/lower.py ``scatter_by_owner``, what GPU dialects ask
 for with ``scatter_scan``): one parallel kernel whose cells each sum the updates that pick
 their row, in row-major order from zero, is the serial kernel bit for bit, whatever the
-indices (repeated, out of range: clamped) and the values (NaN, infinities, signed zeros)."""
+indices (repeated, out of range: clamped) and the values (NaN, infinities, signed zeros),
+but for which NaN a cell holds where two different NaNs met."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from polyjit.backends import get_backend
@@ -79,6 +80,8 @@ SPECIAL = [np.nan, np.inf, -np.inf, -0.0, 0.0, 1e30, -1e30, 1e-30, 3.0, -3.0]
 @given(rows=st.integers(1, 9), cols=st.sampled_from([(1,), (3,), (2, 3)]),
        updates=st.sampled_from([(1,), (7,), (4, 5)]), seed=st.integers(0, 2**32 - 1),
        index_dtype=st.sampled_from([dtypes.int32, dtypes.int64]))
+# CI's draw at 743f1d3: one cell adds inf, -inf, then a NaN (the serial kernel kept the first NaN)
+@example(rows=2, cols=(2, 3), updates=(4, 5), seed=1351430, index_dtype=dtypes.int32)
 def test_by_row_is_the_serial_kernel_bit_for_bit(cpu: object, rows: int, cols: tuple[int, ...],
                                                   updates: tuple[int, ...], seed: int,
                                                   index_dtype: dtypes.DType) -> None:
@@ -96,7 +99,10 @@ def test_by_row_is_the_serial_kernel_bit_for_bit(cpu: object, rows: int, cols: t
         np.add.at(want, np.clip(iv, 0, rows - 1), vv)  # in row-major order, float32 sums
     nan = np.isnan(want)  # a NaN's sign and payload are the hardware's, not numpy's
     assert np.array_equal(np.isnan(serial), nan) and serial[~nan].tobytes() == want[~nan].tobytes()
-    assert by_row.tobytes() == serial.tobytes()
+    # Where two different NaNs meet in a sum (inf - inf's negative default NaN, and an input's
+    # positive one), x86 returns the first operand's, and a compiler may swap an add's operands:
+    # the by-row kernel's vector add and the serial kernel's scalar one need not pick the same.
+    assert np.array_equal(np.isnan(by_row), nan) and by_row[~nan].tobytes() == serial[~nan].tobytes()
 
 
 def test_what_keeps_the_serial_kernel_or_its_order() -> None:
