@@ -350,10 +350,11 @@ def test_arithmetic_is_ieee_half_arithmetic(backend: Backend, dt: DType) -> None
             outs.append(Node(op.value, (n,), dt))
             assigns.append(ir.apply(op, a, into=outs[-1]))
             wants.append(fn1(av))
-        for op in (Op.MAX, Op.MIN):  # a > b ? a : b, as C
+        for op in (Op.MAX, Op.MIN):  # a > b || a != a ? a : b: NaN where either is, b at ties
             outs.append(Node(op.value, (n,), dt))
             assigns.append(ir.apply(op, a, b, into=outs[-1]))
-            wants.append(np.where(av > bv, av, bv) if op is Op.MAX else np.where(av < bv, av, bv))
+            nan_a = np.isnan(av)
+            wants.append(np.where((av > bv) | nan_a, av, bv) if op is Op.MAX else np.where((av < bv) | nan_a, av, bv))
         lt = Node("lt", (n,), dtypes.bool_)
         assigns.append(ir.apply(Op.LT, a, b, into=lt))
     got = _run_comp(backend, ir.Comp.of(*assigns, embedded=[*outs, lt]), {a: av, b: bv}, [*outs, lt])

@@ -237,15 +237,26 @@ class Dialect:
         unused one. Here: the half types' conversions, and max/min and where of each dtype
         kernels compute in (as functions: arguments are evaluated once, and both of where's
         values always: GCC 12.2 at -O3 miscompiled ``c ? x[i] : 0`` in a nest whose inner loop
-        runs 16 times, loading each vector of x under the previous vector's mask)."""
+        runs 16 times, loading each vector of x under the previous vector's mask).
+
+        A float max or min is NaN where either operand is (``a != a``), as numpy's ``maximum``
+        and PyTorch's are: ``a > b ? a : b`` alone would drop a NaN ``a``, so relu and row
+        maxima would hide a NaN that the reference shows. An OpenMP dialect declares each
+        as a reduction too (:meth:`reduction_op`): OpenMP's own ``max`` combines its lanes'
+        partial results with no NaN rule."""
         q = self.function_qualifier
         out = half.helpers(self.half_spelling, batch_dtypes)
         computed = {d.compute for d in batch_dtypes}  # kernels compute half values in float32
+        openmp = self.simd_reduction_pragma is not None or self.parallel_reduction_pragma is not None
         for dt in sorted(computed, key=lambda d: d.name):
             t = self.type_name(dt)
             for fn, cmp in (("max", ">"), ("min", "<")):
                 name = f"pj_{fn}_{dt.name}"
-                out.append((name, [f"{q} {t} {name}({t} a, {t} b) {{ return a {cmp} b ? a : b; }}"]))
+                test = f"a {cmp} b || a != a" if dt.is_float else f"a {cmp} b"
+                out.append((name, [f"{q} {t} {name}({t} a, {t} b) {{ return ({test}) ? a : b; }}"]))
+                if openmp and dt.is_float:  # a max is idempotent: each lane may start from the original
+                    out.append((f"{name}_omp", [f"#pragma omp declare reduction({name}_omp : {t} : "
+                                                f"omp_out = {name}(omp_out, omp_in)) initializer(omp_priv = omp_orig)"]))
             name = f"pj_where_{dt.name}"
             out.append((name, [f"{q} {t} {name}(int c, {t} a, {t} b) {{ return c ? a : b; }}"]))
         return out
@@ -278,12 +289,22 @@ class Dialect:
         """NaN ("nan"), or an infinity ("inf", "-inf"), of a float type, as this language spells it."""
         return {"nan": "NAN", "inf": "INFINITY", "-inf": "(-INFINITY)"}[which]
 
-    def pragma(self, template: str | None, collapse: int, accum: ir.AccumOp | None = None) -> str | None:
-        """A pragma template with its collapse clause (and reduction operator) filled in."""
+    def reduction_op(self, accum: ir.AccumOp, dt: DType) -> str:
+        """The OpenMP reduction identifier of ``accum`` over values that compute in ``dt``: a
+        float max or min is the one :meth:`helper_definitions` declares, which keeps NaN."""
+        if accum in (ir.AccumOp.MAX, ir.AccumOp.MIN) and dt.is_float:
+            return f"pj_{accum.value}_{dt.compute.name}_omp"
+        return self.reduction_ops[accum]
+
+    def pragma(self, template: str | None, collapse: int, accum: ir.AccumOp | None = None,
+               dt: DType | None = None) -> str | None:
+        """A pragma template with its collapse clause (and the reduction of ``accum`` over
+        ``dt``) filled in."""
         if template is None:
             return None
         clause = f" collapse({collapse})" if collapse > 1 else ""
-        return template.format(collapse=clause, op=self.reduction_ops[accum] if accum else "")
+        op = self.reduction_op(accum, dt) if accum is not None and dt is not None else ""
+        return template.format(collapse=clause, op=op)
 
     def kernel_open(self, spec: KernelSpec, names: Names) -> list[str]:
         """The signature and what precedes the body: C takes the buffers as an array of
@@ -622,7 +643,7 @@ class Emitter:
 
     def reduce(self, r: Reduce, indent: int, pragma: str | None = None) -> list[str]:
         if pragma is None and r.reassociable and r.node.dtype.is_float:
-            pragma = self.d.pragma(self.d.simd_reduction_pragma, len(r.loops), r.accum)
+            pragma = self.d.pragma(self.d.simd_reduction_pragma, len(r.loops), r.accum, r.node.dtype)
         pad = "  " * indent
         t = self.ctype(r.node.dtype)  # half types accumulate in float32
         target, init = self.reduce_cell(r)
@@ -702,7 +723,8 @@ def emit_loops(em: Emitter, kernel: Kernel, plan: KernelPlan, indent: int) -> li
         pragma = d.pragma(d.parallel_for_pragma, plan.team)
         lines += [f"{'  ' * indent}{pragma}"] if pragma else []
     elif plan.team and isinstance(kernel.body, Reduce):
-        return em.reduce(kernel.body, indent, d.pragma(d.parallel_reduction_pragma, plan.team, kernel.body.accum))
+        return em.reduce(kernel.body, indent, d.pragma(d.parallel_reduction_pragma, plan.team, kernel.body.accum,
+                                                  kernel.body.node.dtype))
     loops += [(em.names.var(s), "0", str(n), []) for s, n in nest]
     # not on a loop an OpenMP ``parallel for`` already heads (a dialect that is not ranged)
     covered = bool(plan.team) and not d.ranged and plan.team >= len(nest)

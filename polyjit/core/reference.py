@@ -56,6 +56,12 @@ def scalar_value(value: int | float | bool, dt: DType) -> Array:
     return np.array(int(value), dtype=np.int64).astype(dt.np)  # integers wrap modulo 2**bits
 
 
+def _max_keeping_nan(a: Array, b: Array) -> Array:
+    """``a > b || a != a ? a : b``, as the kernels compute a max: NaN where either operand is
+    (as ``np.maximum``), and ``b`` where the two are equal (``max(-0.0, 0.0)`` is 0.0)."""
+    return np.where((a > b) | (a != a), a, b)
+
+
 def _int_div(a: Array, b: Array) -> Array:
     """Integer division truncating toward zero (numpy's // floors)."""
     q = np.floor_divide(a, b)
@@ -96,8 +102,8 @@ def apply_op(op: Op, args: Sequence[Array], operand_dtypes: Sequence[DType], out
             elif op is Op.SIGMOID:
                 one = np.array(1, dtype=a.dtype)
                 res = one / (one + np.exp(np.negative(a)))
-            elif op is Op.RELU:
-                res = np.maximum(a, np.array(0, dtype=a.dtype))
+            elif op is Op.RELU:  # max(a, 0), as the kernels spell it: relu(-0.0) is 0.0
+                res = _max_keeping_nan(a, np.array(0, dtype=a.dtype))
             else:  # pragma: no cover - every unary op is listed above
                 raise InvalidProgramError(f"reference: unhandled op {op}")
             return np.asarray(res).astype(dt, copy=False)
@@ -111,9 +117,9 @@ def apply_op(op: Op, args: Sequence[Array], operand_dtypes: Sequence[DType], out
         elif op is Op.DIV:
             res = np.divide(a, b) if operand_dtypes[0].is_float else _int_div(a, b)
         elif op is Op.MAX:
-            res = np.where(a > b, a, b)  # as C's a > b ? a : b
+            res = _max_keeping_nan(a, b)
         elif op is Op.MIN:
-            res = np.where(a < b, a, b)
+            res = np.where((a < b) | (a != a), a, b)
         elif op is Op.POW:
             res = np.power(a, b)
         elif op is Op.LT:

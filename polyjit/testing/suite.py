@@ -34,6 +34,7 @@ from polyjit.testing.checks.common import MULTI_DEVICE, CheckFn, CheckSkipped, K
 from polyjit.testing.checks.compute import (
     check_catalog_programs,
     check_half_special_values,
+    check_nan_propagation,
     check_random_affine_programs,
     check_random_einsum_programs,
     check_random_elementwise_programs,
@@ -91,6 +92,7 @@ CHECKS: list[CheckFn] = [
     check_host_transfer_errors,
     check_catalog_programs,
     check_half_special_values,
+    check_nan_propagation,
     check_random_elementwise_programs,
     check_random_einsum_programs,
     check_random_matmul_programs,

@@ -14,6 +14,7 @@ from polyjit.backends import cuda
 from polyjit.core import dtypes, ir
 from polyjit.core.ir import AccumOp, Node, Op, StaticSymbol, Symbol
 from polyjit.testing.programs import CatalogProgram, catalog, program, values
+from polyjit.testing.programs.nan import nan_programs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -94,7 +95,7 @@ def cuda_programs() -> tuple[CatalogProgram, ...]:
 
 
 def all_programs() -> list[CatalogProgram]:
-    return [*catalog(), *cuda_programs()]
+    return [*catalog(), *cuda_programs(), *nan_programs()]
 
 
 def check_tensor_plans_replay_a_graph(backend: Any) -> int:

@@ -29,6 +29,7 @@ from polyjit.testing.checks.common import (
 from polyjit.testing.harness import run_programs, unsupported_reason
 from polyjit.testing.programs import catalog
 from polyjit.testing.programs import half as half_programs
+from polyjit.testing.programs import nan as nan_programs
 
 # ---------------------------------------------------------------------------
 # Programs against the reference
@@ -70,6 +71,19 @@ def check_half_special_values(backend: Backend) -> None:
     failures = run_programs(backend, progs)
     if failures:
         raise AssertionError(f"{len({f.program for f in failures})} of {len(progs)} half-type programs differ "
+                             "from the reference:\n\n" + "\n\n".join(str(f) for f in failures[:6]))
+
+
+def check_nan_propagation(backend: Backend) -> None:
+    """max, min and relu, elementwise and in every kind of reduction, are NaN where an operand
+    is (numpy's ``maximum`` and ``max``), exactly as the reference computes them: a kernel
+    spelled ``a > b ? a : b``, or a parallel reduction combined by the compiler's own max,
+    drops a NaN and hides a diverged model behind finite values."""
+    require_devices(backend, 1)
+    progs = nan_programs.nan_programs()
+    failures = run_programs(backend, progs)
+    if failures:
+        raise AssertionError(f"{len({f.program for f in failures})} of {len(progs)} NaN programs differ "
                              "from the reference:\n\n" + "\n\n".join(str(f) for f in failures[:6]))
 
 
