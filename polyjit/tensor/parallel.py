@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from polyjit.core import ir
-from polyjit.core.dtypes import as_dtype
+from polyjit.core.dtypes import DType, as_dtype
 from polyjit.core.errors import (
     DTypeMismatchError,
     InvalidProgramError,
@@ -108,7 +108,8 @@ class DataParallel:
         self.comm: Comm | None = self._rank_reduce.comm if self._rank_reduce is not None else None
         self.ranks = self.comm.size if self.comm is not None else 1
         self.rank = self.comm.rank if self.comm is not None else 0
-        sizes = {int(next(iter(shape))) for shape, _ in inputs.values()}
+        inputs = _batch_inputs(inputs)
+        sizes = {int(shape[0]) for shape, _ in inputs.values()}
         if len(sizes) != 1:
             raise ShapeMismatchError(f"every input needs the same batch size (axis 0), got {sorted(sizes)}")
         self.batch_size = sizes.pop()
@@ -395,6 +396,17 @@ def _rank_reduce(comm: Any) -> RankReduce | None:
     return RankReduce(comm)
 
 
+def _batch_inputs(inputs: Mapping[str, InputSpec]) -> dict[str, tuple[tuple[int, ...], DType]]:
+    """Each input's (shape, dtype), refusing by name a shape with no batch axis to split."""
+    out = {}
+    for key, (shape, dt) in inputs.items():
+        if not isinstance(shape, (tuple, list)) or not shape:
+            raise ShapeMismatchError(f"input {key!r}: shape {shape!r} has no batch axis (axis 0) to split "
+                                     "over the devices")
+        out[key] = (tuple(int(n) for n in shape), as_dtype(dt))
+    return out
+
+
 def data_parallel(
     model_step: Callable[..., Tensor],
     inputs: Mapping[str, InputSpec],
@@ -424,6 +436,5 @@ def data_parallel(
     summed by the tree inside each rank, one MPI all-reduce among the ranks, and the tree
     back down.
     """
-    spec = {k: (tuple(shape), as_dtype(dt)) for k, (shape, dt) in inputs.items()}
-    return DataParallel(model_step, spec, optimizer=optimizer, devices=devices, params=params, name=name,
+    return DataParallel(model_step, inputs, optimizer=optimizer, devices=devices, params=params, name=name,
                         comm=comm)

@@ -106,6 +106,15 @@ def test_batch_must_split_evenly(three_devices: Backend) -> None:
                          optimizer=pt.SGD(0.1), devices=three_devices)
 
 
+def test_an_input_needs_a_batch_axis(three_devices: Backend) -> None:
+    """A 0-d input (or a shape that is not a tuple) is refused by name, not by a StopIteration."""
+    w = pt.param("w", (2, 2))
+    for shape in ((), 4):
+        with pytest.raises(ShapeMismatchError, match=r"input 'x'.*no batch axis"):
+            pt.data_parallel(lambda x: pt.sum(x * w), {"x": (shape, "float32")},
+                             optimizer=pt.SGD(0.1), devices=three_devices)
+
+
 def test_load_state_dict_sets_every_replica(three_devices: Backend) -> None:
     mlp = pt.MLP("lsd", [2, 8, 2], activation="tanh", seed=5)
 
