@@ -22,7 +22,12 @@ import numpy as np
 
 from polyjit.core import dtypes
 from polyjit.core.dtypes import DType, as_dtype
-from polyjit.core.errors import DTypeMismatchError, InvalidProgramError, ShapeMismatchError
+from polyjit.core.errors import (
+    DTypeMismatchError,
+    InvalidArgumentError,
+    InvalidProgramError,
+    ShapeMismatchError,
+)
 
 # re-exported: ir is where programs are written
 from polyjit.core.index import Affine, Index, StaticSymbol, Symbol, Var, affine, as_affine, fixed  # noqa: F401
@@ -39,8 +44,22 @@ class MemoryMode(enum.Enum):
 _node_ids = itertools.count(1)
 
 
-def _shape(value: Iterable[int]) -> tuple[int, ...]:
-    shape = tuple(int(d) for d in value)
+def _check_name(name: object) -> None:
+    if not isinstance(name, str):
+        raise InvalidArgumentError(f"a node's name is a str, got {type(name).__name__} {name!r}")
+
+
+def as_shape(value: int | Iterable[int]) -> tuple[int, ...]:
+    """A shape: an int (one axis) or a sequence of non-negative ints. A float, a string or
+    None is refused, not truncated (``2.5`` is not 2)."""
+    dims = [value] if isinstance(value, (int, np.integer)) else value
+    try:
+        shape = tuple(dims)
+    except TypeError:
+        raise ShapeMismatchError(f"a shape is an int or a sequence of ints, got {value!r}") from None
+    if not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) for d in shape):
+        raise ShapeMismatchError(f"a shape's dimensions are ints, got {value!r}")
+    shape = tuple(int(d) for d in shape)
     if any(d < 0 for d in shape):
         raise ShapeMismatchError(f"negative dimension in shape {shape}")
     return shape
@@ -50,8 +69,8 @@ def _shape(value: Iterable[int]) -> tuple[int, ...]:
 class Node:
     """A tensor node. Identity (``id``) is what distinguishes nodes; names need not be unique."""
 
-    name: str
-    shape: tuple[int, ...] = attrs.field(converter=_shape)
+    name: str = attrs.field(validator=lambda _, __, v: _check_name(v))
+    shape: tuple[int, ...] = attrs.field(converter=as_shape)
     dtype: DType = attrs.field(converter=as_dtype, default=dtypes.float32)
     mode: MemoryMode | None = None
     id: int = attrs.field(factory=lambda: next(_node_ids))

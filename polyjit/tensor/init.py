@@ -17,13 +17,14 @@ Init = Union[str, Array, float, int, Callable[[np.random.Generator, tuple[int, .
 
 
 def _fans(shape: tuple[int, ...]) -> tuple[int, int]:
-    """Fan in and out of a weight: (in, out) for a matrix, receptive field included for more axes."""
+    """Fan in and out of a weight: (in, out) for a matrix, receptive field included for more
+    axes; at least 1 (a fan of 0 is a weight with no values, whose scale does not matter)."""
     if not shape:
         return 1, 1
     if len(shape) == 1:
-        return shape[0], shape[0]
+        return max(shape[0], 1), max(shape[0], 1)
     field = math.prod(shape[:-2])
-    return shape[-2] * field, shape[-1] * field
+    return max(shape[-2] * field, 1), max(shape[-1] * field, 1)
 
 
 def normal(rng: np.random.Generator, shape: tuple[int, ...], std: float = 0.02) -> Array:

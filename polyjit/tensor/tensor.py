@@ -224,6 +224,9 @@ class Tensor:
     def __matmul__(self, other: Tensor) -> Tensor:
         return ops.matmul(self, other)
 
+    def __rmatmul__(self, other: Tensor) -> Tensor:
+        return ops.matmul(other, self)
+
     def __lt__(self, other: Tensor | Scalar) -> Tensor:
         return ops.less(self, other)
 
@@ -247,8 +250,10 @@ class Tensor:
     def T(self) -> Tensor:
         return ops.transpose(self)
 
-    def transpose(self, *axes: int) -> Tensor:
-        return ops.transpose(self, axes or None)
+    def transpose(self, *axes: int | Sequence[int]) -> Tensor:
+        """``x.transpose(1, 0)`` or ``x.transpose((1, 0))``, as numpy takes them."""
+        perm: Any = axes[0] if len(axes) == 1 and not isinstance(axes[0], int) else axes
+        return ops.transpose(self, tuple(perm) if perm else None)
 
     def reshape(self, *shape: int | Sequence[int]) -> Tensor:
         dims: Any = shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape
@@ -292,16 +297,16 @@ class Tensor:
 # Leaves
 
 
-def _shape(shape: int | Sequence[int]) -> tuple[int, ...]:
-    out = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(d) for d in shape)
-    if any(d < 0 for d in out):
-        raise ShapeMismatchError(f"negative dimension in shape {out}")
-    return out
+def _shape(name: str, shape: int | Sequence[int]) -> tuple[int, ...]:
+    try:
+        return ir.as_shape(shape)
+    except ShapeMismatchError as e:
+        raise ShapeMismatchError(f"{name!r}: {e}") from None
 
 
 def input(name: str, shape: int | Sequence[int], dtype: DTypeLike = dtypes.float32) -> Tensor:
     """A tensor fed from the host on every run (``plan.run(name=array)``)."""
-    return Tensor(ir.Node(name, _shape(shape), as_dtype(dtype)), kind=Kind.INPUT, requires_grad=False)
+    return Tensor(ir.Node(name, _shape(name, shape), as_dtype(dtype)), kind=Kind.INPUT, requires_grad=False)
 
 
 def param(
@@ -320,7 +325,7 @@ def param(
     """
     from polyjit.tensor.init import initial_value
 
-    shape_t = _shape(shape)
+    shape_t = _shape(name, shape)
     dt = as_dtype(dtype)
     value = initial_value(init, name, shape_t, dt, rng)
     return Tensor(ir.Node(name, shape_t, dt), kind=Kind.PARAM, init=value, requires_grad=True)
@@ -345,7 +350,7 @@ def constant(value: Any, dtype: DTypeLike | None = None, name: str = "const") ->
 
 def full(shape: int | Sequence[int], value: Scalar, dtype: DTypeLike = dtypes.float32, name: str = "full") -> Tensor:
     """A tensor of one value (computed on the device: a Fill fetch, inlined into its reader)."""
-    node = ir.Node(name, _shape(shape), as_dtype(dtype))
+    node = ir.Node(name, _shape(name, shape), as_dtype(dtype))
     check_scalar(value, node.dtype, f"{name} of {node.dtype}")
     return Tensor(node, (ir.fill(node, value),), requires_grad=False)
 

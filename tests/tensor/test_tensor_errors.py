@@ -308,3 +308,26 @@ def test_compile_and_optimizer_misuse() -> None:
     assert plan.step(x=np.ones(4, np.float32)) == pytest.approx(4.0)
     np.testing.assert_allclose(plan.state_dict()["w"], 0.5)
     plan.close()
+
+
+def test_graph_building_misuse_raises_typed_errors_naming_the_culprit() -> None:
+    """Shapes that are not ints, a zero slice step, axes out of range, a matmul with a
+    non-tensor: each a PolyjitError (not a TypeError or a silent truncation of 2.5 to 2)."""
+    x = pt.input("x", (3, 4))
+    for shape in ((2.5, 4), ("3", 4), None, (True, 2)):
+        with pytest.raises(ShapeMismatchError, match="'a'"):
+            pt.input("a", shape)  # type: ignore[arg-type]
+    with pytest.raises(errors.InvalidArgumentError, match="name is a str"):
+        pt.input(5, (3,))  # type: ignore[arg-type]
+    with pytest.raises(ShapeMismatchError, match="step cannot be zero"):
+        x[::0]
+    with pytest.raises(ShapeMismatchError, match="not a permutation"):
+        x.transpose((0, 5))  # was wrapped to (0, 1)
+    with pytest.raises(ShapeMismatchError, match="not a permutation"):
+        x.transpose((0, 0))
+    assert x.transpose((1, 0)).shape == x.transpose(1, 0).shape == x.T.shape == (4, 3)
+    for bad in (lambda: x @ 2.0, lambda: 2.0 @ x, lambda: x @ np.ones((4, 2), np.float32)):
+        with pytest.raises(DTypeMismatchError, match="matmul takes Tensors"):
+            bad()
+    mlp = pt.MLP("zero_width", [4, 0, 2])  # a layer with no values initialises (no 1/0)
+    assert [p.shape for p in mlp.params][:2] == [(4, 0), (0,)]

@@ -5,7 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from polyjit.core import ir
-from polyjit.core.errors import InvalidProgramError, ShapeMismatchError, UnsupportedError
+from polyjit.core.errors import (
+    DTypeMismatchError,
+    InvalidProgramError,
+    ShapeMismatchError,
+    UnsupportedError,
+)
 from polyjit.core.ir import Affine, Symbol
 from polyjit.tensor.ops.indexing import gather, transpose
 from polyjit.tensor.ops.shape import reshape
@@ -74,6 +79,9 @@ _BATCH_LETTERS = "pqrstuvw"
 def matmul(a: Tensor, b: Tensor) -> Tensor:
     """``a @ b`` as numpy does for 1-D and 2-D operands and batched stacks (batch shapes equal,
     or one operand without batch axes)."""
+    if not (isinstance(a, Tensor) and isinstance(b, Tensor)):
+        other = b if isinstance(a, Tensor) else a
+        raise DTypeMismatchError(f"matmul takes Tensors, got {type(other).__name__} (wrap arrays with pt.constant(...))")
     if a.ndim == 0 or b.ndim == 0:
         raise ShapeMismatchError("matmul of a 0-d tensor; use *")
     a2 = reshape(a, (1, a.shape[0])) if a.ndim == 1 else a

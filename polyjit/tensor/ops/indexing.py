@@ -123,6 +123,8 @@ def sum_to(x: Tensor, shape: tuple[int, ...]) -> Tensor:
 
 def transpose(x: Tensor, axes: Sequence[int] | None = None) -> Tensor:
     """Permute the axes (reverse them by default), like numpy.transpose."""
+    if axes is not None and not all(isinstance(a, int) and -x.ndim <= a < x.ndim for a in axes):
+        raise ShapeMismatchError(f"{axes} is not a permutation of the axes of {x.shape}")
     perm = tuple(range(x.ndim))[::-1] if axes is None else tuple(a % builtins.max(x.ndim, 1) for a in axes)
     if sorted(perm) != list(range(x.ndim)):
         raise ShapeMismatchError(f"{axes} is not a permutation of the axes of {x.shape}")
@@ -171,6 +173,8 @@ def getitem(x: Tensor, index: Any) -> Tensor:
                 raise ShapeMismatchError(f"index {it} is out of bounds for axis {axis} of size {n}")
             spec.append((-1, k, 0))
         else:
+            if it.step == 0:
+                raise ShapeMismatchError(f"slice step cannot be zero (axis {axis} of {x.shape})")
             start, stop, step = it.indices(n)
             spec.append((len(shape), start, step))
             shape.append(len(range(start, stop, step)))
