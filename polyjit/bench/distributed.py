@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from polyjit.bench.common import Target, print_results, print_targets
+from polyjit.bench.peers import parse_list
 from polyjit.distributed import MPI, Comm, bind_to_cores, mpiexec_command
 
 Array = np.ndarray[Any, Any]
@@ -140,9 +141,12 @@ def bench_data_parallel(batch: int, steps: int, rounds: int) -> dict[str, float]
     return result
 
 
+GROUPS = ("allreduce", "data_parallel")
+
+
 def run(args: argparse.Namespace) -> int:
     cores = bind_to_cores(1)  # before the cpu backend exists: one core per rank
-    wanted = set(filter(None, args.only.split(","))) or {"allreduce", "data_parallel"}
+    wanted = set(parse_list(args.only, GROUPS, "group")) or set(GROUPS)
     results: dict[str, dict[str, Any]] = {"machine": {"ranks": SIZE, "cores_of_rank_0": str(cores),
                                                       "mpi": MPI.Get_library_version().splitlines()[0]}}
     if "allreduce" in wanted:
@@ -165,7 +169,7 @@ def main(argv: Sequence[str] = ()) -> int:
     p.add_argument("--steps", type=int, default=20, help="steps per timed block")
     p.add_argument("--rounds", type=int, default=3, help="timed blocks per contender")
     p.add_argument("--ranks", type=int, default=2, help="ranks to start when run without mpiexec")
-    p.add_argument("--only", default="", help="comma-separated subset: allreduce,data_parallel")
+    p.add_argument("--only", default="", help=f"comma-separated subset: {','.join(GROUPS)}")
     p.add_argument("--json", help="write the results to this file (rank 0)")
     args = p.parse_args(list(argv))
     if SIZE == 1 and args.ranks > 1:  # not under mpiexec: start the job

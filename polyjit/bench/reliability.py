@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from polyjit import get_backend, ir
+from polyjit.bench.peers import parse_list
 from polyjit.core.ir import Node, Op
 from polyjit.core.runtime import Backend
 from polyjit.testing.concurrency import thread_stress
@@ -144,6 +145,9 @@ def launch(name: str) -> dict[str, Any]:
     return {"run_us": round(best * 1e6, 2)}
 
 
+GROUPS = ("misuse", "faults", "threads", "streams", "programs", "launch")
+
+
 def main(argv: Sequence[str] = ()) -> int:
     p = argparse.ArgumentParser(prog="polyjit bench reliability")
     p.add_argument("--backends", default="cpu,opencl")
@@ -151,10 +155,10 @@ def main(argv: Sequence[str] = ()) -> int:
     p.add_argument("--operations", type=int, default=1000)
     p.add_argument("--programs", type=int, default=1000)
     p.add_argument("--streams", type=int, default=1000)
-    p.add_argument("--only", default="misuse,faults,threads,streams,programs,launch")
+    p.add_argument("--only", default=",".join(GROUPS), help=f"comma-separated subset: {','.join(GROUPS)}")
     p.add_argument("--json", help="write the results to this file")
     args = p.parse_args(list(argv))
-    groups = args.only.split(",")
+    groups = parse_list(args.only, GROUPS, "group")
     results: dict[str, dict[str, Any]] = {}
     for name in args.backends.split(","):
         if get_backend(name).num_devices() == 0:

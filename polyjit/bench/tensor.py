@@ -302,6 +302,9 @@ def bench_data_parallel(batch: int, steps: int) -> dict[str, float]:
             "compute_scaling_ceiling": scaling}
 
 
+GROUPS = ("mlp", "char_lm", "dispatch", "data_parallel")
+
+
 def main(argv: Sequence[str] = ()) -> int:
     p = argparse.ArgumentParser(prog="polyjit bench tensor", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -312,11 +315,11 @@ def main(argv: Sequence[str] = ()) -> int:
     p.add_argument("--lm-batch", type=int, default=128, help="char_lm batch")
     p.add_argument("--lm-device", default="cpu",
                    help="device of the char_lm group, e.g. cuda:0 (the other groups run on the CPU)")
-    p.add_argument("--only", default="", help="comma-separated subset: mlp,char_lm,dispatch,data_parallel")
+    p.add_argument("--only", default="", help=f"comma-separated subset: {','.join(GROUPS)}")
     p.add_argument("--json", help="write the results to this file")
     add_race_arguments(p)
     args = p.parse_args(list(argv))
-    wanted = set(filter(None, args.only.split(","))) or {"mlp", "char_lm", "dispatch", "data_parallel"}
+    wanted = set(parse_list(args.only, GROUPS, "group")) or set(GROUPS)
     peers = parse_list(args.peers, PEERS, "peers")
     contention = parse_contention(args.contention)
     results: dict[str, dict[str, Any]] = {

@@ -49,3 +49,13 @@ def test_a_race_report_names_the_best_peer_and_jax() -> None:
     assert out["polyjit_vs_best_peer"] == pytest.approx(2.5) and out["polyjit_vs_best_peer_busy1"] == pytest.approx(2.5)
     assert out["polyjit_vs_jax"] == pytest.approx(2.5) and out["torch"] == "not installed"
     assert "polyjit_vs_jax" not in flatten({k: v for k, v in race.items() if k != "jax"}, [1])
+
+
+@pytest.mark.parametrize("suite", ["tensor", "reliability"])
+def test_an_unknown_group_is_refused_before_anything_runs(suite: str) -> None:
+    """``--only`` with a typo used to run nothing and print empty targets."""
+    import importlib
+
+    main = importlib.import_module(f"polyjit.bench.{suite}").main
+    with pytest.raises(SystemExit, match="unknown group: bogus"):
+        main(["--only", "bogus"])
