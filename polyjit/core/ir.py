@@ -27,6 +27,7 @@ from polyjit.core.errors import (
     InvalidArgumentError,
     InvalidProgramError,
     ShapeMismatchError,
+    ValueRangeError,
 )
 
 # re-exported: ir is where programs are written
@@ -393,6 +394,20 @@ def accum_operand_dtypes(a: Accum) -> list[DType]:
     return out
 
 
+def check_literal(value: object, dtype: DType, what: str) -> None:
+    """Refuse a scalar operand that is not a real number (a string, None, a complex), or a
+    float that an integer ``dtype`` cannot take (NaN, inf, or out of its range once truncated:
+    undefined in C). Otherwise a scalar converts as C converts a literal
+    (:func:`polyjit.core.reference.scalar_value`: floats truncate, integers wrap)."""
+    if not isinstance(value, (bool, int, float, np.bool_, np.integer, np.floating)):
+        raise DTypeMismatchError(f"{what}: a scalar operand is a real number, got {type(value).__name__} {value!r}")
+    if dtype.is_float or dtype.is_bool or isinstance(value, (bool, int, np.bool_, np.integer)):
+        return
+    info = np.iinfo(dtype.np)
+    if not (math.isfinite(value) and info.min <= math.trunc(float(value)) <= info.max):
+        raise ValueRangeError(f"{what}: the scalar {value!r} does not convert to {dtype}")
+
+
 def _check_accum(a: Accum) -> None:
     pr = a.projections
     space = dict(pr.product_space)
@@ -409,6 +424,9 @@ def _check_accum(a: Accum) -> None:
     for x, idx in zip(tensors, pr.rhs):
         _check_index_bounds(operand_node(x), idx, space, f"read for {a.lhs.label}")
     operand_dtypes = accum_operand_dtypes(a)
+    for operand, dt in zip(a.rhs, operand_dtypes):
+        if not _is_tensor_operand(operand):
+            check_literal(operand, dt, f"{a.op.value} into {a.lhs.label}")
     out = result_dtype(a.op, operand_dtypes, a.lhs.dtype)
     if out != a.lhs.dtype:
         raise DTypeMismatchError(
@@ -420,7 +438,9 @@ def _check_accum(a: Accum) -> None:
 
 def _check_fetch(f: Fetch) -> None:
     v = f.value
-    if isinstance(v, Constant):
+    if isinstance(v, Fill):
+        check_literal(v.value, f.node.dtype, f"fill of {f.node.label}")
+    elif isinstance(v, Constant):
         if tuple(v.values.shape) != f.node.shape:
             raise ShapeMismatchError(
                 f"constant of shape {v.values.shape} for {f.node.label} of shape {f.node.shape}"
@@ -541,6 +561,8 @@ def einsum(
     One operand is a transpose or a reduction (``"ij->i"``); two are a product
     (matmul, outer product, batched forms). ``accum`` picks the reduction.
     """
+    if not isinstance(spec, str):
+        raise InvalidProgramError(f"an einsum spec is a str such as 'ik,kj->ij', got {spec!r}")
     m = _EINSUM_SPEC.match(spec)
     if not m:
         raise InvalidProgramError(f"bad einsum spec {spec!r}")

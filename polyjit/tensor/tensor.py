@@ -66,7 +66,8 @@ class IndexBound:
 
 def check_scalar(value: Scalar, dtype: DType, what: str, hint: str = "") -> None:
     """Refuse a Python scalar that ``dtype`` cannot hold exactly (1.5 or 300 for uint8, -1 for
-    bool): it would be truncated or wrap around in the kernel."""
+    bool): it would be truncated or wrap around in the kernel. Stricter than the IR's
+    :func:`polyjit.core.ir.check_literal`, which converts as C does."""
     if dtype.is_float:
         return
     if dtype.is_bool:

@@ -18,12 +18,14 @@ from polyjit.core.errors import (
     DTypeMismatchError,
     FinalizedError,
     InvalidArgumentError,
+    InvalidProgramError,
     NodeNotInContextError,
     PolyjitError,
     ReadOnlyNodeError,
     ShapeMismatchError,
     StreamClosedError,
     UnknownDeviceError,
+    ValueRangeError,
 )
 from polyjit.core.ir import Node, Op, StaticSymbol
 from polyjit.core.runtime import Backend
@@ -56,6 +58,7 @@ def misuse_table(backend: Backend) -> list[tuple[str, type[PolyjitError], Callab
     dead.finalize()
     closed = dev.new_stream()
     closed.close()
+    ints, ints_out = Node("mis_ints", (16,), dtypes.int32), Node("mis_ints_out", (16,), dtypes.int32)
 
     def bind(value: Any) -> Callable[[], None]:
         def run() -> None:
@@ -98,6 +101,18 @@ def misuse_table(backend: Backend) -> list[tuple[str, type[PolyjitError], Callab
         ("to_host into a read-only array", ShapeMismatchError, lambda: ctx.to_host(a, read_only)),
         ("init_from_host with a node of another dtype", DTypeMismatchError,
          lambda: ctx.init_from_host(Node("i", (16,), dtypes.int32), np.ones(16, np.float32))),
+        # programs: caught when the assignment is built, before any source is written
+        ("a string as a scalar operand", DTypeMismatchError,
+         lambda: ir.apply(Op.ADD, a, "1); abort(); (", into=out)),  # type: ignore[arg-type]
+        ("NaN added to an integer node", ValueRangeError,
+         lambda: ir.apply(Op.ADD, ints, float("nan"), into=ints_out)),
+        ("1e30 added to an int32 node", ValueRangeError, lambda: ir.apply(Op.ADD, ints, 1e30, into=ints_out)),
+        ("a fill of inf into an integer node", ValueRangeError,
+         lambda: ir.fill(Node("u8", (4,), dtypes.uint8), float("inf"))),
+        ("a shape of floats", ShapeMismatchError, lambda: Node("f", (2.5, 4))),  # type: ignore[arg-type]
+        ("a node named by a number", InvalidArgumentError, lambda: Node(7, (4,))),  # type: ignore[arg-type]
+        ("an einsum spec that is not a str", InvalidProgramError,
+         lambda: ir.einsum(5, a, into=Node("s", ()))),  # type: ignore[arg-type]
     ]
 
 
