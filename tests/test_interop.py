@@ -21,6 +21,7 @@ from polyjit.core.errors import (
     AliasedMemoryError,
     DTypeMismatchError,
     InvalidArgumentError,
+    ReadOnlyNodeError,
     ShapeMismatchError,
     UnknownDeviceError,
     UnsupportedError,
@@ -146,6 +147,78 @@ def test_an_aligned_numpy_array_is_taken_without_a_copy() -> None:
     np.testing.assert_array_equal(r.context.read(y), 2 * host)
     r.context.finalize()
     ctx.finalize()
+
+
+def _aligned(n: int) -> np.ndarray:
+    raw = np.empty(n + 16, np.float32)
+    start = (-raw.ctypes.data % 64) // 4
+    return raw[start : start + n]
+
+
+def test_read_only_memory_is_taken_read_only() -> None:
+    """A producer's read-only flag (DLPack 1.0) holds: the memory is taken without a copy and
+    read by kernels, but no write reaches it (a kernel writing it, from_host, a writable
+    host_view); a read-only memmap written in place used to crash the process."""
+    be = get_backend("cpu")
+    dev = be.get_device(0)
+    host = _aligned(64)
+    host[:] = np.arange(64)
+    host.flags.writeable = False
+    x, y = Node("ro_x", (64,)), Node("ro_y", (64,))
+    ctx = dev.make_context().init_from_dlpack(x, host)
+    assert dev.pool_handle(ctx.buffers[x].pool_id) == host.ctypes.data  # zero-copy, as before
+    reads = ctx.link(be.compile(ir.Comp.of(ir.apply(Op.ADD, x, x, into=y)), name="ro_reads"))
+    reads.run()
+    np.testing.assert_array_equal(reads.context.read(y), 2 * np.arange(64))
+    with pytest.raises(ReadOnlyNodeError, match=r"ro_x.*DLPack.*read-only"):
+        ctx.link(be.compile(ir.Comp.of(ir.apply(Op.EXP, x, into=x)), name="ro_writes"))
+    with pytest.raises(ReadOnlyNodeError):
+        ctx.from_host(x, np.zeros(64, np.float32))
+    with pytest.raises(ReadOnlyNodeError), ctx.host_view(x, write=True):
+        pass
+    with ctx.host_view(x) as values:
+        assert not values.flags.writeable
+    assert not np.from_dlpack(ctx.export(x)).flags.writeable
+    np.testing.assert_array_equal(host, np.arange(64))
+    reads.context.finalize()
+    ctx.finalize()
+
+
+def test_a_constant_is_not_writable_through_a_view_or_an_export() -> None:
+    """Constants are shared by every context of a device: host_view(write=True) refuses, and
+    views and exports are read-only (the export used to let numpy write every context's copy)."""
+    be = get_backend("cpu")
+    dev = be.get_device(0)
+    a, k, out = Node("ca", (4,)), Node("ck", (4,), mode=ir.MemoryMode.MATERIALIZED), Node("cout", (4,))
+    code = be.compile(ir.Comp.of(ir.constant(k, np.arange(4, dtype=np.float32)), ir.apply(Op.ADD, a, k, into=out)),
+                      name="const_user")
+    first = dev.make_context().init_from_host(a, np.zeros(4, np.float32)).link(code)
+    second = dev.make_context().init_from_host(a, np.zeros(4, np.float32)).link(code)
+    with pytest.raises(ReadOnlyNodeError, match="constant"), first.context.host_view(k, write=True):
+        pass
+    with first.context.host_view(k) as values:
+        assert not values.flags.writeable
+    view = np.from_dlpack(first.context.export(k))
+    assert not view.flags.writeable
+    with pytest.raises(ValueError):
+        view[:] = 100.0
+    second.run()
+    np.testing.assert_array_equal(second.context.read(out), np.arange(4))
+    del view
+    first.context.finalize()
+    second.context.finalize()
+
+
+def test_a_producer_that_refuses_is_a_typed_error_naming_the_node() -> None:
+    class Refuses:
+        def __dlpack__(self, **kw: Any) -> Any:
+            raise BufferError("nope")
+
+    ctx = get_backend("cpu").get_device(0).make_context()
+    with pytest.raises(DTypeMismatchError, match=r"init_from_dlpack of dl_n.*refused.*nope"):
+        ctx.init_from_dlpack(Node("dl_n", (2,)), Refuses())
+    with pytest.raises(DTypeMismatchError, match="init_from_dlpack of dl_t"):
+        ctx.init_from_dlpack(Node("dl_t", (2,)), np.zeros(2, "datetime64[s]"))
 
 
 def test_memory_another_node_uses_is_refused() -> None:

@@ -52,14 +52,16 @@ class Context:
         merge_node: Node | None,
         own_pools: Sequence[int],
         own_constants: Sequence[BufferLoc] = (),
-        constants: frozenset[Node] = frozenset(),
+        read_only: frozenset[Node] = frozenset(),
     ) -> None:
         self.device = device
         self.stream = stream
         self.parent = parent
         self.buffers: Mapping[Node, BufferLoc] = MappingProxyType(dict(buffers))
         self.merge_node = merge_node
-        self.constants = constants  # nodes whose buffers are the device's read-only constants
+        # nodes no write may reach: the device's constants (shared by every context of the
+        # device) and read-only memory taken through DLPack (another library's)
+        self.read_only = read_only
         self._own_pools = tuple(own_pools)
         self._own_constants = tuple(own_constants)
         self._children: weakref.WeakSet[Context] = weakref.WeakSet()
@@ -84,10 +86,10 @@ class Context:
 
     def _child(self, buffers: Mapping[Node, BufferLoc], *, merge_node: Node | None = None,
                own_pools: Sequence[int] = (), own_constants: Sequence[BufferLoc] = (),
-               constants: frozenset[Node] = frozenset(), stream: Stream | None = None) -> Context:
+               read_only: frozenset[Node] = frozenset(), stream: Stream | None = None) -> Context:
         return Context(self.device, stream or self.stream, self, {**self.buffers, **buffers},
                        merge_node if merge_node is not None else self.merge_node, own_pools,
-                       own_constants, self.constants | constants)
+                       own_constants, self.read_only | read_only)
 
     def check_alive(self) -> None:
         if self.finalized:
@@ -103,11 +105,24 @@ class Context:
             raise NodeNotInContextError(_missing(node, self, what))
         return loc
 
+    def why_read_only(self, node: Node) -> str:
+        if any(self.buffers[node] == loc for loc in self._all_constants()):
+            return "a constant, shared by every context of the device"
+        return "memory taken through DLPack that its producer marked read-only"
+
+    def _all_constants(self) -> list[BufferLoc]:
+        out: list[BufferLoc] = []
+        ctx: Context | None = self
+        while ctx is not None:
+            out += ctx._own_constants
+            ctx = ctx.parent
+        return out
+
     def writable_loc(self, node: Node, what: str) -> BufferLoc:
         loc = self.loc(node, what)
-        if node in self.constants:
-            raise ReadOnlyNodeError(f"{what}: {node.label} is a constant of {self.device.device_id}; "
-                                    "constants are read-only (shared by every context of the device)")
+        if node in self.read_only:
+            raise ReadOnlyNodeError(f"{what}: {node.label} is read-only on {self.device.device_id} "
+                                    f"({self.why_read_only(node)})")
         return loc
 
     def with_stream(self, stream: Stream) -> Context:
@@ -175,7 +190,7 @@ class Context:
             persistent = {n: loc for n, loc in buffers.items() if batch.lowered.modes.get(n) is not MemoryMode.LOCAL}
             scratch = {n: loc for n, loc in buffers.items() if n not in persistent}
             child = self._child(persistent, own_pools=pools, own_constants=constants,
-                                constants=frozenset(const_nodes))
+                                read_only=frozenset(const_nodes))
             every = {**child.buffers, **scratch}
             try:
                 return [Routine(child, batch, k, module, every) for k in range(len(comps))]
@@ -201,10 +216,10 @@ class Context:
                 if node not in self.buffers and node not in written:
                     raise NodeNotInContextError(_missing(node, self, f"computation {comp.name} reads it"))
             for node in (*comp.outputs, *comp.scratch):
-                if node in self.constants:
+                if node in self.read_only:
                     raise ReadOnlyNodeError(
-                        f"computation {comp.name} writes {node.label}, a read-only constant of "
-                        f"{self.device.device_id}")
+                        f"computation {comp.name} writes {node.label}, read-only on {self.device.device_id} "
+                        f"({self.why_read_only(node)})")
             if comp.merge_input is not None and comp.merge_input is not self.merge_node:
                 held = self.merge_node.label if self.merge_node else "nothing"
                 raise MergeBufferMismatchError(

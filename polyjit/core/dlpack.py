@@ -23,6 +23,7 @@ from polyjit.core.errors import DTypeMismatchError, InvalidArgumentError, ShapeM
 __all__ = ["CPU", "CUDA", "CUDA_HOST", "Imported", "make_capsule", "take_capsule"]
 
 CPU, CUDA, CUDA_HOST = 1, 2, 3  # DLDeviceType
+READ_ONLY = 1  # DLPACK_FLAG_BITMASK_READ_ONLY of DLManagedTensorVersioned.flags
 _INT, _UINT, _FLOAT, _BOOL, _BFLOAT = 0, 1, 2, 6, 4  # DLDataTypeCode
 
 
@@ -134,7 +135,9 @@ def make_capsule(address: int, shape: Sequence[int], dt: DType, device: tuple[in
                       dims, None, 0)
     managed: DLManagedTensor | DLManagedTensorVersioned
     if versioned:
-        managed = DLManagedTensorVersioned(DLPackVersion(1, 0), None, _deleter, 1 if read_only else 0, tensor)
+        managed = DLManagedTensorVersioned(DLPackVersion(1, 0), None, _deleter, READ_ONLY if read_only else 0, tensor)
+    elif read_only:  # a consumer of DLPack before 1.0 cannot be told, and would write
+        raise BufferError("the buffer is read-only, which only a DLPack 1.0 consumer (max_version) can be told")
     else:
         managed = DLManagedTensor(tensor, None, _deleter)
     key = ctypes.addressof(managed)
@@ -149,9 +152,11 @@ class Imported:
     garbage collection) tells the producer it may free it."""
 
     def __init__(self, address: int, shape: tuple[int, ...], strides: tuple[int, ...] | None,
-                 dt: DType, device: tuple[int, int], managed: int, deleter: Any, producer: Any) -> None:
+                 dt: DType, device: tuple[int, int], managed: int, deleter: Any, producer: Any,
+                 read_only: bool = False) -> None:
         self.address, self.shape, self.strides, self.dtype = address, shape, strides, dt
         self.device = device
+        self.read_only = read_only  # the producer's flag (DLPack 1.0): no write may reach it
         self._managed, self._deleter, self._producer = managed, deleter, producer
 
     @property
@@ -197,9 +202,12 @@ def take_capsule(obj: Any, stream: int | None = None) -> Imported:
     if not hasattr(obj, "__dlpack__"):
         raise InvalidArgumentError(f"{type(obj).__name__} has no __dlpack__: not a DLPack producer")
     try:
-        capsule = obj.__dlpack__(stream=stream, max_version=(1, 0))
-    except TypeError:  # an older producer: no max_version
-        capsule = obj.__dlpack__(stream=stream) if stream is not None else obj.__dlpack__()
+        try:
+            capsule = obj.__dlpack__(stream=stream, max_version=(1, 0))
+        except TypeError:  # an older producer: no max_version
+            capsule = obj.__dlpack__(stream=stream) if stream is not None else obj.__dlpack__()
+    except (BufferError, TypeError, ValueError) as e:  # the producer's refusal (a dtype DLPack lacks...)
+        raise DTypeMismatchError(f"{type(obj).__name__} refused to export through DLPack: {e}") from e
     versioned = bool(_api.PyCapsule_IsValid(capsule, b"dltensor_versioned"))
     name = b"dltensor_versioned" if versioned else b"dltensor"
     if not _api.PyCapsule_IsValid(capsule, name):
@@ -220,5 +228,6 @@ def take_capsule(obj: Any, stream: int | None = None) -> Imported:
     dt = _dtype_of(t.dtype.code, t.dtype.bits, t.dtype.lanes)
     _api.PyCapsule_SetName(capsule, b"used_dltensor_versioned" if versioned else b"used_dltensor")
     deleter = managed.deleter if managed.deleter else None
+    read_only = versioned and bool(managed.flags & READ_ONLY)
     return Imported(int(t.data or 0) + int(t.byte_offset), shape, strides, dt,
-                    (int(t.device.device_type), int(t.device.device_id)), address, deleter, obj)
+                    (int(t.device.device_type), int(t.device.device_id)), address, deleter, obj, read_only)

@@ -51,10 +51,14 @@ def _dlpack_device(ctx: Context) -> tuple[int, int]:
 class Exported:
     """A node's buffer as other libraries see it (DLPack; on CUDA, __cuda_array_interface__)."""
 
-    def __init__(self, ctx: Context, node: Node) -> None:
+    def __init__(self, ctx: Context, node: Node, *, read_only: bool | None = None) -> None:
+        """``read_only`` (default: whether the node is read-only in ``ctx``, a constant say):
+        the consumer is told so (DLPack's flag, numpy's writeable flag, the CUDA array
+        interface's), and a consumer that cannot be told gets a BufferError."""
         self._pool: int | None = None
         ctx.check_alive()
         self.node, self.context = node, ctx
+        self.read_only = node in ctx.read_only if read_only is None else read_only
         self.shape, self.dtype = node.shape, node.dtype
         self.device_type, self.device_id = _dlpack_device(ctx)
         loc = ctx.loc(node, "export")
@@ -88,14 +92,15 @@ class Exported:
             raise BufferError(f"the buffer is on DLPack device {self.__dlpack_device__()}, not {tuple(dl_device)}")
         self._ordered(stream)
         versioned = max_version is not None and max_version[0] >= 1
-        return dlpack.make_capsule(self.address, self.shape, self.dtype, self.__dlpack_device__(), self, versioned)
+        return dlpack.make_capsule(self.address, self.shape, self.dtype, self.__dlpack_device__(), self, versioned,
+                                   self.read_only)
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
         if self.device_type != dlpack.CUDA:
             raise AttributeError("__cuda_array_interface__: the buffer is not in CUDA device memory")
         self._ordered(None)
-        return {"shape": self.shape, "typestr": np.dtype(self.dtype.np).str, "data": (self.address, False),
+        return {"shape": self.shape, "typestr": np.dtype(self.dtype.np).str, "data": (self.address, self.read_only),
                 "version": 3, "strides": None, "stream": None}
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
@@ -111,6 +116,8 @@ class Exported:
             view = np.frombuffer(memoryview(raw), dtype=self.dtype.np).reshape(self.shape)
         else:
             view = np.from_dlpack(self)
+        if self.read_only:
+            view.flags.writeable = False
         if dtype is not None:
             view = view.astype(dtype, copy=bool(copy))
         return view.copy() if copy else view
@@ -138,7 +145,10 @@ def init_from_dlpack(ctx: Context, node: Node, obj: Any) -> Context:
     device = ctx.device
     stream_of = getattr(device.driver, "foreign_stream", None)
     consumer = stream_of(ctx.stream.handle) if stream_of is not None else None
-    taken: dlpack.Imported | None = dlpack.take_capsule(obj, stream=consumer)
+    try:
+        taken: dlpack.Imported | None = dlpack.take_capsule(obj, stream=consumer)
+    except DTypeMismatchError as e:
+        raise DTypeMismatchError(f"init_from_dlpack of {node.label}: {e}") from e
     assert taken is not None
     try:
         if taken.dtype != node.dtype:
@@ -156,9 +166,10 @@ def init_from_dlpack(ctx: Context, node: Node, obj: Any) -> Context:
         if here is not None and taken.device == tuple(here) and aligned and taken.nbytes:
             _refuse_overlap(ctx, node, taken.address, taken.nbytes)
             handle = device.driver.wrap_address(device.ordinal, taken.address, taken.nbytes)  # type: ignore[attr-defined]
+            read_only = frozenset([node]) if taken.read_only else frozenset()  # no write may reach it
             pid = device.adopt_pool(handle, taken.nbytes, taken.release)
             taken = None  # the pool gives it back now
-            return ctx._child({node: BufferLoc(pid, 0)}, own_pools=[pid])
+            return ctx._child({node: BufferLoc(pid, 0)}, own_pools=[pid], read_only=read_only)
         if taken.device[0] == dlpack.CPU:  # host memory: a copy into a new buffer
             host = np.empty(node.shape, node.dtype.np)
             if taken.nbytes:
@@ -191,7 +202,7 @@ def host_view(ctx: Context, node: Node, *, write: bool = False) -> Iterator[np.n
     readers too), and what it writes is what the next routine reads. Zero-copy where the
     device's memory is host memory (cpu); elsewhere a copy in and, to write, a copy back."""
     ctx.check_alive()
-    loc = ctx.loc(node, "host_view")
+    loc = ctx.writable_loc(node, "host_view(write=True)") if write else ctx.loc(node, "host_view")
     device = ctx.device
     with device.lock:
         st = device.tracker.locs.get(loc)
@@ -200,13 +211,14 @@ def host_view(ctx: Context, node: Node, *, write: bool = False) -> Iterator[np.n
         ev.synchronize()
     fn = getattr(device.driver, "dlpack_device", None)
     if fn is not None and tuple(fn(device.ordinal)) == (dlpack.CPU, 0):
-        exported = Exported(ctx, node)
+        exported = Exported(ctx, node, read_only=not write)  # a read's view is not a way to write
         try:
             yield np.from_dlpack(exported)
         finally:
             exported.release()
         return
     values = ctx.read(node)
+    values.flags.writeable = write  # as the zero-copy view: a read's copy is not a way to write
     yield values
     if write:
         ctx.from_host(node, values)
