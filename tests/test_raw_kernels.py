@@ -277,6 +277,22 @@ def test_kernel_names_must_be_c_identifiers(cpu: Backend, name: str) -> None:
     assert _compiles(cpu) == compiles  # nothing reached a compiler
 
 
+@pytest.mark.parametrize("name", ["pj_scratch_fn", "pj_scratch_tag_fn", "helper"])
+def test_a_kernel_named_like_the_runtimes_scratch_pointers_runs(cpu: Backend, name: str) -> None:
+    """Generated modules get the runtime's scratch memory through two pointers found by
+    name at load. A user's function of either name (the kernel, or a helper beside it) is
+    left alone: writing the pointer into its code crashed the process."""
+    v = Node("v", (4,), dtypes.float64)
+    helper = "void pj_scratch_tag_fn(void) {}\n" if name == "helper" else ""
+    kernel = "k" if name == "helper" else name
+    code = cpu.raw_kernel(f"{helper}void {kernel}(double* v) {{ for (int i = 0; i < 4; i++) v[i] += 1; }}\n",
+                          kernel, [raw.read_write(v)])
+    r = cpu.get_device(0).make_context().init_from_host(v, np.zeros(4)).link(code)
+    r.run()
+    np.testing.assert_array_equal(r.context.read(v), np.ones(4))
+    r.context.finalize()
+
+
 def test_malformed_arguments_are_typed_errors(cpu: Backend) -> None:
     x, y = f32("x", (4,)), f32("y", (4,))
     src = "void k(float* x) {}"

@@ -79,6 +79,10 @@ class CpuDriver:
         self._rt: NativeRuntime | None = None
         self._lock = threading.Lock()
         self._allocated: dict[int, int] = {}  # pointer -> bytes, for allocated_bytes()
+        # Binaries of generated sources that take scratch memory: the only modules whose
+        # scratch pointers load() sets. A user's kernel may define a function of that name
+        # (a write to its address would hit read-only code).
+        self._takes_scratch: set[Path] = set()
 
     @property
     def rt(self) -> NativeRuntime:
@@ -182,7 +186,12 @@ class CpuDriver:
 
     def compile(self, source: Source) -> Path:
         # -march=native: the binary is this host's (its CPU's digest is the cache target).
-        return self.compiler.path(source.text, (host_cpu().digest,))
+        binary = self.compiler.path(source.text, (host_cpu().digest,))
+        generated = not any(spec.plan.kind == RAW for spec in source.all_kernels)
+        if generated and tiles.SCRATCH_FN in source.text:
+            with self._lock:
+                self._takes_scratch.add(binary)
+        return binary
 
     def raw_source(self, text: str, spec: KernelSpec) -> tuple[str, str]:
         """A user's C function, called through a trampoline that unpacks the argument arrays."""
@@ -192,10 +201,13 @@ class CpuDriver:
         module = ctypes.CDLL(str(binary))  # dlopen counts references: one per load
         # Kernels that pack panels take memory from the runtime (runtime.c, pj_scratch); a
         # module none of whose kernels does has no such pointer.
-        with contextlib.suppress(ValueError):
-            ctypes.c_void_p.in_dll(module, tiles.SCRATCH_FN).value = self.rt.scratch_address
-        with contextlib.suppress(ValueError):
-            ctypes.c_void_p.in_dll(module, tiles.SCRATCH_TAG_FN).value = self.rt.scratch_tag_address
+        with self._lock:
+            takes_scratch = Path(binary) in self._takes_scratch
+        if takes_scratch:
+            with contextlib.suppress(ValueError):
+                ctypes.c_void_p.in_dll(module, tiles.SCRATCH_FN).value = self.rt.scratch_address
+            with contextlib.suppress(ValueError):
+                ctypes.c_void_p.in_dll(module, tiles.SCRATCH_TAG_FN).value = self.rt.scratch_tag_address
         return module
 
     def unload(self, ordinal: int, module: ctypes.CDLL) -> None:
