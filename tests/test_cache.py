@@ -296,6 +296,43 @@ def test_namespace_dir_owned_by_another_user_is_refused(cache_root: Path) -> Non
     assert not path.is_relative_to(cache_root)
 
 
+@needs_root
+def test_a_symlink_planted_by_another_user_is_not_followed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A link in a shared place that names the cache root, owned by someone else, could point
+    it at this user's home (Python's realpath does not apply fs.protected_symlinks)."""
+    home = tmp_path / "home"
+    (home / "notes").mkdir(parents=True, mode=0o700)
+    (home / "notes" / "thesis.tex").write_text("years of work")
+    planted = tmp_path / "planted"
+    planted.symlink_to(home)
+    os.lchown(planted, OTHER_UID, OTHER_UID)
+    monkeypatch.setenv("POLYJIT_CACHE_DIR", str(planted))
+    with pytest.warns(CacheDirWarning, match=f"symbolic link owned by uid {OTHER_UID}"):
+        _assert_private_fallback(home)
+    assert (home / "notes" / "thesis.tex").read_text() == "years of work"
+
+
+def test_clear_removes_only_what_the_cache_wrote(cache_root: Path, tmp_path: Path) -> None:
+    """A root that holds other files (a mistake, a shared directory), a namespace that is a
+    link out of it: `polyjit cache clear` removes entries, their hashes and its temporary
+    files, and nothing else (it used to remove every file one level down, through links)."""
+    BinaryCache("t", ".bin").get_or_build("k", _writer(b"data"))
+    (cache_root / "project").mkdir()
+    (cache_root / "project" / "main.py").write_text("print()")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious.txt").write_text("keep")
+    (cache_root / "linked").symlink_to(outside)
+    (cache_root / "t" / "notes.txt").write_text("mine")
+    tmp_file = cache_root / "t" / f".{'a' * 40}.bin.x7k2_abc.bin"
+    tmp_file.write_bytes(b"half written")
+    assert cache_mod.cache_info()["namespaces"] == {"project": {"entries": 0, "bytes": 0},
+                                                    "t": {"entries": 1, "bytes": 4}}
+    assert cache_mod.cache_clear() == 1
+    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    assert left == ["cache/project/main.py", "cache/t/notes.txt", "outside/precious.txt"]
+
+
 def test_ancestor_writable_by_others_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     shared = tmp_path / "shared"
     shared.mkdir()

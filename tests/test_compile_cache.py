@@ -130,6 +130,8 @@ def test_the_backends_compile_through_it() -> None:
     again = CCompiler(cache=BinaryCache("cpu", ".so"))
     assert again.path("int forty_two(void) { return 42; }\n", ("host",)) == path and again.compiles == 0
     assert CCompiler(flags=("-O0", "-fPIC", "-shared")).key("x") != cc.key("x")
+    # one flag with a space is another command line than two flags (it built another binary)
+    assert CCompiler(flags=("-DV=a", "-Db")).key("x") != CCompiler(flags=("-DV=a -Db",)).key("x")
 
 
 def test_cache_info_and_clear_see_every_namespace(cache_dir: Path) -> None:

@@ -137,9 +137,26 @@ def _make_dirs(path: Path) -> str | None:
     return None
 
 
+def _link_problem(path: Path) -> str | None:
+    """A symbolic link on the way to ``path`` that another user owns can point it anywhere
+    (the way Linux's protected_symlinks refuses to follow one in a shared directory)."""
+    uid = _euid()
+    if uid is None:
+        return None
+    here = Path(os.path.abspath(path))
+    for p in (here, *here.parents):
+        try:
+            st = os.lstat(p)
+        except OSError:
+            continue  # not made yet
+        if stat.S_ISLNK(st.st_mode) and st.st_uid not in (uid, 0):
+            return f"{p} is a symbolic link owned by uid {st.st_uid}, not by this user (uid {uid}) or root"
+    return None
+
+
 def _usable_root(path: Path) -> tuple[Path | None, str | None]:
     """The real path of a safe, writable cache root (created if missing), or the reason not."""
-    problem = _make_dirs(path)
+    problem = _link_problem(path) or _make_dirs(path)
     if problem is not None:
         return None, problem
     # The real path from here on: a symlink planted in a shared directory cannot be retargeted.
@@ -533,24 +550,53 @@ class BinaryCache:
             raise CacheError(f"polyjit compile cache: cannot publish {name} in {directory}: {e}") from e
 
 
+# What the cache writes in a namespace: entries, each beside its hash (``<entry>.sha256``),
+# and the temporary files they are written as (mkstemp's ``.<entry>.XXXXXXXX<suffix>`` and
+# ``.<entry>.sha256.XXXXXXXX``). Nothing else there is the cache's to count or remove: the
+# root may be a directory that holds other files.
+_TMP = re.compile(r"\.[A-Za-z0-9_][A-Za-z0-9_.+-]*\.[a-z0-9_]{8}(\.[A-Za-z0-9]+)?")
+
+
+def _namespaces(root: Path) -> list[Path]:
+    """The cache's namespace directories under root: real directories, never symbolic links."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if stat.S_ISDIR(os.lstat(p).st_mode))
+
+
+def _regular(f: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(f).st_mode)
+    except OSError:
+        return False
+
+
+def _entries(space: Path) -> list[Path]:
+    """The entries of a namespace: plain files with their hash beside them."""
+    return [f for f in space.iterdir() if _NAME_RE.fullmatch(f.name) and not f.name.endswith(HASH_SUFFIX)
+            and _regular(f) and _regular(Path(f"{f}{HASH_SUFFIX}"))]
+
+
 def cache_info() -> dict[str, object]:
     """What the compile cache holds: its directory and, per namespace, entries and bytes."""
     root = cache_dir()
     spaces: dict[str, dict[str, int]] = {}
-    for space in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []:
-        files = [f for f in space.iterdir() if f.is_file() and not f.name.endswith(HASH_SUFFIX)]
+    for space in _namespaces(root):
+        files = _entries(space)
         spaces[space.name] = {"entries": len(files), "bytes": sum(f.stat().st_size for f in files)}
     return {"directory": str(root), "namespaces": spaces}
 
 
 def cache_clear() -> int:
-    """Remove every entry of the compile cache (this user's own directory); returns how many.
-    Processes running keep what they loaded."""
-    root = cache_dir()
+    """Remove every entry of the compile cache (this user's own directory), and only what the
+    cache wrote; returns how many entries. Processes running keep what they loaded."""
     removed = 0
-    for space in (p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []:
+    for space in _namespaces(cache_dir()):
+        for f in _entries(space):
+            f.unlink(missing_ok=True)
+            Path(f"{f}{HASH_SUFFIX}").unlink(missing_ok=True)
+            removed += 1
         for f in space.iterdir():
-            if f.is_file() and not f.is_symlink():
+            if _TMP.fullmatch(f.name) and _regular(f):
                 f.unlink(missing_ok=True)
-                removed += not f.name.endswith(HASH_SUFFIX)
     return removed

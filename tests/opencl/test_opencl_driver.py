@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import stat
 import subprocess
 import sys
 import textwrap
@@ -83,6 +84,30 @@ def test_no_opencl_platform_means_zero_devices_not_a_crash(tmp_path: Path) -> No
     assert "devices 0" in out.stdout
     assert "reason no OpenCL platform" in out.stdout
     assert "source True" in out.stdout and "available False" in out.stdout
+
+
+def test_pocls_kernel_cache_lives_in_polyjits_checked_cache(tmp_path: Path) -> None:
+    """PoCL dlopens the native code it cached in an earlier process: unless the user names its
+    place, it goes under polyjit's cache root, in a directory only this user can write (a
+    library another user planted in a shared place is never loaded). A user's choice stays."""
+    script = textwrap.dedent("""
+        import os
+        from polyjit.backends import get_backend
+        be = get_backend("opencl")
+        print("devices", be.num_devices())
+        print("pocl", os.environ.get("POCL_CACHE_DIR"))
+    """)
+    base = {k: v for k, v in os.environ.items() if k != "POCL_CACHE_DIR"}
+    env = {**base, "POLYJIT_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    place = Path(out.stdout.split("pocl ")[1].strip())
+    assert place == (tmp_path / "cache" / "pocl").resolve() and stat.S_IMODE(place.stat().st_mode) == 0o700
+    if "devices 0" not in out.stdout:  # PoCL started there (its probe build's program.bc)
+        assert any(place.rglob("*.bc")), sorted(place.rglob("*"))[:5]
+    mine = {**env, "POCL_CACHE_DIR": str(tmp_path / "mine")}
+    out = subprocess.run([sys.executable, "-c", script], env=mine, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and f"pocl {tmp_path / 'mine'}" in out.stdout, out.stderr
 
 
 def test_without_pyopencl_the_backend_has_no_devices() -> None:

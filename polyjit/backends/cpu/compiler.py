@@ -115,7 +115,7 @@ def _identity(cc: str) -> str:
         first = (out.stdout or out.stderr).splitlines()[0] if (out.stdout or out.stderr) else ""
     except (OSError, subprocess.SubprocessError):
         first = "(version unknown)"
-    return f"{first} @ {real} {' '.join(argv[1:])}".rstrip()
+    return f"{first} @ {real} {shlex.join(argv[1:])}".rstrip()  # quoted: "-Da -Db" is not "-Da" "-Db"
 
 
 def compiler_identity() -> str:
@@ -142,7 +142,9 @@ class CCompiler(CachingCompiler):
         return default_flags() if self._flags is None else self._flags
 
     def identity(self) -> tuple[str, ...]:
-        return (compiler_identity(), " ".join(self.flags), " ".join(self.extra_libs))
+        # each flag a part of its own (the key hashes each part's length): ("-Da -Db",) and
+        # ("-Da", "-Db") are different command lines and must not share a binary
+        return (compiler_identity(), f"{len(self.flags)} flags", *self.flags, *self.extra_libs)
 
     def build(self, text: str, target: Target, out: Path) -> None:
         cc = c_compiler()

@@ -122,6 +122,23 @@ def _platform_filter(platforms: Sequence[Any], want: str) -> list[int]:
 _opened_in: int | None = None
 
 
+POCL_CACHE_ENV = "POCL_CACHE_DIR"
+
+
+def _private_pocl_cache() -> None:
+    """PoCL keeps the native code of its builds in its own kernel cache and dlopens it in
+    later processes, unverified. Unless the user chose its place, that cache goes in polyjit's
+    cache root, whose directories the cache module checks (ours alone: no other user can
+    plant a library there; a refused root falls back to a private temporary directory).
+    PoCL reads the variable when it starts (the first ``get_platforms``)."""
+    if POCL_CACHE_ENV in os.environ:
+        return
+    from polyjit.core.cache import BinaryCache, CacheError
+
+    with contextlib.suppress(CacheError):  # else PoCL's default (the user's own cache directory)
+        os.environ[POCL_CACHE_ENV] = str(BinaryCache("pocl", ".so").directory())
+
+
 def discover(platform_filter: str | None, cpu_options: bool) -> tuple[list[ClDevice], str | None]:
     """The usable devices and, when there are none, why. ``cpu_options``: build CPU devices'
     programs with ``-D PJ_CPU`` (their register-tiled matmul variant)."""
@@ -132,6 +149,7 @@ def discover(platform_filter: str | None, cpu_options: bool) -> tuple[list[ClDev
         return [], (f"OpenCL was opened in the parent process (pid {_opened_in}) before os.fork(): its "
                     "drivers' threads are not in this child, and work here would never complete; "
                     "start such processes with the 'spawn' method (multiprocessing.get_context('spawn'))")
+    _private_pocl_cache()
     try:
         platforms = list(cl.get_platforms())
     except cl.Error as e:  # no ICD loader configuration, or no driver behind it
