@@ -27,7 +27,7 @@ from polyjit.testing.checks.common import (
     small_ints,
 )
 from polyjit.testing.harness import run_programs, unsupported_reason
-from polyjit.testing.programs import catalog
+from polyjit.testing.programs import CatalogProgram, catalog
 from polyjit.testing.programs import half as half_programs
 from polyjit.testing.programs import nan as nan_programs
 
@@ -66,12 +66,7 @@ def check_half_special_values(backend: Backend) -> None:
     """float16 and bfloat16 stores and ops on hostile values (NaN, +-inf, +-0, overflow to inf,
     subnormals, values that vanish, exact ties between two halves) give exactly the reference's
     values, which are numpy's and ml_dtypes' conversions (round to nearest even)."""
-    require_devices(backend, 1)
-    progs = half_programs.hostile()
-    failures = run_programs(backend, progs)
-    if failures:
-        raise AssertionError(f"{len({f.program for f in failures})} of {len(progs)} half-type programs differ "
-                             "from the reference:\n\n" + "\n\n".join(str(f) for f in failures[:6]))
+    _all_match(backend, half_programs.hostile(), "half-type")
 
 
 def check_nan_propagation(backend: Backend) -> None:
@@ -79,11 +74,15 @@ def check_nan_propagation(backend: Backend) -> None:
     is (numpy's ``maximum`` and ``max``), exactly as the reference computes them: a kernel
     spelled ``a > b ? a : b``, or a parallel reduction combined by the compiler's own max,
     drops a NaN and hides a diverged model behind finite values."""
+    _all_match(backend, nan_programs.nan_programs(), "NaN")
+
+
+def _all_match(backend: Backend, progs: list[CatalogProgram], what: str) -> None:
+    """Run a set of programs kept apart from the catalog; raise naming those that differ."""
     require_devices(backend, 1)
-    progs = nan_programs.nan_programs()
     failures = run_programs(backend, progs)
     if failures:
-        raise AssertionError(f"{len({f.program for f in failures})} of {len(progs)} NaN programs differ "
+        raise AssertionError(f"{len({f.program for f in failures})} of {len(progs)} {what} programs differ "
                              "from the reference:\n\n" + "\n\n".join(str(f) for f in failures[:6]))
 
 
