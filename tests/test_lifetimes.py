@@ -22,7 +22,7 @@ import pytest
 from retry import attempts
 from settle import settled_memory
 
-from polyjit import ir
+from polyjit import get_backend, ir
 from polyjit.core.errors import FinalizedError, StreamClosedError
 from polyjit.core.ir import Node, Op
 from polyjit.core.runtime import Backend
@@ -547,3 +547,173 @@ def test_a_new_node_written_in_part_reads_zeros_elsewhere_not_old_memory(backend
                 r = ctx.link(code)
                 r.run()
                 np.testing.assert_array_equal(r.context.read(node), run_reference([comp], {})[node])
+
+
+# ---------------------------------------------------------------------------
+# Races with finalize, close and the garbage collector (found by a hostile review)
+
+
+def test_a_run_racing_finalize_from_another_thread_raises_and_never_launches_into_freed_memory() -> None:
+    """Routine.run checked the context's liveness before the device lock: a finalize() in
+    between freed the pools (40 MiB: unmapped), and the launch wrote into them (a segfault).
+    Also through a plan: plan.run racing plan.close (heap corruption, or 'no pool (freed?)')."""
+    out = _child("""
+        import sys, threading
+        import numpy as np
+        from polyjit import get_backend, ir, tensor as pt
+        from polyjit.core.errors import FinalizedError
+        sys.setswitchinterval(1e-5)
+        be = get_backend("cpu")
+        n = 10 << 20
+        a, b = ir.Node("a", (n,)), ir.Node("b", (n,))
+        code = be.compile(ir.Comp.of(ir.apply(ir.Op.ADD, a, 1.0, into=b)), name="race")
+        errors = set()
+        for _ in range(40):
+            r = be.get_device(0).make_context().init_from_host(a, np.zeros(n, np.float32)).link(code)
+            def runs():
+                try:
+                    for _ in range(100):
+                        r.run()
+                except FinalizedError:
+                    pass
+                except Exception as e:
+                    errors.add(type(e).__name__)
+            t = threading.Thread(target=runs)
+            t.start()
+            r.context.finalize()
+            t.join()
+        x = pt.input("x", (64, 32))
+        mlp = pt.MLP("race_mlp", [32, 64, 8], seed=0)
+        xv = np.ones((64, 32), np.float32)
+        for _ in range(30):
+            plan = pt.compile({"y": mlp(x)})
+            plan.run(x=xv)
+            def plans():
+                try:
+                    for _ in range(50):
+                        plan.run(x=xv)
+                except FinalizedError:
+                    pass
+                except Exception as e:
+                    errors.add(type(e).__name__)
+            t = threading.Thread(target=plans)
+            t.start()
+            plan.close()
+            t.join()
+        print(sorted(errors))
+    """)
+    assert out.split() == ["[]"], out
+
+
+def test_an_export_dropped_in_a_cycle_while_threads_run_does_not_deadlock() -> None:
+    """The garbage collector ran Exported.__del__, which took the device lock, on a thread that
+    held a stream's lock, while another thread held the device lock and wanted that stream's.
+    (Exports are host memory on the cpu backend.)"""
+    backend = get_backend("cpu")
+    a, out, code = _exp_code(backend, 1024)
+    r = backend.get_device(0).make_context().init_from_host(a, np.zeros(1024, np.float32)).link(code)
+    r.run()
+    stop = threading.Event()
+    counts = [0, 0]
+
+    def runs(k: int) -> None:
+        while not stop.is_set():
+            r.run()
+            r.context.stream.record().synchronize()
+            counts[k] += 1
+
+    def drops() -> None:
+        while not stop.is_set():
+            holder: list[object] = [r.context.export(out)]
+            holder.append(holder)  # a cycle: only the collector frees it
+            del holder
+
+    old = gc.get_threshold()
+    gc.set_threshold(1)
+    threads = [threading.Thread(target=runs, args=(0,)), threading.Thread(target=runs, args=(1,)),
+               threading.Thread(target=drops)]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(3)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=30)
+        gc.set_threshold(*old)
+    assert not any(t.is_alive() for t in threads), f"deadlocked after {counts} runs"
+    assert min(counts) > 0
+    r.context.finalize()
+
+
+def test_closed_streams_do_not_pile_up_in_the_records_of_what_they_read(backend: Backend) -> None:
+    """A stream per request reading a weight: each closed stream stayed in the weight's reader
+    records (and lived on) until something wrote the weight."""
+    a, _, code = _exp_code(backend, 16)
+    dev = backend.get_device(0)
+    root = dev.make_context().init_from_host(a, np.ones(16, np.float32))
+    for _ in range(50):
+        with dev.new_stream() as s:
+            root.with_stream(s).link(code).run()
+    with dev.lock:
+        readers = dev.tracker.state(root.buffers[a]).readers
+        assert not any(s.closed for s in readers), len(readers)
+    root.finalize()
+
+
+def test_a_stream_used_by_an_exit_hook_after_polyjits_shutdown_is_closed_not_freed() -> None:
+    """At exit the runtime destroyed every C stream while their Python streams stayed open: an
+    exit hook registered before polyjit's (atexit runs them last first) or a daemon thread
+    that synced one afterwards crashed the process."""
+    _child("""
+        import atexit, threading
+        import numpy as np
+        from polyjit import get_backend, ir
+        be = get_backend("cpu")
+        stream = be.get_device(0).default_stream
+        atexit.register(stream.synchronize)
+        a, b = ir.Node("a", (1 << 16,)), ir.Node("b", (1 << 16,))
+        r = be.get_device(0).make_context().init_from_host(a, np.ones(1 << 16, np.float32)).link(
+            be.compile(ir.Comp.of(ir.apply(ir.Op.EXP, a, into=b)), name="at_exit"))
+        def forever():
+            try:
+                while True:
+                    r.run()
+                    r.context.stream.synchronize()
+            except Exception:
+                pass  # StreamClosedError once the devices are closed
+        threading.Thread(target=forever, daemon=True).start()
+        r.run()
+    """)
+
+
+def test_a_wait_on_another_devices_stream_while_it_closes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two devices, two locks: stream A asked whether B's event was done, then (a thread switch
+    later) had the driver wait on it, while B's device closed B and freed it (a segfault). The
+    switch is widened here by a sleep in front of the driver's wait."""
+    from polyjit.backends.cpu import CpuDriver, create_backend
+    from polyjit.core import dtypes, raw
+
+    real_wait = CpuDriver.wait
+
+    def slow_wait(self: CpuDriver, stream: int, event: int) -> None:
+        time.sleep(0.02)
+        real_wait(self, stream, event)
+
+    monkeypatch.setattr(CpuDriver, "wait", slow_wait)
+    be = create_backend(2)
+    d0, d1 = be.get_device(0), be.get_device(1)
+    slow = "#include <time.h>\nvoid slow(float* o) { struct timespec ts = {0, 5000000}; nanosleep(&ts, 0); o[0] = 1; }\n"
+    out = Node("o", (1,), dtypes.float32)
+    code = be.raw_kernel(slow, "slow", [raw.write(out)])
+    for _ in range(3):
+        sa, sb = d0.new_stream(), d1.new_stream()
+        d1.make_context(sb).link(code).run()
+        event = sb.record()
+        t = threading.Thread(target=sa.wait, args=(event,))
+        t.start()
+        time.sleep(0.001)
+        sb.close()
+        t.join()
+        sa.synchronize()
+        sa.close()

@@ -293,6 +293,22 @@ def test_a_kernel_named_like_the_runtimes_scratch_pointers_runs(cpu: Backend, na
     r.context.finalize()
 
 
+def test_more_statics_than_the_runtime_passes_is_an_error_not_a_dropped_launch(cpu: Backend) -> None:
+    """The runtime copies at most 16 statics a launch; with 17 it dropped the launch, silently."""
+    from polyjit.backends.cpu.native import MAX_STATICS
+    from polyjit.core.errors import UnsupportedError
+
+    syms = [StaticSymbol(f"s{k}", 100) for k in range(MAX_STATICS + 1)]
+    v = Node("v", (4,), dtypes.float64)
+    params = ", ".join(f"long long s{k}" for k in range(len(syms)))
+    src = f"void many(double* v, {params}) {{ for (int i = 0; i < 4; i++) v[i] = s0 + s{len(syms) - 1}; }}\n"
+    code = cpu.raw_kernel(src, "many", [raw.write(v)], statics=syms, bindings={s: 7 for s in syms})
+    r = cpu.get_device(0).make_context().link(code)
+    with pytest.raises(UnsupportedError, match="17 static values"):
+        r.run()
+    r.context.finalize()
+
+
 def test_malformed_arguments_are_typed_errors(cpu: Backend) -> None:
     x, y = f32("x", (4,)), f32("y", (4,))
     src = "void k(float* x) {}"
@@ -371,7 +387,7 @@ def test_linking_checks_nodes_like_generated_code(cpu: Backend) -> None:
     ro = f32("ro", (4,))
     c2 = dev.make_context()
     ro_ctx = c2.link(cpu.compile(ir.Comp.of(ir.Fetch(ro, ir.Constant(np.ones(4, np.float32)))), name="c")).context
-    assert ro in ro_ctx.constants
+    assert ro in ro_ctx.read_only
     writes_const = cpu.raw_kernel("void w(float* x) { x[0] = 1; }", "w", [raw.write(ro)])
     with pytest.raises(ReadOnlyNodeError):
         ro_ctx.link(writes_const)

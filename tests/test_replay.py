@@ -119,7 +119,7 @@ def test_bad_captures_are_refused(backend: Backend, exp: tuple[Routine, Node, No
     code = backend.compile(ir.Comp.of(ir.constant(k, np.ones(N, np.float32)),
                                       ir.apply(Op.ADD, a, k, into=out)), name="plus_one")
     plus = r.context.link(code)
-    with pytest.raises(ReadOnlyNodeError, match=f"capture\\(inputs=\\): {k.label} is a constant"):
+    with pytest.raises(ReadOnlyNodeError, match=f"capture\\(inputs=\\): {k.label} is read-only .*a constant"):
         backend.capture([plus], inputs=[k])
     got = np.empty(N, np.float32)
     backend.capture([plus], outputs=[k, out]).replay(None, [np.empty(N, np.float32), got]).synchronize()

@@ -246,6 +246,7 @@ class Context:
         src = np.ascontiguousarray(array)
         dev = self.device
         with dev.lock:
+            self.check_alive()  # again, under the lock: a finalize() in between freed the pool
             enqueue(self.stream, (), (dev.tracker.state(loc),), "from_host", dev.driver.copy_from_host,
                     (self.stream.handle, dev.pool_handle(loc.pool_id), loc.offset, src), src)
         return True
@@ -265,6 +266,7 @@ class Context:
         check_writable(node, array, "to_host")
         dev = self.device
         with dev.lock:
+            self.check_alive()  # again, under the lock: a finalize() in between freed the pool
             ev = enqueue(self.stream, (dev.tracker.state(loc),), (), "to_host", dev.driver.copy_to_host,
                          (self.stream.handle, dev.pool_handle(loc.pool_id), loc.offset, array), array)
         if blocking:

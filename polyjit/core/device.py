@@ -81,6 +81,13 @@ def driver_call(where: str, what: str, fn: Callable[..., Any], *args: Any) -> An
         raise DriverError(f"{where}: {what} failed: {type(e).__name__}: {e}") from e
 
 
+_LIVE: weakref.WeakSet[Device] = weakref.WeakSet()  # every device made, while it lives
+
+
+def live_devices() -> list[Device]:
+    return list(_LIVE)
+
+
 _scope = threading.local()  # the thread's stack of devices entered with ``with device:``
 
 
@@ -122,6 +129,7 @@ class Device:
         self._pool_ids = slab.PoolIds()
         self._streams: weakref.WeakSet[Stream] = weakref.WeakSet()
         self.forked = False  # this process is a fork of the one that made the device
+        _LIVE.add(self)
         self._stream_index = itertools.count()
         self._modules: weakref.WeakValueDictionary[int, LoadedModule] = weakref.WeakValueDictionary()
         self._constants: dict[bytes, tuple[BufferLoc, int]] = {}  # content -> (loc, refcount)
@@ -196,7 +204,10 @@ class Device:
             if not default.closed:
                 with contextlib.suppress(DeviceFaultError):
                     default.synchronize()
-                default.closed = True
+                with default._lock:
+                    default.closed = True
+                    while default._users:  # a host wait still inside the driver: let it return
+                        default._idle.wait()
                 self.forget_stream(default)
                 default.completed(default.seq)
                 self.close_stream_handle(default.handle)

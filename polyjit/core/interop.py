@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -128,7 +129,12 @@ class Exported:
             self.context.device.unpin(pool)
 
     def __del__(self) -> None:
-        self.release()
+        """The garbage collector may run anywhere, a thread holding a stream's lock included:
+        the unpin waits for the device's next safe point, as every dropped object's release
+        does (taking the device lock here deadlocked, or freed a pool twice)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            self.context.device.released.append(functools.partial(self.context.device.unpin, pool))
 
     def __repr__(self) -> str:
         return f"Exported({self.node.label} {self.shape} {self.dtype} on {self.context.device.device_id})"

@@ -20,12 +20,13 @@ import collections
 import contextlib
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from polyjit.core.errors import (
     DeviceFaultError,
     DriverError,
+    FinalizedError,
     ForkedError,
     InvalidArgumentError,
     PolyjitError,
@@ -105,6 +106,27 @@ class Event:
         return f"Event({self.stream!r} #{self.seq})"
 
 
+class _Freed:
+    """The writer of a buffer whose pool was freed (``Tracker.take_pool``). A routine or a
+    replay resolved its records at link time and may still hold them; an enqueue that reaches
+    this writer, under the device lock, raises instead of launching into freed memory (a
+    ``finalize()`` in another thread can come between a caller's liveness check and the lock)."""
+
+    __slots__ = ()
+    stream = None
+    seq = 0
+
+    def is_done(self) -> bool:
+        raise FinalizedError("a buffer this work uses was freed: its context (or an ancestor) was finalized "
+                             "or closed; link into a live context")
+
+    def synchronize(self) -> None:
+        pass  # nothing of it is left to wait for
+
+
+FREED: Any = _Freed()
+
+
 class AllOf:
     """Several events as one (``Device.all_work()``)."""
 
@@ -141,7 +163,7 @@ class Stream:
         self._open: list[tuple[int, Any]] = []
         self._batches: collections.deque[tuple[int, Any, list[tuple[int, Any]]]] = collections.deque()
         self._lock = threading.Lock()
-        self._users = 0  # host threads inside the driver's event_sync / event_done right now
+        self._users = 0  # host threads inside a driver call that names this stream (_in_use)
         self._idle = threading.Condition(self._lock)
 
     # -- recording ----------------------------------------------------------------
@@ -180,15 +202,26 @@ class Stream:
     def driver_done(self, handle: Any, *, block: bool) -> bool:
         """Ask the driver whether an event of this stream is done (``block``: wait for it). A
         closed stream has done all its work; close() waits for the calls in progress here."""
-        with self._lock:
-            if self.closed:
+        with self._in_use() as alive:
+            if not alive:
                 return True
-            self._users += 1
-        try:
             if block:
                 self.driver.event_sync(handle)
                 return True
             return bool(self.driver.event_done(handle))
+
+    @contextlib.contextmanager
+    def _in_use(self) -> Iterator[bool]:
+        """A host thread's call into the driver that names this stream (its events): close()
+        waits for it to return before the driver frees the stream. Yields False, and counts
+        nothing, when the stream is closed already (all its work is done)."""
+        with self._lock:
+            if self.closed:
+                yield False
+                return
+            self._users += 1
+        try:
+            yield True
         finally:
             with self._lock:
                 self._users -= 1
@@ -302,13 +335,18 @@ class Stream:
         elif event.stream is self or event.is_done():
             return
         elif event.stream.driver is self.driver:
-            try:
-                self.driver.wait(self.handle, event.handle)
-            except PolyjitError:
-                raise
-            except Exception as e:
-                raise DriverError(f"{self.device.label}: {self!r} waiting for {event!r} failed: "
-                                  f"{type(e).__name__}: {e}") from e
+            # the event's stream may be another device's, closed by a thread holding that
+            # device's lock, not ours: hold it open across the call (its work is done if closed)
+            with event.stream._in_use() as alive:
+                if not alive:
+                    return
+                try:
+                    self.driver.wait(self.handle, event.handle)
+                except PolyjitError:
+                    raise
+                except Exception as e:
+                    raise DriverError(f"{self.device.label}: {self!r} waiting for {event!r} failed: "
+                                      f"{type(e).__name__}: {e}") from e
         else:
             event.synchronize()
 
@@ -340,6 +378,7 @@ class Stream:
                     while self._users:  # a host wait still inside the driver: let it return
                         self._idle.wait()
                 self.device.forget_stream(self)
+                self.device.tracker.forget_reader(self)
                 self.completed(self.seq)
                 self.device.close_stream_handle(self.handle)
                 return
@@ -410,8 +449,15 @@ class Tracker:
         for loc in [loc for loc in self.locs if loc.pool_id == pool_id]:
             st = self.locs[loc] if keep else self.locs.pop(loc)
             events += st.events()
-            st.writer, st.readers = None, {}
+            st.writer, st.readers = (None if keep else FREED), {}
         return events
+
+    def forget_reader(self, stream: Stream) -> None:
+        """A closed stream reads nothing any more: drop its entries (a buffer only read, a
+        weight or a constant, would keep every stream that ever read it)."""
+        for st in self.locs.values():
+            if stream in st.readers:
+                del st.readers[stream]
 
 
 def enqueue(stream: Stream, reads: Sequence[NodeEvents], writes: Sequence[NodeEvents],

@@ -343,14 +343,17 @@ class Plan:
 
     # -- state -----------------------------------------------------------------------
 
+    @_serialized
     def reset(self) -> None:
         """Put every parameter and optimizer state back to its initial value."""
         self._state.reset(self.program.persistent)
 
+    @_serialized
     def state_dict(self) -> dict[str, Array]:
         """Copies of the persistent buffers (parameters, optimizer state), by name."""
         return self._state.state_dict(self.program.persistent)
 
+    @_serialized
     def load_state_dict(self, values: Mapping[str, Any], strict: bool = True) -> None:
         """Set parameters and optimizer state from arrays by name (what ``state_dict()`` gives).
 
@@ -362,6 +365,7 @@ class Plan:
         """
         self._state.load_state_dict(self.program.persistent, values, strict, "this plan")
 
+    @_serialized
     def read(self, tensor: Tensor) -> Array:
         """The current value of a stored tensor: outputs and state; every op's result in dynamic mode."""
         try:
@@ -385,6 +389,7 @@ class Plan:
         batch = self.program.batch(self.backend, "compiled")
         return {node.label: mode for node, mode in batch.lowered.modes.items()}
 
+    @_serialized
     def close(self) -> None:
         """Free the device memory this plan allocated (plans sharing its state become unusable)."""
         if self._linked is not None:

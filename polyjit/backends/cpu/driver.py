@@ -12,8 +12,10 @@ from __future__ import annotations
 import _ctypes
 import contextlib
 import ctypes
+import functools
 import os
 import threading
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,8 +27,15 @@ from polyjit.backends.cpu import native, tiles
 from polyjit.backends.cpu.compiler import CCompiler
 from polyjit.backends.cpu.dialect import CpuDialect
 from polyjit.backends.cpu.host import cpu_model, host_cpu
-from polyjit.backends.cpu.native import TEAM_ADAPT, TEAM_OPTIONAL, NativeRuntime, load_runtime
+from polyjit.backends.cpu.native import (
+    MAX_STATICS,
+    TEAM_ADAPT,
+    TEAM_OPTIONAL,
+    NativeRuntime,
+    load_runtime,
+)
 from polyjit.core.codegen import KernelSpec, Source
+from polyjit.core.errors import UnsupportedError
 from polyjit.core.protocol import DeviceInfo
 from polyjit.core.raw import RAW, c_trampoline
 from polyjit.core.runtime import Backend
@@ -87,7 +96,9 @@ class CpuDriver:
     @property
     def rt(self) -> NativeRuntime:
         if self._rt is None:
-            self._rt = load_runtime()
+            rt = load_runtime()
+            rt.before_shutdown.append(functools.partial(_close_devices, weakref.ref(self)))
+            self._rt = rt
         return self._rt
 
     # -- devices -----------------------------------------------------------------
@@ -231,10 +242,24 @@ class CpuDriver:
 
     def launch(self, stream: int, prepared: _Prepared, statics: Sequence[int]) -> None:
         if statics:
+            if len(statics) > MAX_STATICS:  # the runtime would drop the launch (runtime.c, pj_launch_seq)
+                raise UnsupportedError(f"a launch with {len(statics)} static values: the CPU runtime passes "
+                                       f"at most {MAX_STATICS} to a kernel")
             arr = (ctypes.c_int64 * len(statics))(*statics)
             self.rt.launch_seq(stream, prepared.descs, prepared.count, arr, len(statics))
         else:
             self.rt.launch_seq(stream, prepared.descs, prepared.count, None, 0)
+
+
+def _close_devices(driver: weakref.ref[CpuDriver]) -> None:
+    """At exit, before the runtime destroys its streams: close this driver's devices, so that
+    a thread or an exit hook still holding one of their streams gets StreamClosedError."""
+    from polyjit.core.device import live_devices
+
+    for dev in live_devices():
+        if dev.driver is driver():
+            with contextlib.suppress(Exception):
+                dev.close()
 
 
 def create_backend(num_devices: int | None = None) -> Backend:

@@ -16,6 +16,7 @@ around them would add a frame per kernel run.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import os
 import sys
@@ -175,6 +176,9 @@ class NativeRuntime:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        # Run at exit before the streams are destroyed: the drivers close their devices, so
+        # that their Python streams are closed too (a use after exit raises, not segfaults).
+        self.before_shutdown: list[Callable[[], None]] = []
         lib = ctypes.CDLL(str(path))
         self._lib = lib
         self._create = _bind(
@@ -367,6 +371,9 @@ class NativeRuntime:
 
     def shutdown(self) -> None:
         """Sync and destroy every stream still alive (registered with atexit)."""
+        for hook in self.before_shutdown:
+            with contextlib.suppress(Exception):  # the exit goes on
+                hook()
         for stream in self.live_streams():
             self.sync(stream, self.last_ticket(stream))
             self.stream_destroy(stream)
