@@ -27,6 +27,7 @@ from polyjit.core import slab
 from polyjit.core.errors import (
     DeviceFaultError,
     DriverError,
+    InvalidArgumentError,
     InvalidProgramError,
     PolyjitError,
     PoolExhaustedError,
@@ -217,6 +218,8 @@ class Device:
         ``with device.make_context() as ctx:`` to finalize what was linked into it on exit."""
         from polyjit.core.context import Context
 
+        if stream is not None and not isinstance(stream, Stream):
+            raise InvalidArgumentError(f"make_context takes a Stream of {self.device_id}, not {type(stream).__name__}")
         stream = stream or self.default_stream
         if stream.device is not self:
             raise UnknownDeviceError(f"{stream!r} belongs to {stream.device.device_id}, not {self.device_id}")

@@ -26,6 +26,7 @@ from polyjit.core import dlpack
 from polyjit.core.errors import (
     AliasedMemoryError,
     DTypeMismatchError,
+    InvalidArgumentError,
     ShapeMismatchError,
     UnsupportedError,
 )
@@ -58,11 +59,11 @@ class Exported:
         interface's), and a consumer that cannot be told gets a BufferError."""
         self._pool: int | None = None
         ctx.check_alive()
+        loc = ctx.loc(node, "export")  # a Node of the context, first
         self.node, self.context = node, ctx
         self.read_only = node in ctx.read_only if read_only is None else read_only
         self.shape, self.dtype = node.shape, node.dtype
         self.device_type, self.device_id = _dlpack_device(ctx)
-        loc = ctx.loc(node, "export")
         device = ctx.device
         with device.lock:
             self.address = int(device.driver.address(device.pool_handle(loc.pool_id), loc.offset))  # type: ignore[attr-defined]
@@ -148,6 +149,8 @@ def init_from_dlpack(ctx: Context, node: Node, obj: Any) -> Context:
     """A child of ``ctx`` whose buffer for ``node`` is ``obj``'s memory (see the module
     docstring for when it is a copy)."""
     ctx.check_alive()
+    if not isinstance(node, Node):
+        raise InvalidArgumentError(f"init_from_dlpack needs a Node first, got {type(node).__name__}")
     device = ctx.device
     stream_of = getattr(device.driver, "foreign_stream", None)
     consumer = stream_of(ctx.stream.handle) if stream_of is not None else None

@@ -75,6 +75,8 @@ class Code:
 
 def check_binding(where: str, sym: StaticSymbol, value: Any) -> int:
     """A static symbol's value: an integer (not a bool, a float or a string) in [0, bound)."""
+    if not isinstance(sym, StaticSymbol):
+        raise BindingError(f"{where}: bindings are keyed by ir.StaticSymbol, not {type(sym).__name__} {sym!r}")
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise BindingError(f"{where}: {sym!r} = {value!r} is a {type(value).__name__}, not an integer")
     if not 0 <= value < sym.bound:
@@ -532,6 +534,16 @@ class TransferRoutine:
         return dloc, ddev.pool_handle(dloc.pool_id)
 
 
+def _check_transfer(node: object, dst: object, src: object, what: str) -> None:
+    from polyjit.core.context import Context
+
+    if not isinstance(node, Node):
+        raise InvalidArgumentError(f"{what} needs a Node first, got {type(node).__name__}")
+    for side, ctx in (("dst", dst), ("src", src)):
+        if not isinstance(ctx, Context):
+            raise InvalidArgumentError(f"{what} of {node.label}: {side} must be a Context, not {type(ctx).__name__}")
+
+
 def device_to_device(
     node: Node, *, dst: Context, src: Context, into_merge_buffer: MergeBuffer = MergeBuffer.NO
 ) -> TransferRoutine | None:
@@ -542,6 +554,7 @@ def device_to_device(
     ``MergeBuffer.COPY``, link readers of ``ir.merge(node)`` against
     ``routine.context``. Returns None when src and dst share the buffer.
     """
+    _check_transfer(node, dst, src, "device_to_device")
     src.check_alive()
     dst.check_alive()
     src.loc(node, "device_to_device source")
@@ -560,6 +573,7 @@ def device_to_device(
 
 def init_from_device(node: Node, *, dst: Context, src: Context) -> Context:
     """A child of ``dst`` with a new buffer for ``node``, filled from ``src`` (device side)."""
+    _check_transfer(node, dst, src, "init_from_device")
     src.check_alive()
     dst.check_alive()
     src.loc(node, "init_from_device source")

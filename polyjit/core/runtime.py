@@ -26,7 +26,12 @@ from polyjit.core import ir
 from polyjit.core.codegen import generate
 from polyjit.core.context import Context
 from polyjit.core.device import Device, LoadedModule, driver_call
-from polyjit.core.errors import InvalidArgumentError, InvalidProgramError, UnknownDeviceError
+from polyjit.core.errors import (
+    BindingError,
+    InvalidArgumentError,
+    InvalidProgramError,
+    UnknownDeviceError,
+)
 from polyjit.core.ir import Node, StaticSymbol
 from polyjit.core.log import log_source
 from polyjit.core.lower import lower
@@ -205,6 +210,8 @@ class Backend:
         bindings = list(bindings) if bindings is not None else [{} for _ in comp_list]
         if len(bindings) != len(comp_list):
             raise InvalidProgramError(f"{len(comp_list)} computations but {len(bindings)} binding maps")
+        if any(not isinstance(b, Mapping) for b in bindings):
+            raise BindingError(f"bindings are one mapping (ir.StaticSymbol -> int) per computation: {bindings!r}")
         checked = [{s: check_binding(f"compile of {names[k]}", s, v) for s, v in dict(b).items()}
                    for k, b in enumerate(bindings)]
         keep = [k for k, n in enumerate(names) if occupancy is None or occupancy(n)]

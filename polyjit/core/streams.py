@@ -324,6 +324,8 @@ class Stream:
     def wait(self, event: Event | AllOf) -> None:
         """Make this stream wait for ``event`` on the device side; events of another backend
         are waited for on the host."""
+        if not isinstance(event, (Event, AllOf)):
+            raise InvalidArgumentError(f"{self!r}.wait needs an Event (stream.record()), not {type(event).__name__}")
         with self.device.lock:
             self.check_usable()
             self._wait(event)

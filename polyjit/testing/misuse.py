@@ -111,6 +111,15 @@ def misuse_table(backend: Backend) -> list[tuple[str, type[PolyjitError], Callab
          lambda: ir.fill(Node("u8", (4,), dtypes.uint8), float("inf"))),
         ("a shape of floats", ShapeMismatchError, lambda: Node("f", (2.5, 4))),  # type: ignore[arg-type]
         ("a node named by a number", InvalidArgumentError, lambda: Node(7, (4,))),  # type: ignore[arg-type]
+        ("a stream waiting for something that is not an event", InvalidArgumentError,
+         lambda: dev.default_stream.wait(None)),  # type: ignore[arg-type]
+        ("a context on something that is not a stream", InvalidArgumentError,
+         lambda: dev.make_context("s")),  # type: ignore[arg-type]
+        ("an export of a string", InvalidArgumentError, lambda: ctx.export("mis_a")),  # type: ignore[arg-type]
+        ("device_to_device from a string", InvalidArgumentError,
+         lambda: polyjit.device_to_device(a, dst=ctx, src="x")),  # type: ignore[arg-type]
+        ("a binding keyed by a string", BindingError,
+         lambda: backend.compile(comp, bindings={"b": 1})),  # type: ignore[dict-item]
         ("an einsum spec that is not a str", InvalidProgramError,
          lambda: ir.einsum(5, a, into=Node("s", ()))),  # type: ignore[arg-type]
     ]
