@@ -202,13 +202,20 @@ class Stream:
     def driver_done(self, handle: Any, *, block: bool) -> bool:
         """Ask the driver whether an event of this stream is done (``block``: wait for it). A
         closed stream has done all its work; close() waits for the calls in progress here."""
-        with self._in_use() as alive:
-            if not alive:
+        with self._lock:  # _in_use(), inlined: a sync or a poll is on every step's path
+            if self.closed:
                 return True
+            self._users += 1
+        try:
             if block:
                 self.driver.event_sync(handle)
                 return True
             return bool(self.driver.event_done(handle))
+        finally:
+            with self._lock:
+                self._users -= 1
+                if not self._users and self.closed:  # close() waits for the last one
+                    self._idle.notify_all()
 
     @contextlib.contextmanager
     def _in_use(self) -> Iterator[bool]:
