@@ -568,38 +568,32 @@ def test_a_run_racing_finalize_from_another_thread_raises_and_never_launches_int
         a, b = ir.Node("a", (n,)), ir.Node("b", (n,))
         code = be.compile(ir.Comp.of(ir.apply(ir.Op.ADD, a, 1.0, into=b)), name="race")
         errors = set()
-        for _ in range(40):
-            r = be.get_device(0).make_context().init_from_host(a, np.zeros(n, np.float32)).link(code)
+
+        def race(work, times, stop):
+            # work(), repeated on a thread while this one calls stop(): only FinalizedError may come
             def runs():
                 try:
-                    for _ in range(100):
-                        r.run()
+                    for _ in range(times):
+                        work()
                 except FinalizedError:
                     pass
                 except Exception as e:
                     errors.add(type(e).__name__)
             t = threading.Thread(target=runs)
             t.start()
-            r.context.finalize()
+            stop()
             t.join()
+
+        for _ in range(40):
+            r = be.get_device(0).make_context().init_from_host(a, np.zeros(n, np.float32)).link(code)
+            race(r.run, 100, r.context.finalize)
         x = pt.input("x", (64, 32))
         mlp = pt.MLP("race_mlp", [32, 64, 8], seed=0)
         xv = np.ones((64, 32), np.float32)
         for _ in range(30):
             plan = pt.compile({"y": mlp(x)})
             plan.run(x=xv)
-            def plans():
-                try:
-                    for _ in range(50):
-                        plan.run(x=xv)
-                except FinalizedError:
-                    pass
-                except Exception as e:
-                    errors.add(type(e).__name__)
-            t = threading.Thread(target=plans)
-            t.start()
-            plan.close()
-            t.join()
+            race(lambda: plan.run(x=xv), 50, plan.close)
         print(sorted(errors))
     """)
     assert out.split() == ["[]"], out

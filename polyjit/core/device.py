@@ -206,9 +206,7 @@ class Device:
                 with contextlib.suppress(DeviceFaultError):
                     default.synchronize()
                 with default._lock:
-                    default.closed = True
-                    while default._users:  # a host wait still inside the driver: let it return
-                        default._idle.wait()
+                    default._close_when_idle()
                 self.forget_stream(default)
                 default.completed(default.seq)
                 self.close_stream_handle(default.handle)

@@ -212,10 +212,7 @@ class Stream:
                 return True
             return bool(self.driver.event_done(handle))
         finally:
-            with self._lock:
-                self._users -= 1
-                if not self._users and self.closed:  # close() waits for the last one
-                    self._idle.notify_all()
+            self._leave()
 
     @contextlib.contextmanager
     def _in_use(self) -> Iterator[bool]:
@@ -230,10 +227,20 @@ class Stream:
         try:
             yield True
         finally:
-            with self._lock:
-                self._users -= 1
-                if not self._users and self.closed:  # close() waits for the last one
-                    self._idle.notify_all()
+            self._leave()
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if not self._users and self.closed:  # close() waits for the last one
+                self._idle.notify_all()
+
+    def _close_when_idle(self) -> None:
+        """Mark the stream closed, then wait for the host threads still inside a driver call
+        that names it (the caller holds ``_lock``; the wait lets it go)."""
+        self.closed = True
+        while self._users:
+            self._idle.wait()
 
     def retain(self, event: Event, keep: Any) -> None:
         """Keep ``keep`` alive until ``event`` (just recorded on this stream, device lock held)
@@ -383,9 +390,7 @@ class Stream:
                         return
                     if self.seq > self.done_seq:  # work came in during the wait: wait for it too
                         continue  # (marking it complete unwaited would let its reads return early)
-                    self.closed = True
-                    while self._users:  # a host wait still inside the driver: let it return
-                        self._idle.wait()
+                    self._close_when_idle()
                 self.device.forget_stream(self)
                 self.device.tracker.forget_reader(self)
                 self.completed(self.seq)

@@ -403,7 +403,7 @@ def _batch_inputs(inputs: Mapping[str, InputSpec]) -> dict[str, tuple[tuple[int,
         if not isinstance(shape, (tuple, list)) or not shape:
             raise ShapeMismatchError(f"input {key!r}: shape {shape!r} has no batch axis (axis 0) to split "
                                      "over the devices")
-        out[key] = (tuple(int(n) for n in shape), as_dtype(dt))
+        out[key] = (ir.as_shape(shape), as_dtype(dt))
     return out
 
 

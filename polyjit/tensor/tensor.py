@@ -80,6 +80,11 @@ def check_scalar(value: Scalar, dtype: DType, what: str, hint: str = "") -> None
         raise ValueRangeError(f"{what}: the scalar {value!r} does not fit {dtype}{hint}")
 
 
+def _one_or_many(args: tuple[Any, ...]) -> tuple[int, ...]:
+    """numpy's ``x.reshape(2, 3)`` or ``x.reshape((2, 3))``: the ints, given apart or as one sequence."""
+    return tuple(args[0] if len(args) == 1 and not isinstance(args[0], int) else args)
+
+
 class Tensor:
     """A node of the tensor graph. Build tensors with the functions of ``polyjit.tensor``."""
 
@@ -253,12 +258,11 @@ class Tensor:
 
     def transpose(self, *axes: int | Sequence[int]) -> Tensor:
         """``x.transpose(1, 0)`` or ``x.transpose((1, 0))``, as numpy takes them."""
-        perm: Any = axes[0] if len(axes) == 1 and not isinstance(axes[0], int) else axes
-        return ops.transpose(self, tuple(perm) if perm else None)
+        perm = _one_or_many(axes)
+        return ops.transpose(self, perm if perm else None)
 
     def reshape(self, *shape: int | Sequence[int]) -> Tensor:
-        dims: Any = shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape
-        return ops.reshape(self, tuple(dims))
+        return ops.reshape(self, _one_or_many(shape))
 
     def sum(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
         return ops.sum(self, axis, keepdims)
