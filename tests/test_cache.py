@@ -333,6 +333,26 @@ def test_clear_removes_only_what_the_cache_wrote(cache_root: Path, tmp_path: Pat
     assert left == ["cache/project/main.py", "cache/t/notes.txt", "outside/precious.txt"]
 
 
+def test_clear_empties_the_namespace_handed_to_pocl_and_follows_no_link(cache_root: Path, tmp_path: Path) -> None:
+    """PoCL fills `<root>/pocl` its own way (a directory per program): `cache info` counts
+    its files and `cache clear` removes them (it used to leave PoCL's native code behind),
+    removing links in it without following them."""
+    program = cache_root / cache_mod.POCL_NAMESPACE / "LG" / "HCGHGPMEMOIF"
+    program.mkdir(parents=True)
+    (program / "program.bc").write_bytes(b"bitcode")
+    (program / "last_accessed").write_bytes(b"")
+    (cache_root / "pocl" / "tempfile_Ea6xgD").write_bytes(b"12")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious.txt").write_text("keep")
+    (program / "linked").symlink_to(outside)
+    (cache_root / "pocl" / "file_link").symlink_to(outside / "precious.txt")
+    assert cache_mod.cache_info()["namespaces"] == {"pocl": {"entries": 3, "bytes": 9}}
+    assert cache_mod.cache_clear() == 3
+    assert list((cache_root / "pocl").iterdir()) == []
+    assert (outside / "precious.txt").read_text() == "keep"
+
+
 def test_ancestor_writable_by_others_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     shared = tmp_path / "shared"
     shared.mkdir()

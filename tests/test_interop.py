@@ -180,8 +180,18 @@ def test_read_only_memory_is_taken_read_only() -> None:
         assert not values.flags.writeable
     assert not np.from_dlpack(ctx.export(x)).flags.writeable
     np.testing.assert_array_equal(host, np.arange(64))
-    reads.context.finalize()
-    ctx.finalize()
+    # a child with a buffer of its own for the node may write it; the producer's memory stays
+    # read-only in the context that holds it (the flag used to stay on the node, not the memory)
+    own = ctx.init_from_host(x, np.ones(64, np.float32))
+    own.from_host(x, np.full(64, 2, np.float32))
+    writes = own.link(be.compile(ir.Comp.of(ir.apply(Op.EXP, x, into=x)), name="ro_writes"))
+    writes.run()
+    np.testing.assert_allclose(writes.context.read(x), np.exp(np.full(64, 2, np.float32)), rtol=1e-6)
+    with pytest.raises(ReadOnlyNodeError):
+        ctx.from_host(x, np.zeros(64, np.float32))
+    np.testing.assert_array_equal(host, np.arange(64))
+    for c in (writes.context, own, reads.context, ctx):
+        c.finalize()
 
 
 def test_a_constant_is_not_writable_through_a_view_or_an_export() -> None:

@@ -157,6 +157,35 @@ def test_a_host_that_never_waits_keeps_a_bounded_backlog(backend: Backend, betwe
         assert stream.backlog() == 0
 
 
+def test_closing_a_batch_while_another_thread_releases_the_open_entries() -> None:
+    """A sync on another thread releases the open entries (``completed``) while an enqueue
+    closes them into a batch: the batch used to read the newest entry after that thread had
+    taken them all (an IndexError out of the enqueue, its work on the stream unrecorded).
+    The interleaving is forced: the other thread runs when the enqueue looks at the list."""
+    stream = get_backend("cpu").get_device(0).new_stream()
+    try:
+        stream.synchronize()
+        seq = stream.seq
+
+        class Looked(list):  # type: ignore[type-arg]
+            def __bool__(self) -> bool:
+                looked = len(self) > 0
+                other = threading.Thread(target=stream.completed, args=(seq,))
+                other.start()
+                other.join(0.5)  # on the old code it took the entries here; now it waits
+                threads.append(other)
+                return looked
+
+        threads: list[threading.Thread] = []
+        stream._open = Looked([(seq, object())])
+        stream.close_batch(stream.driver.record(stream.handle))
+        for t in threads:
+            t.join(10)
+        assert stream.backlog() == 0
+    finally:
+        stream.close()
+
+
 def test_nothing_is_released_before_its_work_completes_while_other_threads_sync(backend: Backend) -> None:
     """Entries are released a batch at a time by polls, and by syncs and polls of other
     threads, while an enqueue appends: each host array of a copy must outlive its copy's

@@ -27,6 +27,7 @@ Trust rules (see docs/reliability.md, "The compile cache"):
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import hmac
 import os
@@ -44,7 +45,9 @@ from polyjit.core.errors import CompileError, PolyjitError
 from polyjit.core.log import logger
 
 __all__ = [
+    "HANDED_OVER",
     "HASH_SUFFIX",
+    "POCL_NAMESPACE",
     "BinaryCache",
     "CacheDirWarning",
     "CacheError",
@@ -53,6 +56,12 @@ __all__ = [
 ]
 
 HASH_SUFFIX = ".sha256"
+
+# Namespaces handed whole to another program, which fills them its own way: PoCL's kernel
+# cache (backends/opencl/platforms.py). The cache checks their directory like its own;
+# `cache info` counts their files and `cache clear` empties them.
+POCL_NAMESPACE = "pocl"
+HANDED_OVER = frozenset({POCL_NAMESPACE})
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -577,21 +586,46 @@ def _entries(space: Path) -> list[Path]:
             and _regular(f) and _regular(Path(f"{f}{HASH_SUFFIX}"))]
 
 
+def _handed_over_files(space: Path) -> list[os.stat_result]:
+    """The plain files anywhere below a handed-over namespace (links are not followed)."""
+    found = []
+    for top, _, names in os.walk(space):
+        for name in names:
+            with contextlib.suppress(OSError):  # the program may be removing it meanwhile
+                st = os.lstat(os.path.join(top, name))
+                if stat.S_ISREG(st.st_mode):
+                    found.append(st)
+    return found
+
+
 def cache_info() -> dict[str, object]:
-    """What the compile cache holds: its directory and, per namespace, entries and bytes."""
+    """What the compile cache holds: its directory and, per namespace, entries and bytes
+    (for a namespace handed over to another program: its files)."""
     root = cache_dir()
     spaces: dict[str, dict[str, int]] = {}
     for space in _namespaces(root):
-        files = _entries(space)
-        spaces[space.name] = {"entries": len(files), "bytes": sum(f.stat().st_size for f in files)}
+        if space.name in HANDED_OVER:
+            sizes = [st.st_size for st in _handed_over_files(space)]
+        else:
+            sizes = [f.stat().st_size for f in _entries(space)]
+        spaces[space.name] = {"entries": len(sizes), "bytes": sum(sizes)}
     return {"directory": str(root), "namespaces": spaces}
 
 
 def cache_clear() -> int:
     """Remove every entry of the compile cache (this user's own directory), and only what the
-    cache wrote; returns how many entries. Processes running keep what they loaded."""
+    cache wrote or handed over; returns how many entries (files, in a handed-over namespace).
+    Processes running keep what they loaded."""
     removed = 0
     for space in _namespaces(cache_dir()):
+        if space.name in HANDED_OVER:  # the namespace is the other program's alone: all of it
+            removed += len(_handed_over_files(space))
+            for f in space.iterdir():
+                if stat.S_ISDIR(os.lstat(f).st_mode):
+                    shutil.rmtree(f, ignore_errors=True)  # unlinks links, never follows them
+                else:
+                    f.unlink(missing_ok=True)
+            continue
         for f in _entries(space):
             f.unlink(missing_ok=True)
             Path(f"{f}{HASH_SUFFIX}").unlink(missing_ok=True)

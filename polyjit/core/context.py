@@ -87,9 +87,10 @@ class Context:
     def _child(self, buffers: Mapping[Node, BufferLoc], *, merge_node: Node | None = None,
                own_pools: Sequence[int] = (), own_constants: Sequence[BufferLoc] = (),
                read_only: frozenset[Node] = frozenset(), stream: Stream | None = None) -> Context:
+        # a node given a new buffer here is read-only as that buffer is, whatever its old one was
         return Context(self.device, stream or self.stream, self, {**self.buffers, **buffers},
                        merge_node if merge_node is not None else self.merge_node, own_pools,
-                       own_constants, self.read_only | read_only)
+                       own_constants, self.read_only.difference(buffers) | read_only)
 
     def check_alive(self) -> None:
         if self.finalized:

@@ -254,9 +254,10 @@ class Stream:
         """The open entries become a batch; ``handle`` is the driver event of the newest."""
         if len(self._batches) * POLL_EVERY >= POLL_AFTER:
             self._poll()  # before closing this batch: the older ones may be done by now
-        entries = self._open
-        self._batches.append((entries[-1][0] if entries else self.done_seq, handle, entries))
-        self._open = []
+        with self._lock:  # completed() may be taking the oldest entries off the open list
+            entries = self._open
+            self._batches.append((entries[-1][0] if entries else self.done_seq, handle, entries))
+            self._open = []
 
     def backlog(self) -> int:
         """How many entries the stream keeps alive for work not yet known complete."""
