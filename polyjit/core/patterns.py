@@ -318,7 +318,7 @@ def _contraction(kernel: Kernel, d: Dialect) -> Contraction | None:
         return None
     if c.reduce.node.dtype.is_half:  # the tiles hold and load the stored type: no half conversions
         return None
-    if min(c.m, c.n) < d.matmul_min_side or c.m * c.n * c.kk < d.matmul_min_work:
+    if min(c.m, c.n) < max(1, d.matmul_min_side) or c.m * c.n * c.kk < d.matmul_min_work:  # no empty tiles
         return None
     return c
 

@@ -89,6 +89,9 @@ def matmuls() -> list[CatalogProgram]:
         (dtypes.float32, (5, 33, 20)),  # fewer rows than a tile; a vector and a few lanes
         (dtypes.float32, (7, 12, 48)),  # whole vectors past the last whole tile
         (dtypes.float32, (256, 16, 10)),  # a classifier head: every tile is narrow
+        (dtypes.float32, (0, 5, 20)),  # no rows: no tiles (the C tiles once closed a brace twice)
+        (dtypes.float32, (6, 3, 0)),  # no columns
+        (dtypes.float32, (4, 0, 3)),  # nothing to sum: zeros
         (dtypes.float64, (11, 6, 24)),
         (dtypes.float64, (13, 17, 37)),
         (dtypes.int32, (7, 5, 9)),
