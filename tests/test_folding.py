@@ -194,6 +194,30 @@ def test_a_node_another_computation_of_the_batch_uses_keeps_its_writer(backend: 
     np.testing.assert_array_equal(_run_batch([first, second], host, [k], backend)[k], np.float32(3.0))
 
 
+@pytest.mark.parametrize("backend", ["cpu", "opencl"])
+def test_a_folded_node_the_context_holds_is_refused_at_link_as_an_inlined_one_is(backend: str) -> None:
+    """Found by review: a filled intermediate the context holds was folded away, so its
+    buffer kept the old value where the reference writes the fill; an inlined one is refused
+    at link (never stored), and a folded one now is too. Marked MATERIALIZED, it is stored."""
+    from polyjit.core.errors import InvalidProgramError
+
+    be = backend_or_skip(backend)
+    x, s, y = Node("x", (4,)), Node("s", (4,)), Node("y", (4,))
+    host = {x: np.arange(4, dtype=np.float32), s: np.full(4, 7, np.float32)}
+    ctx = be.get_device(0).make_context()
+    for n, a in host.items():
+        ctx = ctx.init_from_host(n, a)
+    with pytest.raises(InvalidProgramError, match=r"s#\d+.*never storing it.*holds s#"):
+        ctx.link(be.compile(ir.Comp.of(ir.fill(s, 1.0), ir.apply(Op.ADD, s, x, into=y)), name="folds_s"))
+    kept = Node("s", (4,), mode=MemoryMode.MATERIALIZED)
+    ctx = ctx.init_from_host(kept, host[s])
+    r = ctx.link(be.compile(ir.Comp.of(ir.fill(kept, 1.0), ir.apply(Op.ADD, kept, x, into=y)), name="keeps_s"))
+    r.run()
+    np.testing.assert_array_equal(r.context.read(kept), np.ones(4, np.float32))
+    np.testing.assert_array_equal(r.context.read(y), np.arange(4, dtype=np.float32) + 1)
+    r.context.finalize()
+
+
 def test_a_write_over_an_empty_space_is_not_a_constant() -> None:
     """Found by review: an Accum over a product space with an extent of 0 writes no cell."""
     dt = dtypes.float32

@@ -689,8 +689,14 @@ def lower(comps: Sequence[ir.Comp], names: Sequence[str], horizontal: bool = Tru
     over one outer loop merged; ``segments``: the kernels the target batches, independent ones
     run as segments of one launch (core/fusion.py); ``scatter_scan``: scatters of at most this
     many rows x updates are computed by row (:meth:`_Lowerer.scatter_by_owner`)."""
-    comps = [_read_own_target_first(c) for c in fold_constants(comps)]
+    folded = fold_constants(comps)
+    # nodes folded into their readers as literals are never stored, as inlined ones are: a
+    # context that holds one is refused at link (Context._check_link), not left stale
+    gone = {ir.writes(leaf) for c in comps for leaf in c.leaves()} - \
+        {ir.writes(leaf) for c in folded for leaf in c.leaves()}
+    comps = [_read_own_target_first(c) for c in folded]
     inference = infer_modes(comps)
+    inference.modes.update(dict.fromkeys(gone, MemoryMode.VIRTUAL))
     lowerer = _Lowerer(inference, scatter_scan)
     out: list[LoweredComp] = []
     for comp, name in zip(comps, names):
