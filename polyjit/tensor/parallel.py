@@ -19,6 +19,7 @@ splits into ``ranks * devices`` equal contiguous shards: rank r takes rows
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -51,7 +52,7 @@ from polyjit.tensor.hostio import Feed, check_names
 from polyjit.tensor.optim import Optimizer
 from polyjit.tensor.plan import trainable_params
 from polyjit.tensor.program import Program
-from polyjit.tensor.state import StateContext, stage_state
+from polyjit.tensor.state import StateContext, serialized, stage_state
 from polyjit.tensor.tensor import DTypeLike, Tensor, input
 
 if TYPE_CHECKING:
@@ -102,6 +103,7 @@ class DataParallel:
         name: str = "dp",
         comm: Any = None,
     ) -> None:
+        self._lock = threading.RLock()  # threads that share it take turns (state.serialized)
         self.devices = resolve_devices(devices)
         n = len(self.devices)
         self._rank_reduce: RankReduce | None = _rank_reduce(comm)
@@ -285,12 +287,14 @@ class DataParallel:
             total = peeked
         return total / (len(self.replicas) * self.ranks)
 
+    @serialized
     def step(self, **inputs: Any) -> float:
         """One data-parallel training step on a global batch; returns the mean loss."""
         self._compute(inputs)
         self._allreduce()
         return self._update()
 
+    @serialized
     def step_profiled(self, **inputs: Any) -> float:
         """Like step(), with a sync between phases; the times go to ``self.timings``."""
         t0 = time.perf_counter()
@@ -312,10 +316,12 @@ class DataParallel:
 
     # -- state ----------------------------------------------------------------------------
 
+    @serialized
     def state_dict(self, replica: int = 0) -> dict[str, Array]:
         """Parameters and optimizer state of one replica, by name."""
         return self._replica(replica).state.state_dict(self.persistent)
 
+    @serialized
     def load_state_dict(self, values: Mapping[str, Any], strict: bool = True) -> None:
         """Set parameters and optimizer state on every replica (checked as Plan.load_state_dict
         checks them: on an error nothing has changed)."""
@@ -323,6 +329,7 @@ class DataParallel:
         for rep in self.replicas:
             rep.state.load_state_dict(self.persistent, values, strict, "this data_parallel")
 
+    @serialized
     def parameters(self, replica: int = 0) -> dict[str, Array]:
         return self._replica(replica).state.state_dict(self.params)
 
@@ -332,6 +339,7 @@ class DataParallel:
             raise UnknownDeviceError(f"replica {k!r}: this data_parallel has {n} replicas (0..{n - 1})")
         return self.replicas[k]
 
+    @serialized
     def rank_spread(self) -> float:
         """The largest difference of any parameter between the ranks (0.0: equal); a collective
         call with ``comm`` (every rank calls it), 0.0 without."""
@@ -345,6 +353,7 @@ class DataParallel:
             worst = max(worst, float(np.max(hi - lo)) if flat.size else 0.0)
         return worst
 
+    @serialized
     def replica_spread(self) -> float:
         """The largest difference of any parameter between replica 0 and another of this
         process (0.0: equal); :meth:`rank_spread` compares the ranks."""
@@ -355,10 +364,12 @@ class DataParallel:
                 worst = max(worst, float(np.max(np.abs(value - ref[name]))) if value.size else 0.0)
         return worst
 
+    @serialized
     def reset(self) -> None:
         for rep in self.replicas:
             rep.state.reset(self.persistent)
 
+    @serialized
     def close(self) -> None:
         for rep in self.replicas:
             rep.device.synchronize()

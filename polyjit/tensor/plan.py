@@ -14,10 +14,9 @@ stored (readable with ``plan.read``); ``"auto"`` runs dynamic for the first
 
 from __future__ import annotations
 
-import functools
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Concatenate, Literal, ParamSpec, Protocol, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -34,7 +33,7 @@ from polyjit.tensor.devices import DeviceLike, resolve_device
 from polyjit.tensor.hostio import Feed, check_names, enqueue_to_host
 from polyjit.tensor.optim import Optimizer
 from polyjit.tensor.program import Program
-from polyjit.tensor.state import StateContext
+from polyjit.tensor.state import StateContext, serialized
 from polyjit.tensor.tensor import Kind, Tensor, full
 
 Array = np.ndarray[Any, Any]
@@ -42,19 +41,6 @@ Mode = Literal["compiled", "dynamic", "auto"]
 MODES = ("compiled", "dynamic", "auto")
 AUTO_DYNAMIC_STEPS = 3
 
-
-P = ParamSpec("P")
-R = TypeVar("R")
-
-
-def _serialized(method: Callable[Concatenate[Plan, P], R]) -> Callable[Concatenate[Plan, P], R]:
-    """One run of a plan at a time: threads that share a plan take turns (a run uses the
-    plan's staging and result arrays, and a step's parts must not interleave with another's)."""
-    @functools.wraps(method)
-    def serialized(self: Plan, *args: P.args, **kwargs: P.kwargs) -> R:
-        with self._lock:
-            return method(self, *args, **kwargs)
-    return serialized
 
 
 class SharesState(Protocol):
@@ -270,7 +256,7 @@ class Plan:
         self._linked = linked
         return linked
 
-    @_serialized
+    @serialized
     def build(self) -> Plan:
         """Compile and link now rather than on the first run; returns the plan."""
         self._routines()
@@ -291,13 +277,13 @@ class Plan:
         self.runs += 1
         return ready
 
-    @_serialized
+    @serialized
     def run(self, **inputs: Any) -> dict[str, Array]:
         """One run: returns every output, in arrays this plan reuses on its next run."""
         self._run(self._prepare(inputs, None), self._result_arrays).synchronize()
         return self._results
 
-    @_serialized
+    @serialized
     def run_on_device(self, **inputs: Any) -> dict[str, Exported]:
         """One run whose outputs stay on the device: zero-copy views of the output buffers
         (DLPack; ``np.from_dlpack``, ``torch.from_dlpack``), which show the values of this run
@@ -306,7 +292,7 @@ class Plan:
         ctx = self.context
         return {name: ctx.export(node) for name, node, _ in self._outputs}
 
-    @_serialized
+    @serialized
     def step(self, **inputs: Any) -> float:
         """One training step (forward, backward, update); returns the loss.
 
@@ -329,7 +315,7 @@ class Plan:
         """Wait for all the work this plan enqueued (the last step's update, too)."""
         self.context.stream.synchronize()
 
-    @_serialized
+    @serialized
     def run_pipelined(self, runs: Sequence[Mapping[str, Any]]) -> list[dict[str, Array]]:
         """Enqueue several runs back to back and synchronize once; one result dict per run
         (host arrays reused by the next pipelined call of the same length)."""
@@ -343,17 +329,17 @@ class Plan:
 
     # -- state -----------------------------------------------------------------------
 
-    @_serialized
+    @serialized
     def reset(self) -> None:
         """Put every parameter and optimizer state back to its initial value."""
         self._state.reset(self.program.persistent)
 
-    @_serialized
+    @serialized
     def state_dict(self) -> dict[str, Array]:
         """Copies of the persistent buffers (parameters, optimizer state), by name."""
         return self._state.state_dict(self.program.persistent)
 
-    @_serialized
+    @serialized
     def load_state_dict(self, values: Mapping[str, Any], strict: bool = True) -> None:
         """Set parameters and optimizer state from arrays by name (what ``state_dict()`` gives).
 
@@ -365,7 +351,7 @@ class Plan:
         """
         self._state.load_state_dict(self.program.persistent, values, strict, "this plan")
 
-    @_serialized
+    @serialized
     def read(self, tensor: Tensor) -> Array:
         """The current value of a stored tensor: outputs and state; every op's result in dynamic mode."""
         try:
@@ -389,7 +375,7 @@ class Plan:
         batch = self.program.batch(self.backend, "compiled")
         return {node.label: mode for node, mode in batch.lowered.modes.items()}
 
-    @_serialized
+    @serialized
     def close(self) -> None:
         """Free the device memory this plan allocated (plans sharing its state become unusable)."""
         if self._linked is not None:

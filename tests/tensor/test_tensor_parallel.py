@@ -133,3 +133,51 @@ def test_load_state_dict_sets_every_replica(three_devices: Backend) -> None:
         dp.load_state_dict({**new, next(iter(new)): np.zeros(1, np.float32)})
     assert all(np.array_equal(v, new[n]) for n, v in dp.state_dict(2).items())  # nothing changed
     dp.close()
+
+
+def test_threads_sharing_a_data_parallel_take_turns(three_devices: Backend) -> None:
+    """Found by review: two threads stepping one data_parallel interleaved a step's compute,
+    all-reduce and update with the other's (replicas 0.2 apart, no error). Steps take turns,
+    as a Plan's do: 2 x 15 threaded steps leave the state 30 serial steps leave, bit for bit,
+    while a third thread reads the state."""
+    import threading
+
+    devs = three_devices.devices()[:2]
+    xs, ys = two_spirals(BATCH, seed=2)
+
+    def build() -> Any:
+        mlp = pt.MLP("mlp", [2, 16, 2], seed=4)
+        return pt.data_parallel(lambda x, y: pt.cross_entropy(mlp(x), y),
+                                {"x": ((BATCH, 2), "float32"), "y": ((BATCH,), "int32")},
+                                optimizer=pt.SGD(0.1, momentum=0.9), devices=devs)
+
+    shared, serial = build(), build()
+    errors: list[BaseException] = []
+
+    def steps() -> None:
+        try:
+            for _ in range(15):
+                shared.step(x=xs, y=ys)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    def reads() -> None:
+        try:
+            for _ in range(15):
+                assert shared.replica_spread() == 0.0
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=steps), threading.Thread(target=steps), threading.Thread(target=reads)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=120)
+    assert not errors and not any(th.is_alive() for th in threads), errors
+    for _ in range(30):
+        serial.step(x=xs, y=ys)
+    got, want = shared.state_dict(), serial.state_dict()
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    for dp in (shared, serial):
+        dp.close()
