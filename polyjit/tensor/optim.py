@@ -13,7 +13,7 @@ is an error rather than a change that would silently not happen.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from numbers import Real
 from typing import Any
 
@@ -49,6 +49,18 @@ def _hyperparameter(owner: str, name: str, value: Any) -> Any:
             raise InvalidProgramError(f"{owner}: betas must be a pair (beta1, beta2), got {value!r}")
         return (_real(owner, "betas[0]", value[0], 1.0), _real(owner, "betas[1]", value[1], 1.0))
     return _real(owner, name, value, 1.0 if name == "momentum" else None)
+
+
+def checked_params(params: Any) -> list[Tensor]:
+    """A user's ``params=``: an iterable of parameters (``pt.param``), each refused by name
+    here rather than failing somewhere inside autodiff."""
+    if isinstance(params, (str, bytes, Tensor)) or not isinstance(params, Iterable):
+        raise InvalidProgramError(f"params must be a list of parameters, got {params!r}")
+    out = list(params)
+    for p in out:
+        if not isinstance(p, Tensor) or p.kind is not Kind.PARAM:
+            raise InvalidProgramError(f"params holds {p!r}, not a parameter (pt.param)")
+    return out
 
 
 class Optimizer:

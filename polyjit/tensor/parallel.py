@@ -49,7 +49,7 @@ from polyjit.tensor import ops
 from polyjit.tensor.autograd import grad
 from polyjit.tensor.devices import DeviceLike, resolve_devices
 from polyjit.tensor.hostio import Feed, check_names
-from polyjit.tensor.optim import Optimizer
+from polyjit.tensor.optim import Optimizer, checked_params
 from polyjit.tensor.plan import trainable_params
 from polyjit.tensor.program import Program
 from polyjit.tensor.state import StateContext, serialized, stage_state
@@ -128,7 +128,7 @@ class DataParallel:
         loss = model_step(**local)
         if not isinstance(loss, Tensor) or loss.shape != ():
             raise InvalidProgramError("model_step must return the loss: a scalar Tensor (the mean over its shard)")
-        self.params = list(params) if params is not None else trainable_params(loss)
+        self.params = checked_params(params) if params is not None else trainable_params(loss)
         if len({p.dtype for p in self.params}) > 1:
             raise DTypeMismatchError("data_parallel packs the gradients into one buffer: use one dtype")
         grads = grad(loss, self.params)

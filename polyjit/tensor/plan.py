@@ -21,6 +21,7 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 from polyjit.core.errors import (
+    InvalidArgumentError,
     InvalidProgramError,
     NodeNotInContextError,
     ShapeMismatchError,
@@ -31,7 +32,7 @@ from polyjit.core.runtime import Backend, Context, Device, Event, Replay, Routin
 from polyjit.tensor.autograd import grad, topo_order
 from polyjit.tensor.devices import DeviceLike, resolve_device
 from polyjit.tensor.hostio import Feed, check_names, enqueue_to_host
-from polyjit.tensor.optim import Optimizer
+from polyjit.tensor.optim import Optimizer, checked_params
 from polyjit.tensor.program import Program
 from polyjit.tensor.state import StateContext, serialized
 from polyjit.tensor.tensor import Kind, Tensor, full
@@ -187,6 +188,7 @@ class Plan:
                  share: SharesState | None = None) -> None:
         if mode not in MODES:
             raise InvalidProgramError(f"mode must be one of {MODES}, got {mode!r}")
+        _check_share(share)
         if share is not None and share.device is not device:
             raise InvalidProgramError(f"cannot share state of {share.device.device_id} on {device.device_id}")
         self.program = program
@@ -319,6 +321,9 @@ class Plan:
     def run_pipelined(self, runs: Sequence[Mapping[str, Any]]) -> list[dict[str, Array]]:
         """Enqueue several runs back to back and synchronize once; one result dict per run
         (host arrays reused by the next pipelined call of the same length)."""
+        if isinstance(runs, (str, bytes, Mapping)) or not isinstance(runs, Sequence):
+            raise InvalidArgumentError(f"run_pipelined takes a list of input mappings (one per run), "
+                                       f"not {type(runs).__name__}")
         while len(self._slots) < len(runs):
             self._slots.append(_Slot(self._feeds, self._outputs))
         prepared = [self._prepare(inputs, slot) for inputs, slot in zip(runs, self._slots)]
@@ -354,6 +359,9 @@ class Plan:
     @serialized
     def read(self, tensor: Tensor) -> Array:
         """The current value of a stored tensor: outputs and state; every op's result in dynamic mode."""
+        if not isinstance(tensor, Tensor):
+            raise InvalidArgumentError(f"Plan.read takes a Tensor (run() returns outputs by name), "
+                                       f"not {type(tensor).__name__}")
         try:
             return self.context.read(tensor.node)
         except NodeNotInContextError:
@@ -403,6 +411,13 @@ def _loss_scale(value: Any) -> float:
     return v
 
 
+def _check_share(share: Any) -> None:
+    if share is not None and not (isinstance(getattr(share, "device", None), Device)
+                                  and isinstance(getattr(share, "state_context", None), Context)):
+        raise InvalidArgumentError(f"share= takes a Plan (something with a device and a state_context), "
+                                   f"not {type(share).__name__}")
+
+
 def compile(
     outputs: Tensor | Sequence[Tensor] | Mapping[str, Tensor] | None = None,
     *,
@@ -428,6 +443,7 @@ def compile(
     float16's subnormals; an overflow to inf makes the step's update inf, so keep it modest).
     """
     named = _named_outputs(outputs)
+    _check_share(share)
     writes = []
     grads: list[Tensor] = []
     if loss is not None:
@@ -441,7 +457,7 @@ def compile(
     if optimizer is not None:
         if loss is None:
             raise InvalidProgramError("an optimizer needs a loss")
-        wrt = list(params) if params is not None else trainable_params(loss)
+        wrt = checked_params(params) if params is not None else trainable_params(loss)
         twice = sorted({p.name for k, p in enumerate(wrt) if any(p is q for q in wrt[:k])})
         if twice:  # each would be updated once per mention (PyTorch refuses them too)
             raise InvalidProgramError(f"params lists {', '.join(twice)} more than once")

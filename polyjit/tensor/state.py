@@ -18,7 +18,7 @@ import numpy as np
 from polyjit.core import ir
 from polyjit.core.context import Context
 from polyjit.core.device import Device
-from polyjit.core.errors import StateDictKeyError
+from polyjit.core.errors import InvalidArgumentError, StateDictKeyError
 from polyjit.tensor.hostio import convert_into
 from polyjit.tensor.tensor import Kind, Tensor
 
@@ -92,6 +92,9 @@ class StateContext:
 def stage_state(persistent: Sequence[Tensor], values: Mapping[str, Any], strict: bool,
                 owner: str) -> list[tuple[Tensor, Array]]:
     """The checked host arrays of a load_state_dict (nothing is written when one is refused)."""
+    if not isinstance(values, Mapping):
+        raise InvalidArgumentError(f"load_state_dict takes a mapping of names to arrays (what state_dict() "
+                                f"gives), not {type(values).__name__}")
     by_name = {t.name: t for t in persistent}
     if strict:
         unknown = sorted(k for k in values if k not in by_name)

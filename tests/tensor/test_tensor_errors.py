@@ -16,6 +16,7 @@ from polyjit.core import errors
 from polyjit.core.errors import (
     DTypeMismatchError,
     IndexOutOfRangeError,
+    InvalidArgumentError,
     InvalidProgramError,
     PolyjitError,
     ShapeMismatchError,
@@ -307,6 +308,31 @@ def test_compile_and_optimizer_misuse() -> None:
     assert opt.lr == 0.5
     assert plan.step(x=np.ones(4, np.float32)) == pytest.approx(4.0)
     np.testing.assert_allclose(plan.state_dict()["w"], 0.5)
+    plan.close()
+
+
+def test_plan_arguments_of_the_wrong_kind_are_typed_errors_and_the_plan_still_runs() -> None:
+    """Found by review: each of these was a bare AttributeError or TypeError."""
+    x = pt.input("x", (2, 3))
+    w = pt.param("w", (3, 3), init="ones")
+    y = (x @ w).named("y")
+    plan = pt.compile({"y": y})
+    xs = np.ones((2, 3), np.float32)
+    with pytest.raises(InvalidArgumentError, match=r"Plan\.read takes a Tensor.*not str"):
+        plan.read("y")  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match=r"plan inputs: a mapping.*not ndarray.*inputs: x"):
+        plan.run_pipelined([xs])  # type: ignore[list-item]
+    with pytest.raises(InvalidArgumentError, match=r"run_pipelined takes a list.*not NoneType"):
+        plan.run_pipelined(None)  # type: ignore[arg-type]
+    for bad in (None, [("w", np.ones((3, 3)))]):
+        with pytest.raises(InvalidArgumentError, match=r"load_state_dict takes a mapping"):
+            plan.load_state_dict(bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match=r"share= takes a Plan.*not object"):
+        pt.compile({"y": y}, share=object())  # type: ignore[arg-type]
+    for params, culprit in ((["w"], "'w'"), ([None], "None"), ("w", "'w'"), (3, "3")):
+        with pytest.raises(InvalidProgramError, match=f"params.*{culprit}"):
+            pt.compile(loss=pt.sum(y), optimizer=pt.SGD(0.1), params=params)  # type: ignore[arg-type]
+    np.testing.assert_array_equal(plan.run(x=xs)["y"], np.full((2, 3), 3, np.float32))
     plan.close()
 
 
