@@ -256,6 +256,17 @@ def test_relu_gradient_at_zero_and_nan_and_its_place_in_the_epilogue() -> None:
     step.close()
 
 
+@pytest.mark.parametrize("mode", ["compiled", "dynamic"])
+def test_the_mean_of_nothing_is_nan_as_numpys(mode: str) -> None:
+    """Found by review: a mean over an empty axis was 0.0 (its sum scaled by 1/max(n, 1))."""
+    e, f = pt.input("e", (0,)), pt.input("f", (3, 0))
+    plan = pt.compile({"m": pt.mean(e), "rows": pt.mean(f, axis=1), "cols": pt.mean(f, axis=0)}, mode=mode)
+    out = plan.run(e=np.zeros(0, np.float32), f=np.zeros((3, 0), np.float32))
+    assert np.isnan(out["m"]) and out["rows"].shape == (3,) and np.isnan(out["rows"]).all()
+    assert out["cols"].shape == (0,)
+    plan.close()
+
+
 def test_cross_entropy_of_an_empty_batch_and_of_one_row() -> None:
     """The loss picks each row's logit by a gather: an empty batch (nothing to pick) sums to
     zero, and one row of logits with a 0-d label is -log softmax at the label."""

@@ -55,7 +55,7 @@ def sum(x: Tensor, axis: int | Sequence[int] | None = None, keepdims: bool = Fal
 def mean(x: Tensor, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
     axes = _axes(axis, x.ndim)
     n = math.prod(x.shape[a] for a in axes)
-    return sum(x, axes, keepdims) * (1.0 / builtins.max(n, 1))
+    return sum(x, axes, keepdims) * (1.0 / n if n else math.nan)  # of nothing: NaN, as numpy's
 
 
 def _reduce_extreme(x: Tensor, axis: int | Sequence[int] | None, keepdims: bool, accum: AccumOp) -> Tensor:
