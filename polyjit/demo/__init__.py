@@ -19,6 +19,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -36,17 +37,41 @@ __all__ = ["add_arguments", "chain_program", "kernels", "main", "pick_backend", 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The demo's options (``polyjit demo`` uses the same)."""
     p.add_argument("--backend", default="cpu", help="backend name (default: cpu)")
-    p.add_argument("--devices", type=int, default=None,
+    p.add_argument("--devices", type=_positive, default=None,
                    help="devices to train on (default: all; the cpu backend is split into this many)")
-    p.add_argument("--steps", type=int, default=300, help="training steps (default: 300)")
-    p.add_argument("--batch", type=int, default=256, help="global batch size (default: 256)")
+    p.add_argument("--steps", type=_positive, default=300, help="training steps (default: 300)")
+    p.add_argument("--batch", type=_positive, default=256, help="global batch size (default: 256)")
     p.add_argument("--lr", type=float, default=0.01, help="Adam learning rate (default: 0.01)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default=None, metavar="FILE", help="also write the loss curve as a PNG")
     p.add_argument("--kernels", action="store_true",
                    help="instead: a fused chain and a matmul on every device, checked against numpy")
-    p.add_argument("--size", type=int, default=1 << 20, help="with --kernels: elements of the chain")
+    p.add_argument("--size", type=_positive, default=1 << 20, help="with --kernels: elements of the chain")
     return p
+
+
+def _positive(text: str) -> int:
+    """An option that counts something: a whole number of at least 1 (argparse's own error otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _plot_problem(path: str) -> str | None:
+    """Why the loss curve could not be written at ``path``, checked before training."""
+    target = Path(path)
+    if target.is_dir():
+        return f"--plot {path}: is a directory"
+    parent = target.parent
+    if not parent.is_dir():
+        return f"--plot {path}: no directory {parent}"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"--plot {path}: cannot write in {parent}"
+    return None
 
 
 def _options(args: argparse.Namespace) -> argparse.Namespace:
@@ -85,12 +110,20 @@ def pick_backend(name: str, devices: int | None) -> Backend:
 def train(args: argparse.Namespace) -> int:
     """Train the MLP data-parallel; print the loss curve and the accuracy."""
     args = _options(args)
+    problem = _plot_problem(args.plot) if args.plot else None
+    if problem is not None:  # before the training, not after it
+        print(f"polyjit demo: {problem}", file=sys.stderr)
+        return 2
     backend = pick_backend(args.backend, args.devices)
     devices = backend.devices()[: args.devices] if args.devices else backend.devices()
     if not devices:
         print(f"backend {backend.name} has no devices", file=sys.stderr)
         return 1
     batch = args.batch - args.batch % len(devices)
+    if batch < 1:
+        print(f"polyjit demo: --batch {args.batch} is less than one row for each of {len(devices)} devices",
+              file=sys.stderr)
+        return 2
     x_all, y_all = two_spirals(4096, seed=args.seed)
     mlp = pt.MLP("mlp", [2, 64, 64, 2], activation="relu", seed=args.seed)
 

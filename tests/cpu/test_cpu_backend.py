@@ -1068,3 +1068,15 @@ def test_a_gathers_rows_are_copied_by_a_vectorized_loop_and_match_numpy() -> Non
     np.testing.assert_allclose(routines[1].context.read(back), want, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(routines[2].context.read(sums), xv.sum(1), rtol=1e-5, atol=1e-5)
     ctx.finalize()
+
+
+def test_a_device_count_below_one_or_not_a_number_is_a_typed_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review: a bare ValueError (the demo's --devices 0 ended in its traceback)."""
+    from polyjit.core.errors import BackendUnavailableError
+
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(BackendUnavailableError, match="at least 1 device"):
+            create_backend(num_devices=bad)  # type: ignore[arg-type]
+    monkeypatch.setenv("POLYJIT_CPU_DEVICES", "two")
+    with pytest.raises(BackendUnavailableError, match="whole number, got 'two'"):
+        create_backend()

@@ -104,6 +104,31 @@ def test_demo_trains_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert _decode_png(png.read_bytes()).shape == (360, 640, 3)
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["--steps", "0"], "--steps: must be at least 1"),
+    (["--devices", "-1"], "--devices: must be at least 1"),
+    (["--kernels", "--size", "0"], "--size: must be at least 1"),
+    (["--batch", "x"], "--batch: not a whole number"),
+])
+def test_demo_options_out_of_range_are_refused_by_the_parser(argv: list[str], says: str,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by review: each ended in a traceback (an IndexError of an empty loss list, a
+    ValueError from the cpu driver, a numpy reduction of nothing)."""
+    with pytest.raises(SystemExit) as stop:
+        demo.run(argv)
+    assert stop.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_demo_refuses_a_plot_it_could_not_write_before_training(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    for where, says in ((tmp_path / "no" / "loss.png", "no directory"), (tmp_path, "is a directory")):
+        assert demo.run(["--steps", "2", "--plot", str(where)]) == 2
+        err = capsys.readouterr()
+        assert says in err.err and "two spirals" not in err.out  # nothing trained
+    assert demo.run(["--steps", "2", "--devices", "2", "--batch", "1"]) == 2
+    assert "less than one row for each of 2 devices" in capsys.readouterr().err
+
+
 def test_bench_tensor_runs(tmp_path: Path) -> None:
     out = _run_bench(["--steps", "2", "--batch", "32", "--dp-batch", "64", "--lm-batch", "16",
                       "--json", str(tmp_path / "bench.json")])

@@ -35,7 +35,7 @@ from polyjit.backends.cpu.native import (
     load_runtime,
 )
 from polyjit.core.codegen import KernelSpec, Source
-from polyjit.core.errors import UnsupportedError
+from polyjit.core.errors import BackendUnavailableError, UnsupportedError
 from polyjit.core.protocol import DeviceInfo
 from polyjit.core.raw import RAW, c_trampoline
 from polyjit.core.runtime import Backend
@@ -78,9 +78,14 @@ class CpuDriver:
 
     def __init__(self, num_devices: int | None = None) -> None:
         if num_devices is None:
-            num_devices = int(os.environ.get("POLYJIT_CPU_DEVICES", "1") or 1)
-        if num_devices < 1:
-            raise ValueError(f"POLYJIT_CPU_DEVICES must be at least 1, got {num_devices}")
+            text = os.environ.get("POLYJIT_CPU_DEVICES", "1") or "1"
+            try:
+                num_devices = int(text)
+            except ValueError:
+                raise BackendUnavailableError(f"POLYJIT_CPU_DEVICES must be a whole number, got {text!r}") from None
+        if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
+            raise BackendUnavailableError(f"the cpu backend needs at least 1 device (num_devices, or "
+                                          f"POLYJIT_CPU_DEVICES), got {num_devices!r}")
         self.dialect = CpuDialect()
         self.compiler = CCompiler()
         self._cores = split_cores(sorted(os.sched_getaffinity(0)), num_devices)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import builtins
 import math
 from collections.abc import Sequence
 
