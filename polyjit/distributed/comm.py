@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -40,6 +41,7 @@ from polyjit.core.errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
     DTypeMismatchError,
+    FinalizedError,
     InvalidArgumentError,
     PolyjitError,
     ShapeMismatchError,
@@ -133,6 +135,7 @@ class Comm:
         self._seq = 0  # collective calls so far
         self._p2p_seq: dict[tuple[str, int, int], int] = {}
         self._broken: str | None = None
+        self._freed = False
         self._abandoned: list[Any] = []  # buffers MPI may still touch after a timeout: never freed
         self.last_timings: dict[str, float] = {}
 
@@ -160,12 +163,12 @@ class Comm:
         logical or, min a logical and (numpy's ``+``, ``maximum``, ``minimum``).
         ``peek(values)``: called with the result while it is on the host (cpu and staged
         paths), before routines after the call can change it."""
-        deadline = self._start(timeout)
-        _check_node(ctx, node, "all_reduce")
-        problem = _op_problem(op, node)
-        hdr = self._header("all_reduce", op=op if problem is None else None, node=node, problem=problem)
+        deadline, problem = self._start(timeout)
+        problem = problem or _node_problem(ctx, node, "all_reduce", write=True) or _op_problem(op, node)
+        self._refuse_on(problem, "all_reduce", node, deadline)
+        hdr = self._header("all_reduce", op=op, node=node)
         with self._buffer(ctx, node, write=True) as (buf, host):
-            self._join(hdr, "all_reduce", node, deadline, problem)
+            self._join(hdr, "all_reduce", node, deadline)
             t0 = time.perf_counter()
             if self.size > 1:
                 req = self._data.Iallreduce(MPI.IN_PLACE, buf, _mpi_op(op, node))
@@ -177,12 +180,13 @@ class Comm:
 
     def broadcast(self, ctx: Context, node: Node, root: int = 0, *, timeout: float | None = None) -> None:
         """Every rank's node gets ``root``'s values."""
-        deadline = self._start(timeout)
-        _check_node(ctx, node, "broadcast")
-        problem = self._rank_problem(root, "broadcast root")
-        hdr = self._header("broadcast", node=node, root=root if problem is None else -1, problem=problem)
+        deadline, problem = self._start(timeout)
+        problem = problem or self._rank_problem(root, "broadcast root") or \
+            _node_problem(ctx, node, "broadcast", write=self.rank != root)
+        self._refuse_on(problem, "broadcast", node, deadline)
+        hdr = self._header("broadcast", node=node, root=root)
         with self._buffer(ctx, node, write=self.rank != root) as (buf, host):
-            self._join(hdr, "broadcast", node, deadline, problem)
+            self._join(hdr, "broadcast", node, deadline)
             if self.size == 1:
                 return
             req = self._data.Ibcast(buf, root=root)
@@ -192,14 +196,15 @@ class Comm:
         """Every rank's ``out_node`` gets the nodes of all ranks in rank order, along axis 0:
         ``out_node`` has shape ``(size * n, ...)`` for a node of shape ``(n, ...)``, or
         ``(size, *node.shape)``."""
-        deadline = self._start(timeout)
-        _check_node(ctx, node, "all_gather")
-        _check_node(ctx, out_node, "all_gather (out_node)")
-        problem = _out_problem(node, out_node, self.size, "all_gather", gather=True)
-        hdr = self._header("all_gather", node=node, problem=problem)
+        deadline, problem = self._start(timeout)
+        problem = problem or _node_problem(ctx, node, "all_gather", write=False) or \
+            _node_problem(ctx, out_node, "all_gather (out_node)", write=True) or \
+            _out_problem(node, out_node, self.size, "all_gather", gather=True)
+        self._refuse_on(problem, "all_gather", node, deadline)
+        hdr = self._header("all_gather", node=node)
         with self._buffer(ctx, node, write=False) as (sbuf, shost), \
                 self._buffer(ctx, out_node, write=True) as (rbuf, rhost):
-            self._join(hdr, "all_gather", node, deadline, problem)
+            self._join(hdr, "all_gather", node, deadline)
             req = self._data.Iallgather(sbuf, rbuf)
             self._complete([req], deadline, "all_gather", node, (sbuf, shost, rbuf, rhost), ctx, out_node)
 
@@ -208,15 +213,15 @@ class Comm:
         """Reduce the node over the ranks and give rank r block r of the result along axis 0:
         for a node of shape ``(size * n, ...)`` (or ``(size, *out_node.shape)``), ``out_node``
         has shape ``(n, ...)``. Ops as :meth:`all_reduce`."""
-        deadline = self._start(timeout)
-        _check_node(ctx, node, "reduce_scatter")
-        _check_node(ctx, out_node, "reduce_scatter (out_node)")
-        problem = _op_problem(op, node) or _out_problem(out_node, node, self.size, "reduce_scatter",
-                                                        gather=False)
-        hdr = self._header("reduce_scatter", op=op if problem is None else None, node=node, problem=problem)
+        deadline, problem = self._start(timeout)
+        problem = problem or _node_problem(ctx, node, "reduce_scatter", write=False) or \
+            _node_problem(ctx, out_node, "reduce_scatter (out_node)", write=True) or \
+            _op_problem(op, node) or _out_problem(out_node, node, self.size, "reduce_scatter", gather=False)
+        self._refuse_on(problem, "reduce_scatter", node, deadline)
+        hdr = self._header("reduce_scatter", op=op, node=node)
         with self._buffer(ctx, node, write=False) as (sbuf, shost), \
                 self._buffer(ctx, out_node, write=True) as (rbuf, rhost):
-            self._join(hdr, "reduce_scatter", node, deadline, problem)
+            self._join(hdr, "reduce_scatter", node, deadline)
             if self.size > 1:
                 req = self._data.Ireduce_scatter_block(sbuf, rbuf, _mpi_op(op, node))
                 self._complete([req], deadline, "reduce_scatter", node, (sbuf, shost, rbuf, rhost), ctx, out_node)
@@ -228,16 +233,19 @@ class Comm:
 
     def barrier(self, *, timeout: float | None = None) -> None:
         """Wait for every rank (the join phase alone: it names the ranks that do not come)."""
-        deadline = self._start(timeout)
-        self._join(self._header("barrier"), "barrier", None, deadline, None)
+        deadline, problem = self._start(timeout)
+        self._refuse_on(problem, "barrier", None, deadline)
+        self._join(self._header("barrier"), "barrier", None, deadline)
 
     def send(self, ctx: Context, node: Node, dest: int, tag: int = 0, *, timeout: float | None = None) -> None:
         """Send the node to rank ``dest``, whose matching :meth:`recv` (same tag) receives it.
         Synchronous, like ``MPI_Ssend``: it returns once the receiver has the data, so two
         ranks that send to each other must order their calls (one sends first)."""
-        deadline = self._start(timeout)
-        _check_node(ctx, node, "send")
-        self._check_peer(dest, tag, "send")
+        deadline, problem = self._start(timeout)
+        self._check_peer(dest, tag, "send")  # else there is no one to tell, or no channel
+        problem = problem or _node_problem(ctx, node, "send", write=False)
+        if problem is not None:
+            self._handshake("send", node, dest, tag, deadline, problem)
         with self._buffer(ctx, node, write=False) as (buf, host):
             self._handshake("send", node, dest, tag, deadline)
             req = self._data.Isend(buf, dest=dest, tag=tag)
@@ -246,9 +254,11 @@ class Comm:
     def recv(self, ctx: Context, node: Node, source: int, tag: int = 0, *, timeout: float | None = None) -> None:
         """Receive into the node what rank ``source`` sends with :meth:`send` (same tag); the
         dtype and shape must be the sender's (else both raise CollectiveMismatchError)."""
-        deadline = self._start(timeout)
-        _check_node(ctx, node, "recv")
-        self._check_peer(source, tag, "recv")
+        deadline, problem = self._start(timeout)
+        self._check_peer(source, tag, "recv")  # else there is no one to tell, or no channel
+        problem = problem or _node_problem(ctx, node, "recv", write=True)
+        if problem is not None:
+            self._handshake("recv", node, source, tag, deadline, problem)
         with self._buffer(ctx, node, write=True) as (buf, host):
             self._handshake("recv", node, source, tag, deadline)
             req = self._data.Irecv(buf, source=source, tag=tag)
@@ -258,12 +268,12 @@ class Comm:
 
     def all_reduce_array(self, array: Array, op: str = "sum", *, timeout: float | None = None) -> Array:
         """:meth:`all_reduce` of a host array (a new array: metrics, spreads, checks)."""
-        deadline = self._start(timeout)
-        arr = np.ascontiguousarray(array).copy()
-        problem = _op_problem(op, Node("array", arr.shape, arr.dtype))
-        hdr = self._header("all_reduce", op=op if problem is None else None, shape=arr.shape, dtype=arr.dtype,
-                           problem=problem)
-        self._join(hdr, "all_reduce", None, deadline, problem)
+        deadline, problem = self._start(timeout)
+        arr, node, bad = _host_array(array, "all_reduce_array")
+        problem = problem or bad or _op_problem(op, node)
+        self._refuse_on(problem, "all_reduce", None, deadline)
+        hdr = self._header("all_reduce", op=op, shape=arr.shape, dtype=arr.dtype)
+        self._join(hdr, "all_reduce", None, deadline)
         if self.size > 1:
             req = self._data.Iallreduce(MPI.IN_PLACE, arr.reshape(-1), _mpi_op_dtype(op, arr.dtype))
             self._complete([req], deadline, "all_reduce", None, arr, None)
@@ -274,12 +284,12 @@ class Comm:
     def broadcast_array(self, array: Array, root: int = 0, *, timeout: float | None = None) -> Array:
         """:meth:`broadcast` of a host array: every rank gets a new array with root's values
         (every rank passes an array of the same shape and dtype)."""
-        deadline = self._start(timeout)
-        arr = np.ascontiguousarray(array).copy()
-        problem = self._rank_problem(root, "broadcast root")
-        hdr = self._header("broadcast", root=root if problem is None else -1, shape=arr.shape, dtype=arr.dtype,
-                           problem=problem)
-        self._join(hdr, "broadcast", None, deadline, problem)
+        deadline, problem = self._start(timeout)
+        arr, _, bad = _host_array(array, "broadcast_array")
+        problem = problem or bad or self._rank_problem(root, "broadcast root")
+        self._refuse_on(problem, "broadcast", None, deadline)
+        hdr = self._header("broadcast", root=root, shape=arr.shape, dtype=arr.dtype)
+        self._join(hdr, "broadcast", None, deadline)
         if self.size > 1:
             req = self._data.Ibcast(arr.reshape(-1), root=root)
             self._complete([req], deadline, "broadcast", None, arr, None)
@@ -288,33 +298,58 @@ class Comm:
     def check_same(self, what: str, values: Sequence[int], *, timeout: float | None = None) -> None:
         """Raise CollectiveMismatchError on every rank unless every rank passes the same
         integers (set-up checks: device counts, batch sizes)."""
-        deadline = self._start(timeout)
-        hdr = self._header("check", shape=[int(v) for v in values], dtype=np.int64)
-        self._join(hdr, "check", None, deadline, None, what=what)
+        deadline, problem = self._start(timeout)
+        try:
+            ints = [operator.index(v) for v in values]
+        except TypeError:
+            ints, problem = [], problem or InvalidArgumentError(
+                f"rank {self.rank}: check_same({what!r}) takes integers, got {values!r}")
+        self._refuse_on(problem, "check", None, deadline)
+        hdr = self._header("check", shape=ints, dtype=np.int64)
+        self._join(hdr, "check", None, deadline, what=what)
 
     # -- the two phases ---------------------------------------------------------------------
 
-    def _start(self, timeout: float | None) -> float:
+    def _start(self, timeout: float | None) -> tuple[float, Exception | None]:
+        """The call's deadline, and what is wrong with its timeout (the call then refuses
+        within the Comm's own timeout: see :meth:`_refuse_on`)."""
+        if self._freed:
+            raise FinalizedError(f"rank {self.rank}: this Comm was freed (Comm.free); make a new one")
         if self._broken is not None:
             raise CollectiveTimeoutError(
                 f"rank {self.rank}: this Comm cannot be used any more: {self._broken} (MPI cannot "
                 "cancel a collective, so the ranks no longer agree on what comes next; end the job)")
-        seconds = self.timeout if timeout is None else _check_timeout(timeout, "timeout=")
+        problem = None
+        try:
+            seconds = self.timeout if timeout is None else _check_timeout(timeout, "timeout=")
+        except InvalidArgumentError as e:
+            seconds, problem = self.timeout, e
         self._seconds = seconds
-        return time.monotonic() + seconds if math.isfinite(seconds) else math.inf
+        return (time.monotonic() + seconds if math.isfinite(seconds) else math.inf), problem
+
+    def _refuse_on(self, problem: Exception | None, kind: str, node: Any, deadline: float) -> None:
+        """A rank whose own arguments are wrong joins the call with its refusal flag set and
+        raises its error after the join; every other rank raises CollectiveMismatchError naming
+        it. Raising at once would leave them waiting (then broken, at their timeout), or pair
+        their call with this rank's next one."""
+        if problem is None:
+            return
+        shown = node if isinstance(node, Node) else None
+        self._join(self._header(kind, node=shown, refused=True), kind, shown, deadline, problem)
+        raise problem  # the join raises it; this is for a Comm of one rank that skips nothing
 
     def _header(self, kind: str, *, op: str | None = None, node: Node | None = None, root: int = -1,
-                shape: Sequence[int] | None = None, dtype: Any = None, problem: Exception | None = None) -> Array:
+                shape: Sequence[int] | None = None, dtype: Any = None, refused: bool = False) -> Array:
         seq = self._seq
         self._seq += 1
         if node is not None:
             shape, dtype = node.shape, node.dtype.np
         h = header.make(seq, kind, op=op, root=root, dtype=dtype, shape=shape or ())
-        if problem is not None:
+        if refused:
             h[header.FLAG] = 1
         return h
 
-    def _join(self, hdr: Array, kind: str, node: Node | None, deadline: float, problem: Exception | None,
+    def _join(self, hdr: Array, kind: str, node: Node | None, deadline: float, problem: Exception | None = None,
               what: str | None = None) -> None:
         """Phase 1: exchange headers with every rank; raise on a timeout, a refusal, a mismatch."""
         n, me = self.size, self.rank
@@ -347,12 +382,19 @@ class Comm:
             raise CollectiveMismatchError(
                 f"rank {me}: {label}{_of(node)}: the ranks disagree, no data was moved: {differ}")
 
-    def _handshake(self, kind: str, node: Node, peer: int, tag: int, deadline: float) -> None:
-        """Phase 1 of send / recv: the sender and the receiver swap headers."""
+    def _handshake(self, kind: str, node: Node, peer: int, tag: int, deadline: float,
+                   problem: Exception | None = None) -> None:
+        """Phase 1 of send / recv: the sender and the receiver swap headers. With ``problem``
+        (this rank's own arguments are wrong) the header says so, the peer raises
+        CollectiveMismatchError, and this rank raises ``problem``."""
         key = (kind, peer, tag)
         seq = self._p2p_seq.get(key, 0)
         self._p2p_seq[key] = seq + 1
-        mine = header.make(seq, kind, root=tag, dtype=node.dtype.np, shape=node.shape)
+        shown = node if problem is None else None
+        mine = header.make(seq, kind, root=tag, dtype=shown.dtype.np if shown else None,
+                           shape=shown.shape if shown else ())
+        if problem is not None:
+            mine[header.FLAG] = 1
         theirs = np.zeros(header.LENGTH, np.int64)
         out_tag, in_tag = (TAG_P2P + 2 * tag, TAG_P2P + 2 * tag + 1)
         if kind == "recv":
@@ -364,6 +406,13 @@ class Comm:
             self._fail_timeout(kind, node, (peer,), (theirs, mine, sreq))
         if poll([sreq], deadline, patient=True):
             self._fail_timeout(kind, node, (), (theirs, mine, sreq))
+        if problem is not None:
+            raise problem
+        label = node.label if isinstance(node, Node) else "?"
+        if theirs[header.FLAG]:
+            raise CollectiveMismatchError(
+                f"rank {self.rank}: {kind} of {label}: rank {peer} refused its side of the pair (its own "
+                f"error says why), no data was moved: {header.describe(theirs)}")
         send, recv = (mine, theirs) if kind == "send" else (theirs, mine)
         differ = header.pair_disagreement(send, recv)
         if differ is not None:
@@ -460,10 +509,11 @@ class Comm:
     def free(self) -> None:
         """Free the two duplicates of the communicator (collective). A Comm broken by a
         timeout keeps them: MPI may still use them."""
-        if self._broken is None:
+        if self._broken is None and not self._freed:
             for c in (self._data, self._ctl):
                 with contextlib.suppress(Exception):
                     c.Free()
+        self._freed = True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -473,12 +523,34 @@ def _of(node: Node | None) -> str:
     return f" of {node.label} {node.shape} {node.dtype}" if node is not None else ""
 
 
-def _check_node(ctx: Context, node: Node, what: str) -> None:
+def _node_problem(ctx: Any, node: Any, what: str, *, write: bool) -> Exception | None:
+    """What is wrong with a call's context and node (a rank refuses the call with it)."""
     if not isinstance(ctx, Context):
-        raise InvalidArgumentError(f"{what} needs a Context first, got {type(ctx).__name__}")
+        return InvalidArgumentError(f"{what} needs a Context first, got {type(ctx).__name__}")
     if not isinstance(node, Node):
-        raise InvalidArgumentError(f"{what} needs a Node, got {type(node).__name__}")
-    ctx.loc(node, what)  # NodeNotInContextError
+        return InvalidArgumentError(f"{what} needs a Node, got {type(node).__name__}")
+    try:
+        ctx.check_alive()
+        if write:
+            ctx.writable_loc(node, what)  # NodeNotInContextError, ReadOnlyNodeError
+        else:
+            ctx.loc(node, what)
+    except PolyjitError as e:
+        return e
+    return None
+
+
+def _host_array(array: Any, what: str) -> tuple[Array, Node, Exception | None]:
+    """A private contiguous copy of a host array, a node that describes it, and what is
+    wrong with it (a dtype no node has: complex, object)."""
+    try:
+        arr = np.ascontiguousarray(array).copy()
+        return arr, Node("array", arr.shape, arr.dtype), None
+    except PolyjitError as e:
+        problem: Exception = e
+    except (TypeError, ValueError) as e:
+        problem = InvalidArgumentError(f"{what}: not an array of numbers: {e}")
+    return np.zeros(0, np.float32), Node("array", (0,)), problem
 
 
 def _op_problem(op: Any, node: Node) -> Exception | None:

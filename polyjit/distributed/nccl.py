@@ -47,7 +47,7 @@ from polyjit.core.errors import (
     UnsupportedError,
 )
 from polyjit.core.ir import Node
-from polyjit.distributed.comm import Comm, _check_node, _of, _op_problem, _out_problem
+from polyjit.distributed.comm import Comm, _node_problem, _of, _op_problem, _out_problem
 from polyjit.distributed.ordering import node_events
 
 if TYPE_CHECKING:
@@ -248,59 +248,67 @@ class NcclComm:
                       lambda p: self.lib.ncclBroadcast(p[0], p[0], node.size, dt, root, self.handle, p[-1]))
 
     def all_gather(self, ctx: Context, node: Node, out_node: Node, *, timeout: float | None = None) -> None:
-        problem = _out_problem(node, out_node, self.comm.size, "all_gather", gather=True)
-        deadline = self._join("all_gather", ctx, node, problem=problem, timeout=timeout)
+        deadline = self._join("all_gather", ctx, node, out_node=out_node, timeout=timeout)
         dt, _ = _nccl_types(node, None)
         self._enqueue(ctx, "all_gather", node, (node,), (out_node,), deadline,
                       lambda p: self.lib.ncclAllGather(p[0], p[1], node.size, dt, self.handle, p[-1]))
 
     def reduce_scatter(self, ctx: Context, node: Node, out_node: Node, op: str = "sum", *,
                        timeout: float | None = None) -> None:
-        problem = _out_problem(out_node, node, self.comm.size, "reduce_scatter", gather=False)
-        deadline = self._join("reduce_scatter", ctx, node, op=op, problem=problem, timeout=timeout)
+        deadline = self._join("reduce_scatter", ctx, node, out_node=out_node, op=op, timeout=timeout)
         dt, nop = _nccl_types(node, op)
         self._enqueue(ctx, "reduce_scatter", node, (node,), (out_node,), deadline,
                       lambda p: self.lib.ncclReduceScatter(p[0], p[1], out_node.size, dt, nop, self.handle, p[-1]))
 
     def send(self, ctx: Context, node: Node, dest: int, tag: int = 0, *, timeout: float | None = None) -> None:
-        deadline = self._start(timeout)
-        _check_node(ctx, node, "nccl send")
-        self.comm._check_peer(dest, tag, "send")
-        self.comm._handshake("send", node, dest, tag, deadline)
+        deadline, problem = self._start(timeout)
+        self.comm._check_peer(dest, tag, "send")  # else there is no one to tell, or no channel
+        problem = problem or self._node_problem(ctx, node, "send", write=False)
+        self.comm._handshake("send", node, dest, tag, deadline, problem)  # raises the problem after it
         dt, _ = _nccl_types(node, None)
         self._enqueue(ctx, "send", node, (node,), (), deadline,
                       lambda p: self.lib.ncclSend(p[0], node.size, dt, dest, self.handle, p[-1]))
 
     def recv(self, ctx: Context, node: Node, source: int, tag: int = 0, *, timeout: float | None = None) -> None:
-        deadline = self._start(timeout)
-        _check_node(ctx, node, "nccl recv")
-        self.comm._check_peer(source, tag, "recv")
-        self.comm._handshake("recv", node, source, tag, deadline)
+        deadline, problem = self._start(timeout)
+        self.comm._check_peer(source, tag, "recv")  # else there is no one to tell, or no channel
+        problem = problem or self._node_problem(ctx, node, "recv", write=True)
+        self.comm._handshake("recv", node, source, tag, deadline, problem)  # raises the problem after it
         dt, _ = _nccl_types(node, None)
         self._enqueue(ctx, "recv", node, (), (node,), deadline,
                       lambda p: self.lib.ncclRecv(p[0], node.size, dt, source, self.handle, p[-1]))
 
     # -- machinery ------------------------------------------------------------------------
 
-    def _start(self, timeout: float | None) -> float:
+    def _start(self, timeout: float | None) -> tuple[float, Exception | None]:
         self.check()
-        seconds = self.timeout if timeout is None else float(timeout)
-        self.comm._start(seconds)  # a broken MPI side refuses too
-        return time.monotonic() + seconds if math.isfinite(seconds) else math.inf
+        return self.comm._start(self.timeout if timeout is None else timeout)  # a broken MPI side refuses too
 
-    def _join(self, kind: str, ctx: Context, node: Node, *, op: str | None = None, root: int = -1,
-              problem: Exception | None = None, timeout: float | None) -> float:
-        deadline = self._start(timeout)
-        _check_node(ctx, node, f"nccl {kind}")
-        if ctx.device is not self.device:
-            raise InvalidArgumentError(f"nccl {kind}: {ctx.device.device_id} is not this NcclComm's "
-                                       f"device {self.device.device_id}")
+    def _node_problem(self, ctx: Any, node: Any, kind: str, *, write: bool) -> Exception | None:
+        problem = _node_problem(ctx, node, f"nccl {kind}", write=write)
+        if problem is None and ctx.device is not self.device:
+            problem = InvalidArgumentError(f"nccl {kind}: {ctx.device.device_id} is not this NcclComm's "
+                                           f"device {self.device.device_id}")
+        return problem
+
+    def _join(self, kind: str, ctx: Context, node: Node, *, out_node: Node | None = None, op: str | None = None,
+              root: int = -1, timeout: float | None) -> float:
+        """The MPI join of a collective; a rank whose own arguments are wrong refuses it
+        there (Comm._refuse_on), so no rank is left waiting."""
+        deadline, problem = self._start(timeout)
+        writes = kind == "all_reduce" or (kind == "broadcast" and root != self.comm.rank)
+        problem = problem or self._node_problem(ctx, node, kind, write=writes)
+        if out_node is not None:
+            gather = kind == "all_gather"
+            problem = problem or self._node_problem(ctx, out_node, f"{kind} (out_node)", write=True) or \
+                (_out_problem(node, out_node, self.comm.size, kind, gather=True) if gather
+                 else _out_problem(out_node, node, self.comm.size, kind, gather=False))
         if op is not None:
             problem = problem or _op_problem(op, node)
         if kind == "broadcast":
             problem = problem or self.comm._rank_problem(root, "broadcast root")
-        hdr = self.comm._header(kind, op=op if problem is None else None, node=node, root=root, problem=problem)
-        self.comm._join(hdr, kind, node, deadline, problem)
+        self.comm._refuse_on(problem, kind, node, deadline)
+        self.comm._join(self.comm._header(kind, op=op, node=node, root=root), kind, node, deadline)
         return deadline
 
     def _enqueue(self, ctx: Context, kind: str, node: Node, reads: tuple[Node, ...], writes: tuple[Node, ...],

@@ -30,6 +30,9 @@ from polyjit.core.errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
     DTypeMismatchError,
+    FinalizedError,
+    InvalidArgumentError,
+    NodeNotInContextError,
     ShapeMismatchError,
 )
 from polyjit.core.ir import Node, Op
@@ -292,11 +295,46 @@ def mismatch() -> None:
             _expect(CollectiveMismatchError, lambda: comm.send(pctx, pn, 1), "(3,)", "(4,)")
         else:
             _expect(CollectiveMismatchError, lambda: comm.recv(pctx, pn, 0), "(3,)", "(4,)")
+    # Found by review: these of one rank's own errors were raised before the join, leaving the
+    # others waiting until their timeout (then broken), or pairing their call with its next one
+    good = Node("mm_good", (4,), "float32")
+    gctx = base.init_from_host(good, np.ones(4, np.float32))
+    stranger = Node("mm_stranger", (4,), "float32")  # in no context
+    reduce_good = lambda: comm.all_reduce(gctx, good)  # noqa: E731  what the other ranks call
+    own_errors: list[tuple[type[Exception], Callable[[], Any], Callable[[], Any], str]] = [
+        (NodeNotInContextError, lambda: comm.all_reduce(gctx, stranger), reduce_good, "mm_stranger"),
+        (InvalidArgumentError, lambda: comm.all_reduce(gctx, good, timeout=-1), reduce_good, "timeout"),
+        (InvalidArgumentError, lambda: comm.broadcast(gctx, "mm_good"),  # type: ignore[arg-type]
+         lambda: comm.broadcast(gctx, good), "needs a Node"),
+        (DTypeMismatchError, lambda: comm.all_reduce_array(np.zeros(3, np.complex64)),
+         lambda: comm.all_reduce_array(np.zeros(3, np.float32)), "complex"),
+        (InvalidArgumentError, lambda: comm.check_same("setup", ["a"]), lambda: comm.check_same("setup", [1]),
+         "integers"),
+        (InvalidArgumentError, lambda: comm.barrier(timeout="soon"), comm.barrier, "timeout"),  # type: ignore[arg-type]
+    ]
+    for error, own, others, says in own_errors:
+        t0 = time.monotonic()
+        if me == last:
+            _expect(error, own, says)
+        else:
+            _expect(CollectiveMismatchError, others, f"rank {last} refused")
+        assert time.monotonic() - t0 < TIMEOUT / 2, f"{says}: the ranks waited for each other"
+    np.testing.assert_array_equal(gctx.read(good), np.ones(4, np.float32))  # untouched
+    if ranks > 1 and me in (0, 1):  # a pair where one side's node is wrong: both raise at once
+        pn = Node("mm_pair", (3,), "float32")
+        pctx = base.init_from_host(pn, np.zeros(3, np.float32))
+        if me == 0:
+            _expect(NodeNotInContextError, lambda: comm.send(pctx, stranger, 1), "mm_stranger")
+        else:
+            _expect(CollectiveMismatchError, lambda: comm.recv(pctx, pn, 0), "rank 0 refused")
     # still usable: nothing moved, nothing broke
     node = Node("mm_after", (4,), "float32")
     ctx = base.init_from_host(node, np.ones(4, np.float32))
     comm.all_reduce(ctx, node)
     np.testing.assert_array_equal(ctx.read(node), np.full(4, ranks, np.float32))
+    freed = Comm(timeout=TIMEOUT)  # a freed Comm (every rank frees it): a typed error, not mpi4py's
+    freed.free()
+    _expect(FinalizedError, freed.barrier, "freed")
     report(f"MISMATCH rank {me}: {text}")
     say("mismatch")
 
