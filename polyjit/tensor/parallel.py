@@ -335,7 +335,7 @@ class DataParallel:
 
     def _replica(self, k: int) -> _Replica:
         n = len(self.replicas)
-        if not isinstance(k, (int, np.integer)) or not -n <= k < n:
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not -n <= k < n:
             raise UnknownDeviceError(f"replica {k!r}: this data_parallel has {n} replicas (0..{n - 1})")
         return self.replicas[k]
 

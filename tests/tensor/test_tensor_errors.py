@@ -152,8 +152,9 @@ def test_data_parallel_labels_out_of_range_are_refused_on_every_replica(two_devi
     loss = dp.step(x=xs, y=ys)
     assert np.isfinite(loss) and loss > 0.1
     assert dp.replica_spread() == 0.0
-    with pytest.raises(UnknownDeviceError, match=f"{n} replicas"):
-        dp.state_dict(n)
+    for bad in (n, True, "0"):  # True was replica 1
+        with pytest.raises(UnknownDeviceError, match=f"{n} replicas"):
+            dp.state_dict(bad)  # type: ignore[arg-type]
     dp.close()
 
 
