@@ -77,6 +77,7 @@ class StateContext:
         is checked before anything is written: the shape must be the tensor's, the values must
         convert to its dtype the way inputs do, and with ``strict`` the names must be exactly
         the program's; without it, unknown and missing names are skipped."""
+        self.context.check_alive()  # a closed plan says so, before what the dict lacks
         self.context.stream.synchronize()
         for t, arr in stage_state(persistent, values, strict, owner):
             self.context.from_host(t.node, arr)

@@ -15,6 +15,7 @@ from polyjit.backends.cpu import create_backend
 from polyjit.core import errors
 from polyjit.core.errors import (
     DTypeMismatchError,
+    FinalizedError,
     IndexOutOfRangeError,
     InvalidArgumentError,
     InvalidProgramError,
@@ -335,6 +336,22 @@ def test_plan_arguments_of_the_wrong_kind_are_typed_errors_and_the_plan_still_ru
             pt.compile(loss=pt.sum(y), optimizer=pt.SGD(0.1), params=params)  # type: ignore[arg-type]
     np.testing.assert_array_equal(plan.run(x=xs)["y"], np.full((2, 3), 3, np.float32))
     plan.close()
+
+
+@pytest.mark.parametrize("mode", ["compiled", "dynamic"])
+def test_a_closed_plan_says_so_for_every_call(mode: str) -> None:
+    """load_state_dict({}) of a closed plan reported the names the dict lacked."""
+    x = pt.input("x", (4,))
+    w = pt.param("w", (4,), init="ones")
+    plan = pt.compile(loss=pt.sum(x * w), optimizer=pt.SGD(0.1), mode=mode)
+    xs = np.ones(4, np.float32)
+    plan.step(x=xs)
+    plan.close()
+    for call in (lambda: plan.step(x=xs), lambda: plan.run(x=xs), plan.state_dict, lambda: plan.load_state_dict({}),
+                 plan.reset, lambda: plan.read(w)):
+        with pytest.raises(FinalizedError):
+            call()
+    plan.close()  # twice is fine
 
 
 def test_graph_building_misuse_raises_typed_errors_naming_the_culprit() -> None:
