@@ -336,7 +336,7 @@ class Comm:
             return
         shown = node if isinstance(node, Node) else None
         self._join(self._header(kind, node=shown, refused=True), kind, shown, deadline, problem)
-        raise problem  # the join raises it; this is for a Comm of one rank that skips nothing
+        raise problem  # not reached: the join raises it (with the flag set, on one rank too)
 
     def _header(self, kind: str, *, op: str | None = None, node: Node | None = None, root: int = -1,
                 shape: Sequence[int] | None = None, dtype: Any = None, refused: bool = False) -> Array:
