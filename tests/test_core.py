@@ -70,6 +70,45 @@ def test_explicit_virtual_that_cannot_inline_is_an_error() -> None:
         lower.lower([comp], ["f"])
 
 
+@pytest.mark.parametrize("backend", ["cpu", "opencl"])
+def test_a_context_holding_a_node_the_batch_keeps_apart_is_refused_at_link(backend: str) -> None:
+    """Lowering cannot know what a context holds. A node it inlines (VIRTUAL) is never
+    stored, and one written at some cells, then read (LOCAL scratch), starts at zero: a
+    context holding either would keep a stale value or lose its other cells, where the
+    reference keeps them (found by review: the partial write zeroed the held rows, and the
+    result computed from them). Refused at link; marked MATERIALIZED, each runs as the
+    reference does."""
+    from polyjit.core.reference import run_reference
+
+    be = get_backend(backend)
+    if be.num_devices() == 0:
+        pytest.skip(f"no {backend} device")
+    i, r = ir.Symbol("i"), 4
+    x, y = ir.Node("x", (r,)), ir.Node("y", (r, r))
+    for mode in (None, MemoryMode.MATERIALIZED):
+        q, v = ir.Node("q", (r, r), mode=mode), ir.Node("v", (r, r), mode=mode)
+        partial = ir.Comp.of(ir.Accum(q, None, ir.Op.ID, (x,), ir.projections([(i, r)], [0, i], [i])),
+                             ir.apply(ir.Op.MUL, q, 2.0, into=y))  # q[0, :] = x; y = 2 q
+        inlined = ir.Comp.of(ir.apply(ir.Op.EXP, q, into=v), ir.apply(ir.Op.MUL, v, 2.0, into=y))
+        for comp, held, says in ((partial, q, "starts at zero"), (inlined, v, "never storing it")):
+            host = {x: np.arange(r, dtype=np.float32), q: np.full((r, r), 0.5, np.float32),
+                    held: np.full((r, r), 5, np.float32)}
+            ctx = be.get_device(0).make_context()
+            for node, values in host.items():
+                ctx = ctx.init_from_host(node, values)
+            code = be.compile(comp, name="held")
+            if mode is None:
+                with pytest.raises(InvalidProgramError, match=f"{held.name}#.*{says}.*holds {held.name}#"):
+                    ctx.link(code)
+                continue
+            routine = ctx.link(code)
+            routine.run()
+            want = run_reference([comp], host)
+            for node in (held, y):
+                np.testing.assert_allclose(routine.context.read(node), want[node], rtol=1e-6, err_msg=node.label)
+            routine.context.finalize()
+
+
 def test_elementwise_2d_loops_merge_into_one() -> None:
     a, out = ir.Node("a", (64, 32)), ir.Node("out", (64, 32))
     batch = lower.lower([ir.Comp.of(ir.apply(ir.Op.EXP, a, into=out))], ["f"])

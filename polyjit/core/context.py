@@ -216,6 +216,13 @@ class Context:
             for node in comp.inputs:
                 if node not in self.buffers and node not in written:
                     raise NodeNotInContextError(_missing(node, self, f"computation {comp.name} reads it"))
+            for node in comp.zeroed:
+                if node in self.buffers:
+                    raise InvalidProgramError(
+                        f"computation {comp.name} keeps {node.label} as scratch that starts at zero (written "
+                        f"at some cells, then read), but this context on {self.device.device_id} holds "
+                        f"{node.label}, whose other cells would be lost; mark it ON_DEVICE or MATERIALIZED "
+                        f"to keep its value")
             for node in (*comp.outputs, *comp.scratch):
                 if node in self.read_only:
                     raise ReadOnlyNodeError(

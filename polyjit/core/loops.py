@@ -306,6 +306,9 @@ class LoweredComp:
     # written, maybe not at every cell: a link zeroes them when it creates them (their cells
     # start at zero, as the reference's; reused memory shows nothing old)
     partial: tuple[Node, ...] = ()
+    # scratch the batch zero-fills before its first write, which writes only some cells: a
+    # context that holds one would lose its other cells (Context._check_link refuses it)
+    zeroed: tuple[Node, ...] = ()
 
     @property
     def statics(self) -> tuple[ir.StaticSymbol, ...]:

@@ -706,6 +706,7 @@ def lower(comps: Sequence[ir.Comp], names: Sequence[str], horizontal: bool = Tru
         constants: list[tuple[Node, np.ndarray]] = []
         merges: set[Node] = set()
         partials: list[Node] = []  # scratch the lowering adds (split reductions)
+        zeroed: list[Node] = []  # scratch zero-filled before its first write, which is partial
         for k, leaf in enumerate(comp.leaves()):
             target = ir.writes(leaf)
             for x in ir.reads(leaf):
@@ -733,6 +734,7 @@ def lower(comps: Sequence[ir.Comp], names: Sequence[str], horizontal: bool = Tru
                 # one read before its first write holds the context's values (an input)
                 kernels.append(lowerer.fill_kernel(f"{kname}_zero", target, Const(0, target.dtype),
                                                    f"{target.label} = 0"))
+                zeroed.append(target)
             raw = lowerer.lower_fetch(kname, leaf) if isinstance(leaf, ir.Fetch) else lowerer.lower_accum(kname, leaf)
             for kern in raw:
                 pieces, partial = split_long_reduction(simplify(kern))
@@ -760,7 +762,7 @@ def lower(comps: Sequence[ir.Comp], names: Sequence[str], horizontal: bool = Tru
         partly_written = tuple(dict.fromkeys(ir.writes(leaf) for leaf in comp.leaves() if _writes_in_part(leaf)))
         out.append(
             LoweredComp(name, tuple(kernels), tuple(inputs), outputs, scratch, tuple(constants),
-                        next(iter(merges), None), partly_written)
+                        next(iter(merges), None), partly_written, tuple(zeroed))
         )
     if epilogues is not None:
         out = _private_sums(out, {n for n, m in inference.modes.items() if m is MemoryMode.LOCAL}, epilogues)
