@@ -258,3 +258,26 @@ def test_strided_views_match_the_general_path(data: Any) -> None:
         reference.USE_VIEWS = True
     for node in prog.outputs:
         np.testing.assert_array_equal(fast[node], slow[node], err_msg=prog.description)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "opencl"])
+def test_integer_literals_beyond_their_type_wrap_as_c_converts_them(backend: str) -> None:
+    """Found by review: the reference raised OverflowError for 2**63 into int64 (the kernels
+    wrapped it); a literal the type cannot hold is now wrapped once, for the source and the
+    reference alike, so no C literal is out of its type's range either."""
+    from polyjit.backends import get_backend
+
+    be = get_backend(backend)
+    if be.num_devices() == 0:
+        pytest.skip(f"no {backend} device")
+    cases = [("int64", 2**63, -(2**63)), ("int64", 2**70 + 5, 5), ("int32", 2**40 + 7, 7),
+             ("uint8", 300, 44), ("uint8", -1, 255)]
+    nodes = [ir.Node(f"w{k}", (3,), dt) for k, (dt, _, _) in enumerate(cases)]
+    comp = ir.Comp.of(*(ir.fill(n, value) for n, (_, value, _) in zip(nodes, cases)))
+    want = run_reference([comp], {})
+    r = be.get_device(0).make_context().link(be.compile(comp, name="wraps"))
+    r.run()
+    for n, (dt, value, wrapped) in zip(nodes, cases):
+        assert want[n].tolist() == [wrapped] * 3, (dt, value)
+        assert r.context.read(n).tolist() == [wrapped] * 3, (dt, value)
+    r.context.finalize()

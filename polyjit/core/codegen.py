@@ -447,7 +447,7 @@ class Emitter:
             return self.d.float_literal(float(value), dt)
         if dt.is_bool:
             return "1" if value else "0"
-        v = int(value)
+        v = dtypes.wrap_int(int(value), dt)  # as C converts it: no literal out of the type's range
         if dt is dtypes.int64:
             suffix = self.d.int64_suffix
             if v == -(1 << 63):  # the literal 9223372036854775808 does not fit a signed type

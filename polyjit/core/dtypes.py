@@ -158,6 +158,14 @@ def to_half(x: Any, dt: DType) -> Array:
         return f32.astype(dt.np)
 
 
+def wrap_int(value: int, dt: DType) -> int:
+    """An integer as C's conversion to the integer type ``dt`` gives it: modulo 2**bits, in
+    the type's range (2**63 into int64 is -2**63, 300 into uint8 is 44)."""
+    bits = 8 * dt.itemsize
+    v = int(value) % (1 << bits)
+    return v - (1 << bits) if np.iinfo(dt.np).min < 0 and v >= 1 << (bits - 1) else v
+
+
 def round_scalar(value: float, dt: DType) -> float:
     """A Python number rounded to ``dt`` (a literal of a half type, as kernels see it)."""
     return float(to_half(np.float64(value), dt).astype(np.float32)) if dt.is_half else float(value)

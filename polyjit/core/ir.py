@@ -66,6 +66,17 @@ def as_shape(value: int | Iterable[int]) -> tuple[int, ...]:
     return shape
 
 
+def _as_mode(value: object) -> MemoryMode | None:
+    """A memory mode: None, a MemoryMode, or its value ("local", "on_device", ...)."""
+    if value is None or isinstance(value, MemoryMode):
+        return value
+    try:
+        return MemoryMode(value)
+    except ValueError:
+        names = ", ".join(repr(m.value) for m in MemoryMode)
+        raise InvalidArgumentError(f"a memory mode is a MemoryMode or one of {names}, got {value!r}") from None
+
+
 @attrs.frozen(eq=False, repr=False)
 class Node:
     """A tensor node. Identity (``id``) is what distinguishes nodes; names need not be unique."""
@@ -73,8 +84,13 @@ class Node:
     name: str = attrs.field(validator=lambda _, __, v: _check_name(v))
     shape: tuple[int, ...] = attrs.field(converter=as_shape)
     dtype: DType = attrs.field(converter=as_dtype, default=dtypes.float32)
-    mode: MemoryMode | None = None
+    mode: MemoryMode | None = attrs.field(default=None, converter=lambda v: _as_mode(v))
     id: int = attrs.field(factory=lambda: next(_node_ids))
+
+    def __attrs_post_init__(self) -> None:
+        if self.nbytes >= 1 << 62:  # offsets and sizes are int64 everywhere below
+            raise ShapeMismatchError(f"{self.name}: shape {self.shape} of {self.dtype} is "
+                                     f"{self.nbytes} bytes, beyond what a buffer can hold")
 
     @property
     def size(self) -> int:
@@ -147,6 +163,14 @@ class Projections:
     lhs: tuple[Affine, ...]
     rhs: tuple[tuple[Affine, ...], ...]
 
+    def __attrs_post_init__(self) -> None:
+        for entry in self.product_space:
+            ok = isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], Symbol) \
+                and isinstance(entry[1], (int, np.integer)) and not isinstance(entry[1], bool) and entry[1] >= 0
+            if not ok:
+                raise InvalidProgramError(f"a product space holds (Symbol, extent) pairs with extents "
+                                          f"ints >= 0, got {entry!r}")
+
     @property
     def symbols(self) -> tuple[Symbol, ...]:
         return tuple(s for s, _ in self.product_space)
@@ -161,8 +185,13 @@ class Projections:
 def projections(
     space: Sequence[tuple[Symbol, int]], lhs: Sequence[Index], *rhs: Sequence[Index]
 ) -> Projections:
+    pairs = []
+    for entry in space:
+        if not (isinstance(entry, (tuple, list)) and len(entry) == 2):
+            raise InvalidProgramError(f"a product space holds (Symbol, extent) pairs, got {entry!r}")
+        pairs.append((entry[0], entry[1]))
     return Projections(
-        tuple((s, int(n)) for s, n in space),
+        tuple(pairs),
         tuple(as_affine(i) for i in lhs),
         tuple(tuple(as_affine(i) for i in r) for r in rhs),
     )
@@ -310,6 +339,15 @@ class Comp:
     assignments: tuple[Assignment, ...]
     embedded: frozenset[Node]
 
+    def __attrs_post_init__(self) -> None:
+        for a in self.assignments:
+            if not isinstance(a, (Accum, Fetch, Seq, Block)):
+                raise InvalidArgumentError(f"a computation holds assignments (ir.apply, ir.einsum, "
+                                           f"ir.fill, ...), got {type(a).__name__} {a!r}")
+        for n in self.embedded:
+            if not isinstance(n, Node):
+                raise InvalidArgumentError(f"embedded holds Nodes, got {type(n).__name__} {n!r}")
+
     @staticmethod
     def of(*assignments: Assignment, embedded: Iterable[Node] | None = None) -> Comp:
         flat = [leaf for a in assignments for leaf in flatten(a)]
@@ -401,6 +439,11 @@ def check_literal(value: object, dtype: DType, what: str) -> None:
     (:func:`polyjit.core.reference.scalar_value`: floats truncate, integers wrap)."""
     if not isinstance(value, (bool, int, float, np.bool_, np.integer, np.floating)):
         raise DTypeMismatchError(f"{what}: a scalar operand is a real number, got {type(value).__name__} {value!r}")
+    if dtype.is_float and isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        try:
+            float(value)
+        except OverflowError:
+            raise ValueRangeError(f"{what}: the integer {value} is beyond every float (numpy refuses it too)") from None
     if dtype.is_float or dtype.is_bool or isinstance(value, (bool, int, np.bool_, np.integer)):
         return
     info = np.iinfo(dtype.np)
@@ -409,6 +452,20 @@ def check_literal(value: object, dtype: DType, what: str) -> None:
 
 
 def _check_accum(a: Accum) -> None:
+    if not isinstance(a.lhs, Node):
+        raise InvalidArgumentError(f"an assignment writes a Node, got {type(a.lhs).__name__} {a.lhs!r}")
+    if not isinstance(a.op, Op):
+        raise InvalidArgumentError(f"{a.lhs.label}: op is an ir.Op (Op.ADD, ...), got {a.op!r}")
+    if a.accum is not None and not isinstance(a.accum, AccumOp):
+        raise InvalidArgumentError(f"{a.lhs.label}: accum is an ir.AccumOp (AccumOp.ADD, ...) or None, got {a.accum!r}")
+    if not isinstance(a.init_neutral, (bool, np.bool_)):
+        raise InvalidArgumentError(f"{a.lhs.label}: init_neutral is a bool, got {a.init_neutral!r}")
+    if not isinstance(a.projections, Projections):
+        raise InvalidArgumentError(f"{a.lhs.label}: projections are ir.Projections, got {type(a.projections).__name__}")
+    for x in a.rhs:
+        if not _is_tensor_operand(x) and not isinstance(x, (bool, int, float, np.bool_, np.integer, np.floating)):
+            raise DTypeMismatchError(f"{a.op.value} into {a.lhs.label}: an operand is a Node, ir.merge(node) "
+                                     f"or a real number, got {type(x).__name__} {x!r}")
     pr = a.projections
     space = dict(pr.product_space)
     if len(space) != len(pr.product_space):
@@ -438,6 +495,15 @@ def _check_accum(a: Accum) -> None:
 
 def _check_fetch(f: Fetch) -> None:
     v = f.value
+    if not isinstance(f.node, Node):
+        raise InvalidArgumentError(f"a fetch writes a Node, got {type(f.node).__name__} {f.node!r}")
+    reads = {Slice: ("source",), Reshape: ("source",), Gather: ("table", "indices"),
+             ScatterAdd: ("indices", "values")}.get(type(v), ())
+    for name in reads:
+        part = getattr(v, name)
+        if not isinstance(part, Node):
+            raise InvalidArgumentError(f"{type(v).__name__.lower()} into {f.node.label}: {name} is a Node, "
+                                       f"got {type(part).__name__} {part!r}")
     if isinstance(v, Fill):
         check_literal(v.value, f.node.dtype, f"fill of {f.node.label}")
     elif isinstance(v, Constant):
@@ -470,8 +536,9 @@ def _check_fetch(f: Fetch) -> None:
             raise DTypeMismatchError(
                 f"slice of {v.source.label} ({v.source.dtype}) into {f.node.label} ({f.node.dtype})"
             )
-        _check_index_bounds(v.source, (v.index,) + tuple(fixed(0) for _ in f.node.shape), {},
-                            f"slice of {v.source.label}")
+        if f.node.size:  # a slice of empty rows reads nothing
+            _check_index_bounds(v.source, (v.index,) + tuple(fixed(0) for _ in f.node.shape), {},
+                                f"slice of {v.source.label}")
 
 
 def _check_row_pick(node: Node, v: Gather | ScatterAdd) -> None:
@@ -527,6 +594,7 @@ def apply(
     init_neutral: bool = True,
 ) -> Accum:
     """An elementwise Accum with numpy broadcasting of the tensor operands to ``into.shape``."""
+    _check_target(into, op, "apply")
     shapes = [operand_node(x).shape for x in operands if _is_tensor_operand(x)]
     out_shape = broadcast_shapes(into.shape, *shapes)
     if out_shape != into.shape:
@@ -563,6 +631,10 @@ def einsum(
     """
     if not isinstance(spec, str):
         raise InvalidProgramError(f"an einsum spec is a str such as 'ik,kj->ij', got {spec!r}")
+    _check_target(into, None, "einsum")
+    for x in operands:
+        if not _is_tensor_operand(x):
+            raise InvalidArgumentError(f"einsum {spec!r} into {into.label}: operands are Nodes, got {x!r}")
     m = _EINSUM_SPEC.match(spec)
     if not m:
         raise InvalidProgramError(f"bad einsum spec {spec!r}")
@@ -600,6 +672,13 @@ def einsum(
     return Accum(into, accum, op, tuple(operands), pr, init_neutral)
 
 
+def _check_target(into: object, op: object, what: str) -> None:
+    if not isinstance(into, Node):
+        raise InvalidArgumentError(f"{what}: into= is a Node, got {type(into).__name__} {into!r}")
+    if op is not None and not isinstance(op, Op):
+        raise InvalidArgumentError(f"{what} into {into.label}: op is an ir.Op (Op.ADD, ...), got {op!r}")
+
+
 def fill(node: Node, value: Scalar) -> Fetch:
     return Fetch(node, Fill(value))
 
@@ -609,8 +688,12 @@ def arange(node: Node) -> Fetch:
 
 
 def constant(node: Node, values: Any) -> Fetch:
+    _check_target(node, None, "constant")
     dt = node.dtype
-    arr = dtypes.to_half(values, dt) if dt.is_half else np.asarray(values, dtype=dt.np)  # half: rounded once
+    try:
+        arr = dtypes.to_half(values, dt) if dt.is_half else np.asarray(values, dtype=dt.np)  # half: rounded once
+    except (TypeError, ValueError, OverflowError) as e:
+        raise DTypeMismatchError(f"constant of {node.label}: the values do not convert to {dt}: {e}") from None
     # Read-only and never the caller's memory (0-d stays 0-d): the constant is the values of
     # now, whatever the caller does to its array later (its bytes are copied to devices when
     # linked, and on some backends read when the stream runs). A cast already made a new array.

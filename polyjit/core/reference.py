@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from polyjit.core import ir, lower
-from polyjit.core.dtypes import DType, to_half
+from polyjit.core.dtypes import DType, to_half, wrap_int
 from polyjit.core.errors import BindingError, InvalidProgramError, NodeNotInContextError
 from polyjit.core.ir import AccumOp, Affine, Node, Op, StaticSymbol, Symbol
 
@@ -53,7 +53,7 @@ def scalar_value(value: int | float | bool, dt: DType) -> Array:
         return np.array(float(value), dtype=dt.np)
     if isinstance(value, float):
         value = int(value)  # C truncates a float literal toward zero
-    return np.array(int(value), dtype=np.int64).astype(dt.np)  # integers wrap modulo 2**bits
+    return np.array(wrap_int(int(value), dt), dtype=dt.np)  # integers wrap modulo 2**bits
 
 
 def _max_keeping_nan(a: Array, b: Array) -> Array:

@@ -122,6 +122,25 @@ def misuse_table(backend: Backend) -> list[tuple[str, type[PolyjitError], Callab
          lambda: backend.compile(comp, bindings={"b": 1})),  # type: ignore[dict-item]
         ("an einsum spec that is not a str", InvalidProgramError,
          lambda: ir.einsum(5, a, into=Node("s", ()))),  # type: ignore[arg-type]
+        # the IR's constructors check their parts (each was an AttributeError, a TypeError, a
+        # ValueError or an OverflowError from inside polyjit, some only at compile)
+        ("an assignment into a string", InvalidArgumentError, lambda: ir.apply(Op.ADD, a, 1.0, into="y")),  # type: ignore[arg-type]
+        ("an op given as a string", InvalidArgumentError, lambda: ir.apply("add", a, 1.0, into=out)),  # type: ignore[arg-type]
+        ("an accumulation given as a string", InvalidArgumentError,
+         lambda: ir.apply(Op.ADD, a, 1.0, into=out, accum="add")),  # type: ignore[arg-type]
+        ("init_neutral that is not a bool", InvalidArgumentError,
+         lambda: ir.apply(Op.ADD, a, 1.0, into=out, accum=ir.AccumOp.ADD, init_neutral="no")),  # type: ignore[arg-type]
+        ("a memory mode that does not exist", InvalidArgumentError, lambda: Node("m", (4,), mode="scratch")),
+        ("a node of 2**62 x 8 elements", ShapeMismatchError, lambda: Node("huge", (1 << 62, 8))),
+        ("an integer literal beyond every float", ValueRangeError, lambda: ir.apply(Op.ADD, a, 10**400, into=out)),
+        ("a constant of strings", DTypeMismatchError, lambda: ir.constant(out, ["a"] * 16)),
+        ("a reshape of an array", InvalidArgumentError, lambda: ir.reshape(out, np.ones(16))),  # type: ignore[arg-type]
+        ("a product space of bare symbols", InvalidProgramError,
+         lambda: ir.projections([ir.Symbol("i")], [ir.Symbol("i")])),  # type: ignore[list-item]
+        ("an extent given as a string", InvalidProgramError,
+         lambda: ir.projections([(ir.Symbol("i"), "16")], [ir.Symbol("i")])),  # type: ignore[list-item]
+        ("a computation embedding a string", InvalidArgumentError,
+         lambda: ir.Comp.of(ir.apply(Op.EXP, a, into=out), embedded=["mis_out"])),  # type: ignore[list-item]
     ]
 
 
