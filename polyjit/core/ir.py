@@ -462,10 +462,6 @@ def _check_accum(a: Accum) -> None:
         raise InvalidArgumentError(f"{a.lhs.label}: init_neutral is a bool, got {a.init_neutral!r}")
     if not isinstance(a.projections, Projections):
         raise InvalidArgumentError(f"{a.lhs.label}: projections are ir.Projections, got {type(a.projections).__name__}")
-    for x in a.rhs:
-        if not _is_tensor_operand(x) and not isinstance(x, (bool, int, float, np.bool_, np.integer, np.floating)):
-            raise DTypeMismatchError(f"{a.op.value} into {a.lhs.label}: an operand is a Node, ir.merge(node) "
-                                     f"or a real number, got {type(x).__name__} {x!r}")
     pr = a.projections
     space = dict(pr.product_space)
     if len(space) != len(pr.product_space):
