@@ -185,7 +185,7 @@ class Feed:
 def check_names(given: Mapping[str, Any], expected: frozenset[str], what: str) -> None:
     if not isinstance(given, Mapping):
         raise InvalidArgumentError(f"{what}: a mapping of input names to arrays, not {type(given).__name__} "
-                           f"(inputs: {', '.join(sorted(expected))})")
+                                   f"(inputs: {', '.join(sorted(expected))})")
     if given.keys() != expected:
         missing = sorted(expected - given.keys())
         extra = sorted(given.keys() - expected)
