@@ -452,10 +452,7 @@ def check_literal(value: object, dtype: DType, what: str) -> None:
 
 
 def _check_accum(a: Accum) -> None:
-    if not isinstance(a.lhs, Node):
-        raise InvalidArgumentError(f"an assignment writes a Node, got {type(a.lhs).__name__} {a.lhs!r}")
-    if not isinstance(a.op, Op):
-        raise InvalidArgumentError(f"{a.lhs.label}: op is an ir.Op (Op.ADD, ...), got {a.op!r}")
+    _check_target(a.lhs, a.op, "an assignment")
     if a.accum is not None and not isinstance(a.accum, AccumOp):
         raise InvalidArgumentError(f"{a.lhs.label}: accum is an ir.AccumOp (AccumOp.ADD, ...) or None, got {a.accum!r}")
     if not isinstance(a.init_neutral, (bool, np.bool_)):
@@ -491,8 +488,7 @@ def _check_accum(a: Accum) -> None:
 
 def _check_fetch(f: Fetch) -> None:
     v = f.value
-    if not isinstance(f.node, Node):
-        raise InvalidArgumentError(f"a fetch writes a Node, got {type(f.node).__name__} {f.node!r}")
+    _check_target(f.node, None, "a fetch")
     reads = {Slice: ("source",), Reshape: ("source",), Gather: ("table", "indices"),
              ScatterAdd: ("indices", "values")}.get(type(v), ())
     for name in reads:

@@ -408,10 +408,9 @@ class Comm:
             self._fail_timeout(kind, node, (), (theirs, mine, sreq))
         if problem is not None:
             raise problem
-        label = node.label if isinstance(node, Node) else "?"
-        if theirs[header.FLAG]:
+        if theirs[header.FLAG]:  # without a problem of its own, this rank's node is a Node
             raise CollectiveMismatchError(
-                f"rank {self.rank}: {kind} of {label}: rank {peer} refused its side of the pair (its own "
+                f"rank {self.rank}: {kind} of {node.label}: rank {peer} refused its side of the pair (its own "
                 f"error says why), no data was moved: {header.describe(theirs)}")
         send, recv = (mine, theirs) if kind == "send" else (theirs, mine)
         differ = header.pair_disagreement(send, recv)

@@ -129,12 +129,10 @@ class Optimizer:
         return list(self._state.values()) + ([self._counter] if self._counter is not None else [])
 
     def updates(self, params: Sequence[Tensor], grads: Sequence[Tensor], grad_scale: float = 1.0) -> list[Write]:
+        params = checked_params(params)
         if len(params) != len(grads):
             raise InvalidProgramError(f"{len(params)} parameters but {len(grads)} gradients")
-        for p in params:
-            if not isinstance(p, Tensor) or p.kind is not Kind.PARAM:
-                raise InvalidProgramError(f"{p!r} is not a parameter")
-        writes = self._updates(list(params), [g if grad_scale == 1.0 else g * grad_scale for g in grads])
+        writes = self._updates(params, [g if grad_scale == 1.0 else g * grad_scale for g in grads])
         self._built = True
         return writes
 
