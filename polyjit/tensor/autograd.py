@@ -51,8 +51,8 @@ def grad(loss: Tensor, wrt: Sequence[Tensor], seed: Tensor | None = None) -> lis
     order = topo_order([loss])
     targets = set(wrt)
     needed: set[Tensor] = set()
-    for t in order:  # on a path from a target to the loss
-        if t in targets or (t.requires_grad and any(p in needed for p in t.parents)):
+    for t in order:  # on a path from a target to the loss; a target may be an input or constant
+        if t in targets or (t.backward_rule() is not None and any(p in needed for p in t.parents)):
             needed.add(t)
     grads: dict[Tensor, Tensor] = {loss: seed}
     for t in reversed(order):

@@ -53,6 +53,10 @@ CASES: list[tuple[str, Build, list[tuple[int, ...]], bool]] = [
     ("matvec", pt.matmul, [(3, 4), (4,)], False),
     ("vecmat", pt.matmul, [(4,), (4, 3)], False),
     ("einsum_dropped_axis", lambda a, b: pt.einsum("ij,jk->k", a, b), [(3, 4), (4, 2)], False),
+    ("einsum_diagonal", lambda a: pt.einsum("ii->i", a), [(3, 3)], False),
+    ("einsum_trace", lambda a: pt.einsum("ii->", a), [(3, 3)], False),
+    ("einsum_diagonal_times", lambda a, b: pt.einsum("iij,k->jk", a, b), [(3, 3, 2), (2,)], False),
+    ("einsum_diagonal_summed", lambda a, b: pt.einsum("jii,j->j", a, b), [(2, 3, 3), (2,)], False),
     ("reshape", lambda a: pt.reshape(a, (2, 6)) * 1.5, [(3, 4)], False),
     ("transpose", lambda a: a.T, [(3, 4)], False),
     ("transpose_3d", lambda a: pt.transpose(a, (1, 2, 0)), [(2, 3, 4)], False),
@@ -125,6 +129,25 @@ def test_grad_of_unused_parameter_is_zero_and_detach_stops_gradients() -> None:
     assert a.init is not None
     np.testing.assert_allclose(got["ga"], 2.0 * a.init)
     np.testing.assert_array_equal(got["gb"], np.zeros(3))
+
+
+def test_grad_with_respect_to_an_input_a_constant_and_an_intermediate() -> None:
+    """Found by review: with no parameter on the path, every gradient came out 0 (saliency
+    maps, adversarial inputs)."""
+    x = pt.input("x", (3,), "float64")
+    c = pt.constant(np.array([1.0, -2.0, 0.5]), "float64")
+    h = x * c
+    loss = pt.sum(h * h)
+    gx, gc, gh = pt.grad(loss, [x, c, h])
+    xv = np.array([1.0, 2.0, 3.0])
+    cv = np.array([1.0, -2.0, 0.5])
+    got, _ = evaluate({"gx": gx, "gc": gc, "gh": gh}, {"x": xv})
+    np.testing.assert_allclose(got["gx"], 2 * xv * cv * cv)
+    np.testing.assert_allclose(got["gc"], 2 * cv * xv * xv)
+    np.testing.assert_allclose(got["gh"], 2 * xv * cv)
+    plan = pt.compile({"gx": gx})
+    np.testing.assert_allclose(plan.run(x=xv)["gx"], 2 * xv * cv * cv)
+    plan.close()
 
 
 def _forward(out: pt.Tensor, **inputs: Array) -> Array:

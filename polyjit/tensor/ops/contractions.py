@@ -12,7 +12,7 @@ from polyjit.core.errors import (
     UnsupportedError,
 )
 from polyjit.core.ir import Affine, Symbol
-from polyjit.tensor.ops.indexing import gather, transpose
+from polyjit.tensor.ops.indexing import gather, scatter_add, transpose
 from polyjit.tensor.ops.shape import reshape
 from polyjit.tensor.tensor import Tensor
 
@@ -58,19 +58,26 @@ def _einsum_grad(
     g: Tensor, out: str, others: Sequence[tuple[str, Tensor]], letters: str, shape: tuple[int, ...]
 ) -> Tensor:
     """d/d(operand): einsum of the output gradient with the other operands, broadcast over the
-    letters only this operand has."""
+    letters only this operand has, then placed on the diagonal of a letter it repeats."""
     avail = set(out).union(*(set(s) for s, _ in others))
-    present = "".join(dict.fromkeys(ch for ch in letters if ch in avail))
+    uniq = "".join(dict.fromkeys(letters))
+    present = "".join(ch for ch in uniq if ch in avail)
     spec = ",".join([out, *(s for s, _ in others)]) + "->" + present
     r = einsum(spec, g, *(t for _, t in others), name="d_einsum")
-    if present == letters:
+    extent = dict(zip(letters, shape))
+    if present != uniq:
+        def spread(syms: Sequence[Symbol]) -> tuple[Affine, ...]:
+            return tuple(ir.as_affine(syms[uniq.index(ch)]) for ch in present)
+
+        r = gather(r, tuple(extent[ch] for ch in uniq), spread, name="d_einsum_bcast")
+    if uniq == letters:
         return r
-    pos = {ch: k for k, ch in enumerate(letters)}
 
-    def index(syms: Sequence[Symbol]) -> tuple[Affine, ...]:
-        return tuple(ir.as_affine(syms[pos[ch]]) for ch in present)
+    # "ii": only the diagonal was read, so only it gets a gradient (the rest stays 0)
+    def diagonal(syms: Sequence[Symbol]) -> tuple[Affine, ...]:
+        return tuple(ir.as_affine(syms[uniq.index(ch)]) for ch in letters)
 
-    return gather(r, shape, index, name="d_einsum_bcast")
+    return scatter_add(r, shape, diagonal, name="d_einsum_diag")
 
 
 _BATCH_LETTERS = "pqrstuvw"
