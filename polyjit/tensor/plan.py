@@ -139,13 +139,14 @@ class _Linked:
 
 
 class _Slot:
-    """Host arrays of one run of a pipelined sequence."""
+    """Host arrays of one run: its inputs' staging (a pipelined run's own) and its results."""
 
-    __slots__ = ("inputs", "results")
+    __slots__ = ("inputs", "result_arrays", "results")
 
     def __init__(self, feeds: Sequence[Feed], outputs: Sequence[tuple[str, Any, Array]]) -> None:
         self.inputs = [np.zeros_like(f.staging) for f in feeds]
         self.results = {name: np.empty_like(arr) for name, _, arr in outputs}
+        self.result_arrays = list(self.results.values())
 
 
 def trainable_params(loss: Tensor) -> list[Tensor]:
@@ -204,10 +205,10 @@ class Plan:
             self._state.add(f.node, f.staging)
         self._input_names = frozenset(f.name for f in self._feeds)
         self._outputs = [(name, t.node, np.empty(t.shape, t.dtype.np)) for name, t in program.outputs.items()]
-        self._results = {name: arr for name, _, arr in self._outputs}
-        self._result_arrays = [arr for _, _, arr in self._outputs]
         self._loss = next(((node, arr) for name, node, arr in self._outputs if name == "loss"), None)
-        self._slots: list[_Slot] = []
+        # The host arrays run() and run_pipelined() reuse, one set per calling thread: a plan
+        # shared by threads must not overwrite what another thread is still reading.
+        self._by_thread = threading.local()
         self._linked: _Linked | None = None
         self._lock = threading.RLock()
         self.runs = 0
@@ -279,11 +280,21 @@ class Plan:
         self.runs += 1
         return ready
 
+    def _mine(self) -> _Slot:
+        """The calling thread's result arrays (and pipelined slots), made on its first run."""
+        mine: _Slot | None = getattr(self._by_thread, "results", None)
+        if mine is None:
+            mine = self._by_thread.results = _Slot((), self._outputs)
+            self._by_thread.slots = []
+        return mine
+
     @serialized
     def run(self, **inputs: Any) -> dict[str, Array]:
-        """One run: returns every output, in arrays this plan reuses on its next run."""
-        self._run(self._prepare(inputs, None), self._result_arrays).synchronize()
-        return self._results
+        """One run: returns every output, in arrays this plan reuses on the calling thread's
+        next run."""
+        mine = self._mine()
+        self._run(self._prepare(inputs, None), mine.result_arrays).synchronize()
+        return mine.results
 
     @serialized
     def run_on_device(self, **inputs: Any) -> dict[str, Exported]:
@@ -320,17 +331,19 @@ class Plan:
     @serialized
     def run_pipelined(self, runs: Sequence[Mapping[str, Any]]) -> list[dict[str, Array]]:
         """Enqueue several runs back to back and synchronize once; one result dict per run
-        (host arrays reused by the next pipelined call of the same length)."""
+        (host arrays reused by the calling thread's next pipelined call)."""
         if isinstance(runs, (str, bytes, Mapping)) or not isinstance(runs, Sequence):
             raise InvalidArgumentError(f"run_pipelined takes a list of input mappings (one per run), "
                                        f"not {type(runs).__name__}")
-        while len(self._slots) < len(runs):
-            self._slots.append(_Slot(self._feeds, self._outputs))
-        prepared = [self._prepare(inputs, slot) for inputs, slot in zip(runs, self._slots)]
-        for arrays, slot in zip(prepared, self._slots):
-            self._run(arrays, list(slot.results.values()))
+        self._mine()
+        slots: list[_Slot] = self._by_thread.slots
+        while len(slots) < len(runs):
+            slots.append(_Slot(self._feeds, self._outputs))
+        prepared = [self._prepare(inputs, slot) for inputs, slot in zip(runs, slots)]
+        for arrays, slot in zip(prepared, slots):
+            self._run(arrays, slot.result_arrays)
         self.context.stream.synchronize()
-        return [slot.results for slot in self._slots[: len(runs)]]
+        return [slot.results for slot in slots[: len(runs)]]
 
     # -- state -----------------------------------------------------------------------
 

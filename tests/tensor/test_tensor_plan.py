@@ -440,6 +440,34 @@ def test_threads_sharing_a_plan_take_turns() -> None:
         p.close()
 
 
+def test_each_thread_gets_results_of_its_own() -> None:
+    """Found by review: run() handed every thread the plan's one set of result arrays, so
+    another thread's run overwrote a result before its thread could copy it. Each thread's
+    results (run and run_pipelined) now survive the other's runs; a thread's own next run
+    reuses them."""
+    import threading
+
+    x = pt.input("x", (64,))
+    plan = pt.compile({"y": x * 2.0})
+    got: dict[str, Any] = {}
+
+    def run(tag: str, value: float) -> None:
+        got[tag] = plan.run(x=np.full(64, value, np.float32))
+        got[tag + "_piped"] = plan.run_pipelined([{"x": np.full(64, value + 1, np.float32)}])
+
+    for tag, value in (("a", 1.0), ("b", 5.0)):
+        th = threading.Thread(target=run, args=(tag, value))
+        th.start()
+        th.join()
+    np.testing.assert_array_equal(got["a"]["y"], 2.0)
+    np.testing.assert_array_equal(got["a_piped"][0]["y"], 4.0)
+    np.testing.assert_array_equal(got["b"]["y"], 10.0)
+    mine = plan.run(x=np.zeros(64, np.float32))
+    assert plan.run(x=np.ones(64, np.float32)) is mine  # reused by this thread's next run
+    np.testing.assert_array_equal(got["a"]["y"], 2.0)
+    plan.close()
+
+
 @pytest.mark.parametrize("device", ["cpu", "opencl"])
 def test_outputs_that_are_inputs_or_constants_come_back_through_the_replay(device: str) -> None:
     """A compiled run is one replay that copies the inputs in and the outputs out: outputs
