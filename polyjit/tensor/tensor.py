@@ -22,7 +22,12 @@ import numpy as np
 
 from polyjit.core import dtypes, ir
 from polyjit.core.dtypes import DType, as_dtype
-from polyjit.core.errors import ShapeMismatchError, SymbolicTensorError, ValueRangeError
+from polyjit.core.errors import (
+    InvalidArgumentError,
+    ShapeMismatchError,
+    SymbolicTensorError,
+    ValueRangeError,
+)
 
 if TYPE_CHECKING:
     from polyjit.tensor.init import Init
@@ -43,6 +48,10 @@ class Kind(enum.Enum):
 
 
 _tensor_ids = itertools.count(1)
+
+
+def _pass_gradient(g: Tensor, needs: Sequence[bool]) -> list[Tensor | None]:
+    return [g]  # an alias: the gradient of its one parent
 
 # numpy ufuncs that numpy calls for ``numpy_scalar <op> tensor``: the tensor's own op handles them.
 _UFUNC_OPS = {
@@ -185,7 +194,15 @@ class Tensor:
         return (self[k] for k in range(len(self)))
 
     def named(self, name: str) -> Tensor:
-        """Give the tensor a name (the key of its output in a plan); returns the tensor."""
+        """Give the tensor a name (the key of its output in a plan); returns the tensor.
+
+        An input, parameter or state keeps its own name (the plan's input, the state dict's
+        key): naming one (or what a no-op such as ``w.reshape(w.shape)`` returns, the operand
+        itself) returns an alias of it under the new name."""
+        if not isinstance(name, str):
+            raise InvalidArgumentError(f"a tensor's name is a str, not {type(name).__name__}")
+        if self.kind is not Kind.OP:
+            return Tensor(self.node, (), (self,), _pass_gradient, name=name)
         self.name = name
         return self
 

@@ -15,6 +15,7 @@ from settle import settled_memory
 from polyjit import tensor as pt
 from polyjit.core.errors import (
     BindingError,
+    InvalidArgumentError,
     InvalidProgramError,
     NodeNotInContextError,
     ShapeMismatchError,
@@ -438,6 +439,28 @@ def test_threads_sharing_a_plan_take_turns() -> None:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
     for p in plans:
         p.close()
+
+
+def test_naming_an_input_or_a_parameter_names_an_alias() -> None:
+    """Found by review: a no-op (a cast to the same dtype, a reshape to the same shape)
+    returns its operand, and .named() on it renamed the input or parameter itself: the plan
+    then wanted the input under the new name, and the state dict's key changed."""
+    x = pt.input("x", (2, 2))
+    w = pt.param("layer.weight", (2, 2), init=np.arange(4, dtype=np.float32).reshape(2, 2))
+    y = x.astype("float32").named("y")
+    shown = w.reshape(2, 2).named("weight_view")
+    assert (x.name, w.name) == ("x", "layer.weight")
+    (gw,) = pt.grad(pt.sum(shown * 3.0), [w])
+    plan = pt.compile({"y": y, "shown": shown, "out": x @ w, "gw": gw})
+    assert plan.input_names == ["x"] and list(plan.state_dict()) == ["layer.weight"]
+    xv = np.ones((2, 2), np.float32)
+    got = plan.run(x=xv)
+    np.testing.assert_array_equal(got["y"], xv)
+    np.testing.assert_array_equal(got["shown"], w.init)
+    np.testing.assert_array_equal(got["gw"], np.full((2, 2), 3.0))
+    with pytest.raises(InvalidArgumentError, match="name"):
+        x.named(3)  # type: ignore[arg-type]
+    plan.close()
 
 
 def test_each_thread_gets_results_of_its_own() -> None:
