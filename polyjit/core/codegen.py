@@ -46,7 +46,6 @@ from polyjit.core.loops import (
     Seq,
     Stmt,
     Store,
-    walk_expr,
     walk_exprs,
     walk_stmts,
 )
@@ -259,7 +258,26 @@ class Dialect:
                                                 f"omp_out = {name}(omp_out, omp_in)) initializer(omp_priv = omp_orig)"]))
             name = f"pj_where_{dt.name}"
             out.append((name, [f"{q} {t} {name}(int c, {t} a, {t} b) {{ return c ? a : b; }}"]))
+            if not dt.is_float:
+                out.append(self._int_div(dt))
         return out
+
+    def _int_div(self, dt: DType) -> tuple[str, list[str]]:
+        """Integer division as the reference defines it: toward zero, 0 for a zero divisor,
+        and the minimum over -1 wraps to itself. C's ``/`` traps on both (SIGFPE on x86)."""
+        q, t, name = self.function_qualifier, self.type_name(dt), f"pj_div_{dt.name}"
+        if not dt.is_signed:
+            return name, [f"{q} {t} {name}({t} a, {t} b) {{ return b == 0 ? 0 : ({t})(a / b); }}"]
+        u = self.unsigned_name(dt)
+        return name, [f"{q} {t} {name}({t} a, {t} b) {{",
+                      f"  return b == 0 ? 0 : b == -1 ? ({t})(({u})0 - ({u})a) : a / b;",
+                      "}"]
+
+    def unsigned_name(self, dt: DType) -> str:
+        """The unsigned type of a signed integer type's width: signed arithmetic is spelled in
+        it, since a signed overflow is undefined in C (and compilers use that), while the
+        reference wraps, as numpy does."""
+        return "u" + self.type_name(dt)
 
     def vector_math(self, fn: str, dt: DType) -> VectorMath | None:
         """The helper that computes ``fn`` of ``dt`` on a vector of lanes, where the target has
@@ -365,16 +383,10 @@ class Names:
 
 _INFIX = {ir.Op.ADD: "+", ir.Op.SUB: "-", ir.Op.MUL: "*", ir.Op.DIV: "/",
           ir.Op.LT: "<", ir.Op.LE: "<=", ir.Op.GT: ">", ir.Op.GE: ">=", ir.Op.EQ: "==", ir.Op.NE: "!="}
+_WRAPPING = frozenset({ir.Op.ADD, ir.Op.SUB, ir.Op.MUL})
 _MATH = {ir.Op.EXP: "exp", ir.Op.LOG: "log", ir.Op.SQRT: "sqrt", ir.Op.TANH: "tanh", ir.Op.POW: "pow"}
 # Ops whose result on half values is a half value again: no rounding after them.
 _EXACT_ON_HALF = frozenset({ir.Op.ID, ir.Op.NEG, ir.Op.ABS, ir.Op.RELU, ir.Op.MAX, ir.Op.MIN, ir.Op.WHERE})
-
-
-def _traps(e: Expr) -> bool:
-    """``e`` divides integers (a zero divisor traps): a ``where`` that guards it must not
-    evaluate it on the side not chosen. (Integer division does not vectorize on x86, so the
-    GCC bug that ``pj_where`` avoids does not arise there.)"""
-    return any(isinstance(x, Call) and x.op is ir.Op.DIV and not x.dtype.is_float for x in walk_expr(e))
 
 
 def _used_declarations(decls: Sequence[str], lines: Sequence[str]) -> list[str]:
@@ -484,18 +496,27 @@ class Emitter:
         args = [self.expr(a) for a in e.args]
         t = self.d.type_name(dt)
         arg_dt = e.args[0].dtype.compute if e.args else dt
+        if op is ir.Op.DIV and not dt.is_float:
+            return f"pj_div_{dt.name}({args[0]}, {args[1]})"
+        wraps = dt.is_signed and not dt.is_float  # int32, int64: computed unsigned (see unsigned_name)
         if op in _INFIX:
+            if wraps and op in _WRAPPING:
+                u = self.d.unsigned_name(dt)
+                return f"(({t})(({u})({args[0]}) {_INFIX[op]} ({u})({args[1]})))"
             s = f"({args[0]} {_INFIX[op]} {args[1]})"
             # C computes narrow integers in int: wrap like numpy does.
             return f"(({t})({s}))" if dt in (dtypes.uint8,) else s
         if op is ir.Op.NEG:
+            if wraps:
+                return f"(({t})(-({self.d.unsigned_name(dt)})({args[0]})))"
             return f"(({t})(-({args[0]})))"  # a negative literal: -(-0.5f), not --0.5f
         if op is ir.Op.ABS:
             if dt.is_float:
                 return self.d.math_call("abs", dt, args)
             if not dt.is_signed:  # uint8, bool: abs is the value itself
                 return f"(({t})({args[0]}))"
-            return f"(({t})(({args[0]}) < 0 ? -({args[0]}) : ({args[0]})))"
+            u = self.d.unsigned_name(dt)  # abs of the minimum is the minimum, as numpy's
+            return f"(({t})(({args[0]}) < 0 ? -({u})({args[0]}) : ({u})({args[0]})))"
         if op in _MATH:
             return self.math(e, _MATH[op], dt, args)
         if op is ir.Op.SIGMOID:
@@ -513,10 +534,12 @@ class Emitter:
                 return f"{half.F64_TO_F32_ODD}({args[0]})"
             if e.args[0].dtype.is_bool and dt.is_float:
                 return self.d.bool_to_float(dt, args[0])
+            if e.args[0].dtype.is_float and dt is dtypes.uint8:
+                # through int64: a float out of uint8's range wraps as the reference's does
+                # (C leaves it undefined; PoCL saturated where GCC wrapped)
+                return f"(({t})({self.d.type_name(dtypes.int64)})({args[0]}))"
             return f"(({t})({args[0]}))"
         if op is ir.Op.WHERE:
-            if any(_traps(a) for a in e.args[1:]):  # only the value chosen may run (C's ?:)
-                return f"(({args[0]}) ? ({args[1]}) : ({args[2]}))"
             return f"pj_where_{dt.name}({args[0]}, {args[1]}, {args[2]})"
         if op is ir.Op.ID:
             return args[0]
@@ -524,10 +547,9 @@ class Emitter:
 
     def math(self, e: Call, fn: str, dt: DType, args: Sequence[str]) -> str:
         """``fn(args)``; in :meth:`lanes`, where the dialect has it on vectors, the lane of the
-        local array it was computed into (not where its argument divides integers: that runs
-        in the chunk's first pass for every lane, so a ``where`` could no longer guard it)."""
+        local array it was computed into."""
         staged = self.staged
-        vm = None if staged is None or len(args) != 1 or _traps(e) else self.d.vector_math(fn, dt)
+        vm = None if staged is None or len(args) != 1 else self.d.vector_math(fn, dt)
         if staged is None or vm is None:
             return self.d.math_call(fn, dt, args)
         staged.append((vm, args[0]))

@@ -10,7 +10,8 @@ order, with the semantics the IR documents:
 - operands take the dtypes of :func:`polyjit.core.ir.accum_operand_dtypes` and
   nothing is promoted: float32 math stays float32, uint8 arithmetic wraps,
   integer division truncates toward zero (as C does), ``CAST`` converts to the
-  lhs dtype (to bool: ``!= 0``);
+  lhs dtype (to bool: ``!= 0``; a float to uint8 through int64, so that one out of
+  range wraps);
 - ``Fetch`` fills, numbers cells with their row-major flat index (cast to the
   node's dtype), copies a constant, or takes a slice of another node along its
   first axis at an index that may use static symbols, or reads another node's
@@ -33,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from polyjit.core import ir, lower
+from polyjit.core import dtypes, ir, lower
 from polyjit.core.dtypes import DType, to_half, wrap_int
 from polyjit.core.errors import BindingError, InvalidProgramError, NodeNotInContextError
 from polyjit.core.ir import AccumOp, Affine, Node, Op, StaticSymbol, Symbol
@@ -82,6 +83,8 @@ def apply_op(op: Op, args: Sequence[Array], operand_dtypes: Sequence[DType], out
             return np.asarray(args[0]).astype(dt, copy=False)
         if op is Op.CAST:
             x = np.asarray(args[0])
+            if out is dtypes.uint8 and x.dtype.kind == "f":  # truncated, then wrapped (as kernels spell it)
+                x = x.astype(np.int64)
             return (x != 0) if out.is_bool else x.astype(dt)
         if op is Op.WHERE:
             return np.where(np.asarray(args[0], dtype=np.bool_), args[1], args[2]).astype(dt, copy=False)

@@ -93,6 +93,9 @@ class CudaDialect(Dialect):
     def type_name(self, dt: DType) -> str:
         return dt.cuda
 
+    def unsigned_name(self, dt: DType) -> str:
+        return "unsigned " + dt.cuda  # unsigned int, unsigned long long
+
     def prelude(self, batch_dtypes: set[DType]) -> list[str]:
         return [
             "/* polyjit CUDA kernels (NVRTC) */",

@@ -143,9 +143,8 @@ def _cast_source(src: DType, dst: DType, shape: tuple[int, ...]) -> Gen:
 
 
 def guarded_division() -> list[CatalogProgram]:
-    """``where(b != 0, a / b, 0)`` on integers with zero divisors: the division must not run
-    where the guard is false (it would trap), although a ``where`` otherwise computes both
-    of its values (core/codegen.py)."""
+    """``where(b != 0, a / b, 0)`` on integers with zero divisors: one spelling of the guard
+    users write (the division itself gives 0 there too: :func:`integer_edges`)."""
     out = []
     for dt in (dtypes.int32, dtypes.int64, dtypes.uint8):
         for n in (16, 4096):
@@ -165,8 +164,61 @@ def guarded_division() -> list[CatalogProgram]:
     return out
 
 
+def _edge_values(dt: DType, n: int) -> Gen:
+    """Integers at their type's ends (the minimum, the maximum, -1, 0, 1) among random ones of
+    the whole range, where C's arithmetic overflows or traps."""
+
+    def gen(rng: np.random.Generator) -> Array:
+        info = np.iinfo(dt.np)
+        x = rng.integers(info.min, info.max, n, dtype=dt.np, endpoint=True)
+        ends = np.array([info.min, info.max, 0, 1, info.max - 1, *((-1, info.min + 1) if dt.is_signed else ())],
+                        dt.np)
+        x[rng.permutation(n)[: len(ends)]] = ends
+        return x
+
+    return gen
+
+
+def integer_edges() -> list[CatalogProgram]:
+    """Signed arithmetic that overflows wraps, as in numpy (C leaves it undefined, and
+    compilers assume it never happens: ``a + 1 > a`` folds to true); a division by zero
+    gives 0 and the minimum over -1 the minimum (C's ``/`` traps on both). The comparison
+    after the sum is what an optimizer would fold."""
+    out = []
+    n = 64
+    for dt in (dtypes.int32, dtypes.int64, dtypes.uint8):
+        for op in (Op.ADD, Op.SUB, Op.MUL, Op.DIV):
+            a, b, r = Node("a", (n,), dt), Node("b", (n,), dt), Node(f"r_{op.value}", (n,), dt)
+            out.append(program(
+                f"elementwise.int_edges.{op.value}.{dt}", ir.apply(op, a, b, into=r),
+                inputs=[(a, _edge_values(dt, n)), (b, _edge_values(dt, n))], outputs=[r],
+            ))
+        a, t, gt = Node("a", (n,), dt), Node("t", (n,), dt), Node("a_plus_1_gt_a", (n,), dtypes.bool_)
+        neg, ab = Node("r_neg", (n,), dt), Node("r_abs", (n,), dt)
+        out.append(program(
+            f"elementwise.int_edges.neg_abs_sum_compare.{dt}", ir.apply(Op.ADD, a, 1, into=t),
+            ir.apply(Op.GT, t, a, into=gt), ir.apply(Op.NEG, a, into=neg), ir.apply(Op.ABS, a, into=ab),
+            inputs=[(a, _edge_values(dt, n))], outputs=[gt, neg, ab], virtual=(t,),
+        ))
+    return out
+
+
+def _out_of_uint8(dt: DType, n: int) -> Gen:
+    def gen(rng: np.random.Generator) -> Array:
+        return rng.uniform(-1000.0, 1000.0, n).astype(dt.np)
+
+    return gen
+
+
 def casts() -> list[CatalogProgram]:
     out = []
+    for src in (dtypes.float32, dtypes.float64, dtypes.float16):  # beyond uint8: wraps
+        n = 4096  # PoCL saturated only in its vector loop
+        a, r = Node(f"a_{src}", (n,), src), Node("r_uint8", (n,), dtypes.uint8)
+        out.append(program(
+            f"cast.{src}_to_uint8_out_of_range", ir.apply(Op.CAST, a, into=r),
+            inputs=[(a, _out_of_uint8(src, n))], outputs=[r],
+        ))
     for src in dtypes.ALL:
         for dst in dtypes.ALL:
             a, r = Node(f"a_{src}", _SHAPE, src), Node(f"r_{dst}", _SHAPE, dst)
