@@ -9,7 +9,7 @@ from typing import Union
 import attrs
 import numpy as np
 
-from polyjit.core.errors import InvalidProgramError
+from polyjit.core.errors import InvalidArgumentError, InvalidProgramError, ValueRangeError
 
 
 @attrs.frozen
@@ -22,6 +22,15 @@ class Symbol:
         return self.name
 
 
+def _static_bound(bound: object) -> int:
+    """A static's bound: an integer in [0, 2**63] (its values are int64 kernel arguments)."""
+    if isinstance(bound, bool) or not isinstance(bound, (int, np.integer)):
+        raise InvalidArgumentError(f"a StaticSymbol's bound is an integer, not {type(bound).__name__} {bound!r}")
+    if not 0 <= bound <= 2**63:
+        raise ValueRangeError(f"a StaticSymbol's bound {bound} is outside [0, 2**63] (its values are int64)")
+    return int(bound)
+
+
 @attrs.frozen
 class StaticSymbol:
     """An index whose value is a kernel argument bound when ``run()`` enqueues (e.g. a batch index).
@@ -30,7 +39,7 @@ class StaticSymbol:
     """
 
     name: str
-    bound: int
+    bound: int = attrs.field(converter=_static_bound)
 
     def __repr__(self) -> str:
         return f"${self.name}"

@@ -132,8 +132,10 @@ def _size(value: Any, what: str) -> tuple[int, ...] | None:
     if value is None:
         return None
     dims = (value,) if not isinstance(value, Sequence) else tuple(value)
-    if not 1 <= len(dims) <= 3 or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in dims):
-        raise InvalidArgumentError(f"raw_kernel: {what} must be 1 to 3 positive integers, not {value!r}")
+    # below 2**32 each: PoCL dies (SIGILL) on 2**32 work-groups in a dimension
+    if not 1 <= len(dims) <= 3 or any(isinstance(d, bool) or not isinstance(d, int) or not 1 <= d < 2**32
+                                      for d in dims):
+        raise InvalidArgumentError(f"raw_kernel: {what} must be 1 to 3 integers in [1, 2**32), not {value!r}")
     return dims
 
 
@@ -182,6 +184,9 @@ def raw_code(backend: Backend, source: str | os.PathLike[str], name: str, params
     syms = tuple(statics)
     if any(not isinstance(s, StaticSymbol) for s in syms) or len(set(syms)) != len(syms):
         raise InvalidArgumentError(f"raw_kernel: statics must be distinct ir.StaticSymbol, not {syms!r}")
+    if bindings is not None and not isinstance(bindings, Mapping):
+        raise BindingError(f"raw_kernel {name}: bindings are a mapping (ir.StaticSymbol -> int), "
+                           f"not {type(bindings).__name__}")
     given = dict(bindings or {})
     unknown = [s for s in given if s not in syms]
     if unknown:

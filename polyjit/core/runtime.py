@@ -214,6 +214,8 @@ class Backend:
             raise BindingError(f"bindings are one mapping (ir.StaticSymbol -> int) per computation: {bindings!r}")
         checked = [{s: check_binding(f"compile of {names[k]}", s, v) for s, v in dict(b).items()}
                    for k, b in enumerate(bindings)]
+        if occupancy is not None and not callable(occupancy):
+            raise InvalidArgumentError(f"compile_batch: occupancy is a function of a name, not {occupancy!r}")
         keep = [k for k, n in enumerate(names) if occupancy is None or occupancy(n)]
         taken: set[str] = set()
         c_names = tuple(_c_name(names[k], taken) for k in keep)

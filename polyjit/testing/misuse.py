@@ -75,6 +75,14 @@ def misuse_table(backend: Backend) -> list[tuple[str, type[PolyjitError], Callab
         ("link_batch of a Code", InvalidArgumentError, lambda: ctx.link_batch(code)),  # type: ignore[arg-type]
         ("compile of a number", InvalidArgumentError, lambda: backend.compile(42)),  # type: ignore[arg-type]
         ("compile_batch of one Comp", InvalidArgumentError, lambda: backend.compile_batch(comp)),  # type: ignore[arg-type]
+        ("compile_batch with an occupancy that is not a function", InvalidArgumentError,
+         lambda: backend.compile_batch([comp], occupancy=1)),  # type: ignore[arg-type]
+        ("a static bound that is not an integer", InvalidArgumentError, lambda: StaticSymbol("s", 2.5)),
+        ("a static bound beyond int64", ValueRangeError, lambda: StaticSymbol("s", 2**64)),
+        ("raw_kernel bindings that are not a mapping", BindingError,
+         lambda: backend.raw_kernel("", "mis_raw", [], statics=[b], bindings=5)),  # type: ignore[arg-type]
+        ("raw_kernel with 2**32 work-items in a dimension", InvalidArgumentError,
+         lambda: backend.raw_kernel("", "mis_raw", [], global_size=2**32)),
         ("a binding given as a string", BindingError, bind("1")),
         ("a binding given as a float", BindingError, bind(2.7)),
         ("a binding given as a bool", BindingError, bind(True)),
