@@ -37,7 +37,8 @@ def program_rng(name: str, seed: int = 0) -> np.random.Generator:
 
 
 def compare(label: str, got: Array, want: Array, rtol: float, atol: float, show: int = 5) -> str | None:
-    """None when ``got`` matches ``want`` (exactly for integers and bools), else a message."""
+    """None when ``got`` matches ``want`` (exactly for integers and bools, and for floats at
+    zero tolerance: the sign of a zero too), else a message."""
     if got.shape != want.shape:
         return f"{label}: shape {got.shape}, expected {want.shape}"
     if got.dtype != want.dtype:
@@ -49,6 +50,8 @@ def compare(label: str, got: Array, want: Array, rtol: float, atol: float, show:
     if got.dtype.kind == "f":
         with np.errstate(all="ignore"):
             ok = np.isclose(got, want, rtol=rtol, atol=atol, equal_nan=True)
+        if rtol == 0 and atol == 0:  # exactly: -0.0 is not +0.0 (isclose says it is)
+            ok &= (got != 0) | (np.signbit(got) == np.signbit(want))
     else:
         ok = got == want
     ok = np.asarray(ok)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import numpy as np
 import pytest
 
 from polyjit.backends.cpu import CpuDriver, create_backend
@@ -69,6 +70,27 @@ def test_kit_detects_wrong_arithmetic() -> None:
     assert len(subs) == 7  # float32 float64 int32 int64 uint8 float16 bfloat16
     failures = run_programs(broken, subs)
     assert {f.program for f in failures} == {p.name for p in subs}
+
+
+class _FlushesNegativeZeroDialect(type(CpuDriver().dialect)):  # type: ignore[misc]
+    """A dialect whose half stores turn -0.0 into +0.0."""
+
+    def half_store(self, dt: Any, ref: str, value: str) -> str:
+        return str(super().half_store(dt, ref, f"(({value}) + 0.0f)"))
+
+
+def test_kit_detects_a_zero_of_the_wrong_sign() -> None:
+    """Found by review: the kit's exact comparisons (tolerance 0) took -0.0 for +0.0, so a
+    backend that lost a zero's sign passed check_half_special_values."""
+    from polyjit.testing.checks.compute import check_half_special_values
+    from polyjit.testing.harness import compare
+
+    assert compare("z", np.array([0.0]), np.array([-0.0]), 0.0, 0.0) is not None
+    assert compare("z", np.array([0.0]), np.array([-0.0]), 1e-6, 0.0) is None  # within a tolerance
+    driver = CpuDriver()
+    driver.dialect = _FlushesNegativeZeroDialect()
+    with pytest.raises(AssertionError, match="half"):
+        check_half_special_values(Backend(driver))
 
 
 # -- the selftest command -------------------------------------------------------------
