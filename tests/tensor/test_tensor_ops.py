@@ -301,3 +301,40 @@ def test_cross_entropy_of_an_empty_batch_and_of_one_row() -> None:
     xv = np.array([1.0, 2.0, 0.5, -1.0], np.float32)
     got = plan.run(x1=xv, y1=np.array(2, np.int32))["l"]
     np.testing.assert_allclose(got, np.log(np.exp(xv.astype(np.float64)).sum()) - xv[2], rtol=1e-6)
+
+
+# PyTorch 2's gradients of a**b (float64) on this grid, printed by torch and kept here so the
+# test needs no torch: a in (0, -2, 2) (rows) by b in (-1, 0, 0.5, 2) (columns).
+_POW_A = (0.0, -2.0, 2.0)
+_POW_B = (-1.0, 0.0, 0.5, 2.0)
+_TORCH_POW_GA = [[-np.inf, 0.0, np.inf, 0.0], [-0.25, 0.0, np.nan, -4.0], [-0.25, 0.0, 0.3535533905932738, 4.0]]
+_TORCH_POW_GB = [[-np.inf, 0.0, 0.0, 0.0], [np.nan] * 4,
+                 [0.34657359027997264, 0.6931471805599453, 0.9802581434685472, 2.772588722239781]]
+
+
+def test_pow_gradients_at_edge_values_match_torch() -> None:
+    """Found by review: a scalar base of 0 or below raised a bare ValueError (math.log), and
+    d(a**b)/db at a == 0, d(a**0)/da at a == 0 were NaN where torch gives 0."""
+    av = np.repeat(_POW_A, len(_POW_B))
+    bv = np.tile(_POW_B, len(_POW_A))
+    a = pt.param("a", av.shape, init=av, dtype="float64")
+    b = pt.param("b", bv.shape, init=bv, dtype="float64")
+    ga, gb = pt.grad(pt.sum(a**b), [a, b])
+    outs: dict[str, pt.Tensor] = {"ga": ga, "gb": gb}
+    for k, base in enumerate(_POW_A):  # a scalar base
+        outs[f"base{k}"] = pt.grad(pt.sum(base ** b), [b])[0]
+    for k, e in enumerate(_POW_B):  # a scalar exponent
+        outs[f"exp{k}"] = pt.grad(pt.sum(a**e), [a])[0]
+    got, _ = evaluate(outs)
+    with np.errstate(all="ignore"):
+        np.testing.assert_array_equal(got["ga"], np.ravel(_TORCH_POW_GA))
+        np.testing.assert_array_equal(got["gb"], np.ravel(_TORCH_POW_GB))
+        for k in range(len(_POW_A)):
+            np.testing.assert_array_equal(got[f"base{k}"], np.tile(_TORCH_POW_GB[k], len(_POW_A)))
+        for k in range(len(_POW_B)):
+            np.testing.assert_array_equal(got[f"exp{k}"], np.repeat(np.asarray(_TORCH_POW_GA)[:, k], len(_POW_B)))
+    plan = pt.compile(outs)  # the CPU kernels give the same values
+    run = plan.run()
+    for key, want in got.items():
+        np.testing.assert_allclose(run[key], want, rtol=1e-12, err_msg=key)
+    plan.close()

@@ -13,7 +13,7 @@ from polyjit.core.dtypes import as_dtype
 from polyjit.core.errors import DTypeMismatchError, InvalidProgramError
 from polyjit.core.ir import Op
 from polyjit.tensor.ops.indexing import sum_to
-from polyjit.tensor.tensor import DTypeLike, Scalar, Tensor, check_scalar
+from polyjit.tensor.tensor import DTypeLike, Scalar, Tensor, check_scalar, full
 
 Operand = Tensor | Scalar
 
@@ -100,10 +100,26 @@ def elementwise(
 
 
 def _pow_grads(g: Tensor, out: Tensor, a: Operand, b: Operand) -> list[Tensor | None]:
-    ga = g * b * pow(a, b - 1.0) if isinstance(a, Tensor) else None
-    gb = None
+    """PyTorch's values at the edges (pow_backward_self / pow_backward_exponent): where the
+    exponent is 0, d/da is 0 (not 0 * a**-1, NaN at a == 0); where a == 0 and b >= 0, d/db
+    is 0 (not 0 * log(0), NaN); a negative scalar base gives NaN, as log(a) does."""
+    ga: Tensor | None = None
+    if isinstance(a, Tensor):
+        if isinstance(b, Tensor):
+            ga = where(equal(b, 0.0), 0.0, g * b * pow(a, b - 1.0))
+        elif b == 0:
+            ga = full(g.shape, 0, g.dtype, "zeros")  # torch's zeros_like: 0 even where g is NaN
+        else:
+            ga = g * b * pow(a, b - 1.0)
+    gb: Tensor | None = None
     if isinstance(b, Tensor):  # d(a^b)/db = a^b log(a)
-        gb = g * out * (log(a) if isinstance(a, Tensor) else math.log(a))
+        if isinstance(a, Tensor):
+            at_zero = where(greater_equal(b, 0.0), equal(a, 0.0), False)
+            gb = g * where(at_zero, 0.0, out * log(a))
+        elif a == 0:  # log(0) = -inf: only b < 0 (a**b = inf) keeps it
+            gb = g * where(greater_equal(b, 0.0), 0.0, out * -math.inf)
+        else:  # math.log refuses a < 0 where log(a) is NaN
+            gb = g * out * (math.log(a) if a > 0 else math.nan)
     return [ga, gb]
 
 
