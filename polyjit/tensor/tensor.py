@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import operator
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Union
 
@@ -89,9 +90,28 @@ def check_scalar(value: Scalar, dtype: DType, what: str, hint: str = "") -> None
         raise ValueRangeError(f"{what}: the scalar {value!r} does not fit {dtype}{hint}")
 
 
-def _one_or_many(args: tuple[Any, ...]) -> tuple[int, ...]:
-    """numpy's ``x.reshape(2, 3)`` or ``x.reshape((2, 3))``: the ints, given apart or as one sequence."""
-    return tuple(args[0] if len(args) == 1 and not isinstance(args[0], int) else args)
+def as_int(value: object, what: str) -> int:
+    """An int (or a numpy integer, through ``operator.index``, as numpy takes them) for an axis,
+    a dimension or an index; a float, a string, None or a bool is refused, never truncated."""
+    if not isinstance(value, (bool, np.bool_)):
+        try:
+            return operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+    raise ShapeMismatchError(f"{what} is an int, got {value!r} ({type(value).__name__})")
+
+
+def is_int(value: object) -> bool:
+    """Whether ``value`` is an int as :func:`as_int` takes it (a numpy integer too, not a bool)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _one_or_many(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """numpy's ``x.reshape(2, 3)`` or ``x.reshape((2, 3))``: the ints, given apart or as one
+    sequence. Anything else is kept as given, for the op to refuse by name."""
+    if len(args) == 1 and isinstance(args[0], (tuple, list, np.ndarray)):
+        return tuple(args[0])
+    return args
 
 
 class Tensor:
@@ -276,7 +296,7 @@ class Tensor:
     def transpose(self, *axes: int | Sequence[int]) -> Tensor:
         """``x.transpose(1, 0)`` or ``x.transpose((1, 0))``, as numpy takes them."""
         perm = _one_or_many(axes)
-        return ops.transpose(self, perm if perm else None)
+        return ops.transpose(self, None if perm in ((), (None,)) else perm)  # x.transpose(None) reverses
 
     def reshape(self, *shape: int | Sequence[int]) -> Tensor:
         return ops.reshape(self, _one_or_many(shape))
@@ -387,7 +407,7 @@ def ones(shape: int | Sequence[int], dtype: DTypeLike = dtypes.float32) -> Tenso
 
 def arange(n: int, dtype: DTypeLike = dtypes.int32) -> Tensor:
     """``[0, 1, ..., n-1]`` (a Range fetch)."""
-    node = ir.Node("arange", (int(n),), as_dtype(dtype))
+    node = ir.Node("arange", _shape("arange", (as_int(n, "arange's n"),)), as_dtype(dtype))
     return Tensor(node, (ir.arange(node),), requires_grad=False)
 
 

@@ -375,3 +375,63 @@ def test_graph_building_misuse_raises_typed_errors_naming_the_culprit() -> None:
             bad()
     mlp = pt.MLP("zero_width", [4, 0, 2])  # a layer with no values initialises (no 1/0)
     assert [p.shape for p in mlp.params][:2] == [(4, 0), (0,)]
+
+
+def test_op_shapes_that_are_not_ints_are_refused_not_truncated() -> None:
+    """Found by review: reshape, broadcast_to and arange truncated 2.9 to 2 (int(d)) and took
+    the string "4"; as for leaves (ir.as_shape), each is a ShapeMismatchError naming the op."""
+    x = pt.input("x", (2, 2))
+    with pytest.raises(ShapeMismatchError, match=r"reshape of Tensor\(x 2x2.*\(2\.9, 2\.1\)"):
+        x.reshape(2.9, 2.1)
+    with pytest.raises(ShapeMismatchError, match="reshape of"):
+        x.reshape("4",)  # type: ignore[arg-type]
+    with pytest.raises(ShapeMismatchError, match="reshape of"):
+        x.reshape(-1.0)  # type: ignore[arg-type]
+    with pytest.raises(ShapeMismatchError, match="reshape of"):
+        x.reshape(None)  # type: ignore[arg-type]  (was a bare TypeError)
+    with pytest.raises(ShapeMismatchError, match="only one dimension can be -1"):
+        x.reshape(-1, -1)
+    with pytest.raises(ShapeMismatchError, match=r"broadcast_to of Tensor\(x.*3\.7"):
+        pt.broadcast_to(x, (3.7, 2, 2))  # type: ignore[arg-type]
+    for n in (2.5, "2", None, True):
+        with pytest.raises(ShapeMismatchError, match="arange"):
+            pt.arange(n)  # type: ignore[arg-type]
+    with pytest.raises(ShapeMismatchError, match="arange"):
+        pt.arange(-1)
+    for bad_axis in (0.5, "0", True):
+        with pytest.raises(ShapeMismatchError, match="an axis is an int"):
+            x.sum(bad_axis)  # type: ignore[arg-type]
+    with pytest.raises(ShapeMismatchError, match=r"an axis of transpose.*1\.0"):
+        x.transpose(1.0, 0)  # type: ignore[arg-type]
+
+
+def test_numpy_integers_are_ints_for_shapes_axes_and_indices() -> None:
+    """Found by review: np.int64 axes, dimensions and transposes raised a bare TypeError or a
+    misleading "not a permutation"; numpy takes them (operator.index), so does the front end."""
+    x = pt.input("x", (2, 3))
+    i0, i1 = np.int64(0), np.int64(1)
+    assert x.sum(axis=i0).shape == (3,)
+    assert x.sum(axis=(np.int8(1),)).shape == (2,)
+    assert pt.concat([x, x], i1).shape == (2, 6)
+    assert x.reshape(np.int64(6)).shape == (6,)
+    assert x.reshape((np.int32(-1), np.int64(2))).shape == (3, 2)
+    assert x.transpose(i1, i0).shape == (3, 2)
+    assert x.transpose(None).shape == (3, 2)  # numpy's reversal
+    assert pt.broadcast_to(pt.input("v", (1,)), np.int64(4)).shape == (4,)
+    assert pt.arange(np.int64(3)).shape == (3,)
+    assert x[i1].shape == (3,)
+    assert x[np.int32(0) : np.int64(1), ::np.int64(2)].shape == (1, 2)
+
+
+def test_bool_indices_and_non_int_slice_bounds_are_refused() -> None:
+    """Found by review: x[True] read row 1 (True is an int to isinstance), where numpy reads a
+    new axis; a bool index is refused rather than given another meaning. x[0.5:] raised a bare
+    TypeError from slice.indices."""
+    x = pt.input("x", (2, 2))
+    for bad in (lambda: x[True], lambda: x[np.True_], lambda: x[0, False], lambda: x[..., np.False_]):
+        with pytest.raises(InvalidArgumentError, match=r"indexing Tensor\(x 2x2.*with a bool.*x\[None\]"):
+            bad()
+    for bad in (lambda: x[0.5:], lambda: x[:"1"], lambda: x[::1.0], lambda: x[True:]):
+        with pytest.raises(InvalidArgumentError, match=r"indexing Tensor\(x 2x2.*a slice's (start|stop|step)"):
+            bad()
+    assert x[None].shape == (1, 2, 2)

@@ -9,15 +9,18 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from polyjit.core import ir
 from polyjit.core.errors import (
     DTypeMismatchError,
+    InvalidArgumentError,
     InvalidProgramError,
     ShapeMismatchError,
     UnsupportedError,
 )
 from polyjit.core.ir import AccumOp, Affine, Op, Symbol
-from polyjit.tensor.tensor import Tensor
+from polyjit.tensor.tensor import Tensor, as_int, is_int
 
 IndexMap = Callable[[Sequence[Symbol]], tuple[Affine, ...]]
 
@@ -106,8 +109,11 @@ def indexed(op: Op, shape: tuple[int, ...], operands: Sequence[tuple[Tensor, Ind
     return Tensor(node, (assign,), tensors, None, requires_grad=False)
 
 
-def broadcast_to(x: Tensor, shape: Sequence[int]) -> Tensor:
-    dst = tuple(int(d) for d in shape)
+def broadcast_to(x: Tensor, shape: int | Sequence[int]) -> Tensor:
+    try:  # as every shape is checked: ints, never truncated (3.7 is not 3)
+        dst = ir.as_shape(shape)
+    except ShapeMismatchError as e:
+        raise ShapeMismatchError(f"broadcast_to of {x!r}: {e}") from None
     if x.shape == dst:
         return x
     return gather(x, dst, _broadcast_map(x.shape, dst), name="broadcast")
@@ -123,8 +129,10 @@ def sum_to(x: Tensor, shape: tuple[int, ...]) -> Tensor:
 
 def transpose(x: Tensor, axes: Sequence[int] | None = None) -> Tensor:
     """Permute the axes (reverse them by default), like numpy.transpose."""
-    if axes is not None and not all(isinstance(a, int) and -x.ndim <= a < x.ndim for a in axes):
-        raise ShapeMismatchError(f"{axes} is not a permutation of the axes of {x.shape}")
+    if axes is not None:  # numpy integers are axes too (operator.index)
+        axes = tuple(as_int(a, f"an axis of transpose of {x!r}") for a in axes)
+        if not all(-x.ndim <= a < x.ndim for a in axes):
+            raise ShapeMismatchError(f"{axes} is not a permutation of the axes of {x.shape}")
     perm = tuple(range(x.ndim))[::-1] if axes is None else tuple(a % builtins.max(x.ndim, 1) for a in axes)
     if sorted(perm) != list(range(x.ndim)):
         raise ShapeMismatchError(f"{axes} is not a permutation of the axes of {x.shape}")
@@ -140,9 +148,30 @@ def transpose(x: Tensor, axes: Sequence[int] | None = None) -> Tensor:
     return gather(x, tuple(x.shape[a] for a in perm), index, name="transpose")
 
 
+def _index_item(x: Tensor, it: Any) -> Any:
+    """One item of an index, its ints (numpy's too) as Python ints. A bool is refused: numpy
+    reads ``x[True]`` as ``x[None]`` and ``x[False]`` as an empty ``x[None][:0]``, not as row
+    1 or 0 (which ``isinstance(True, int)`` made it); a slice bound must be an int or None."""
+    if isinstance(it, (bool, np.bool_)):
+        raise InvalidArgumentError(
+            f"indexing {x!r} with a bool ({it!r}) is not supported (numpy reads it as a new axis, "
+            "or an empty one); write x[None] for a new axis, or an int for a row"
+        )
+    if isinstance(it, np.integer):
+        return int(it)
+    if isinstance(it, slice):
+        bounds = []
+        for part, v in (("start", it.start), ("stop", it.stop), ("step", it.step)):
+            if v is not None and not is_int(v):  # is_int refuses bools, as everywhere here
+                raise InvalidArgumentError(f"indexing {x!r}: a slice's {part} is an int or None, got {v!r}")
+            bounds.append(None if v is None else int(v))
+        return slice(*bounds)
+    return it
+
+
 def getitem(x: Tensor, index: Any) -> Tensor:
     """Basic indexing: integers, slices (any step), ``...`` and ``None``, as numpy does."""
-    items = index if isinstance(index, tuple) else (index,)
+    items = tuple(_index_item(x, it) for it in (index if isinstance(index, tuple) else (index,)))
     for it in items:
         if isinstance(it, Tensor) or not (it is None or it is Ellipsis or isinstance(it, (int, slice))):
             raise UnsupportedError(

@@ -5,18 +5,23 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
+
 from polyjit.core import ir
 from polyjit.core.errors import ShapeMismatchError
 from polyjit.core.ir import AccumOp, Affine, Op, Symbol
 from polyjit.tensor.ops.elementwise import equal, where
 from polyjit.tensor.ops.indexing import IndexMap, _syms, gather, scatter_add
-from polyjit.tensor.tensor import Tensor
+from polyjit.tensor.tensor import Tensor, as_int, is_int
 
 
 def _axes(axis: int | Sequence[int] | None, ndim: int) -> tuple[int, ...]:
     if axis is None:
         return tuple(range(ndim))
-    raw = (axis,) if isinstance(axis, int) else tuple(axis)
+    if is_int(axis) or isinstance(axis, (bool, np.bool_)) or not isinstance(axis, (tuple, list)):
+        raw: tuple[int, ...] = (as_int(axis, "an axis"),)  # np.int64(0) is an axis, as numpy takes it
+    else:
+        raw = tuple(as_int(a, "an axis") for a in axis)
     out = []
     for a in raw:
         if not -ndim <= a < ndim:

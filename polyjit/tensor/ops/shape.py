@@ -6,24 +6,34 @@ import builtins
 import math
 from collections.abc import Sequence
 
+import numpy as np
+
 from polyjit.core import ir
 from polyjit.core.errors import DTypeMismatchError, InvalidProgramError, ShapeMismatchError
 from polyjit.core.ir import Op
 from polyjit.tensor.ops.indexing import _syms, getitem
 from polyjit.tensor.ops.reductions import _axes
-from polyjit.tensor.tensor import Tensor
+from polyjit.tensor.tensor import Tensor, is_int
 
 
-def reshape(x: Tensor, shape: Sequence[int]) -> Tensor:
+def reshape(x: Tensor, shape: int | Sequence[int]) -> Tensor:
     """Row-major reshape (one dimension may be -1)."""
-    dims = [int(d) for d in shape]
-    if dims.count(-1) > 1:
-        raise ShapeMismatchError("only one dimension can be -1")
-    if -1 in dims:
-        known = math.prod(d for d in dims if d != -1)
-        if known == 0 or x.size % known:
-            raise ShapeMismatchError(f"cannot reshape {x.shape} into {tuple(shape)}")
-        dims[dims.index(-1)] = x.size // known
+    items = (shape,) if is_int(shape) else shape
+    if not isinstance(items, (tuple, list, np.ndarray)):
+        raise ShapeMismatchError(f"reshape of {x!r}: a shape is an int or a sequence of ints, got {shape!r}")
+    free = [k for k, d in enumerate(items) if is_int(d) and d == -1]
+    if len(free) > 1:
+        raise ShapeMismatchError(f"reshape of {x!r} into {tuple(items)}: only one dimension can be -1")
+    try:  # the other dimensions as every shape is checked: ints, never truncated, not negative
+        known = ir.as_shape([d for k, d in enumerate(items) if k not in free])
+    except ShapeMismatchError as e:
+        raise ShapeMismatchError(f"reshape of {x!r} into {tuple(items)!r}: {e}") from None
+    dims = list(known)
+    if free:
+        n = math.prod(known)
+        if n == 0 or x.size % n:
+            raise ShapeMismatchError(f"cannot reshape {x.shape} into {tuple(items)}")
+        dims.insert(free[0], x.size // n)
     target = tuple(dims)
     if math.prod(target) != x.size:
         raise ShapeMismatchError(f"cannot reshape {x.shape} into {target}")
