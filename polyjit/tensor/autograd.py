@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from polyjit.core.errors import InvalidProgramError, ShapeMismatchError
+from polyjit.core.errors import InvalidArgumentError, InvalidProgramError, ShapeMismatchError
 from polyjit.tensor.tensor import Tensor, full
 
 
@@ -40,6 +40,13 @@ def grad(loss: Tensor, wrt: Sequence[Tensor], seed: Tensor | None = None) -> lis
     A tensor used several times gets the sum of the gradients of its uses;
     broadcasting is undone by summing over the broadcast axes.
     """
+    if not isinstance(loss, Tensor):
+        raise InvalidArgumentError(f"grad's loss is a Tensor, got {type(loss).__name__}")
+    if isinstance(wrt, Tensor) or not isinstance(wrt, Sequence):  # a Tensor iterates its rows
+        raise InvalidArgumentError(f"grad's wrt is a list of Tensors (grad(loss, [x])), got {type(wrt).__name__}")
+    for k, t in enumerate(wrt):
+        if not isinstance(t, Tensor):
+            raise InvalidArgumentError(f"grad's wrt[{k}] is a Tensor, got {t!r} ({type(t).__name__})")
     if seed is None:
         if loss.shape != ():
             raise ShapeMismatchError(f"grad needs a scalar loss, got shape {loss.shape}; pass seed=")

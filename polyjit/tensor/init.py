@@ -10,7 +10,12 @@ from typing import Any, Union
 import numpy as np
 
 from polyjit.core.dtypes import DType, to_half
-from polyjit.core.errors import InvalidProgramError, ShapeMismatchError
+from polyjit.core.errors import (
+    DTypeMismatchError,
+    InvalidArgumentError,
+    InvalidProgramError,
+    ShapeMismatchError,
+)
 
 Array = np.ndarray[Any, Any]
 Init = Union[str, Array, float, int, Callable[[np.random.Generator, tuple[int, ...]], Any]]
@@ -74,7 +79,12 @@ def initial_value(
     elif isinstance(rng, np.random.Generator):
         gen = rng
     else:
-        gen = np.random.default_rng(rng)
+        try:
+            gen = np.random.default_rng(rng)
+        except (TypeError, ValueError) as e:  # "seed", -1, 2.5
+            raise InvalidArgumentError(
+                f"param {name!r}: rng is a numpy Generator or a seed (a non-negative int), got {rng!r}: {e}"
+            ) from None
     value: Any
     if isinstance(init, str):
         try:
@@ -87,6 +97,10 @@ def initial_value(
     else:
         value = init
     arr = np.asarray(value)
+    if arr.dtype.kind not in "biuf":  # a string, None, a complex: astype would fail or drop parts
+        raise DTypeMismatchError(
+            f"initial value of {name!r} ({dtype}, shape {shape}) is not numbers: got {arr.dtype} ({value!r:.60})"
+        )
     if arr.shape == () and shape != ():
         arr = np.full(shape, arr)
     if arr.shape != shape:

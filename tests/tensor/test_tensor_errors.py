@@ -435,3 +435,30 @@ def test_bool_indices_and_non_int_slice_bounds_are_refused() -> None:
         with pytest.raises(InvalidArgumentError, match=r"indexing Tensor\(x 2x2.*a slice's (start|stop|step)"):
             bad()
     assert x[None].shape == (1, 2, 2)
+
+
+def test_einsum_grad_and_param_misuse_are_typed_errors() -> None:
+    """Found by review: each of these raised a bare KeyError, ValueError, TypeError or
+    AttributeError from inside the front end."""
+    x = pt.input("x", (2, 3))
+    for spec, pattern in (("ij->k", r"output letter\(s\) 'k'"), ("ij->i->j", "one explicit '->'"),
+                          ("ij->ii", "repeats in the output"), ("ij->i,j", r"output letter\(s\) ','")):
+        with pytest.raises(InvalidProgramError, match=rf"einsum.*{pattern}"):
+            pt.einsum(spec, x)
+    with pytest.raises(InvalidArgumentError, match=r"einsum's spec is a str.*got int"):
+        pt.einsum(3, x)  # type: ignore[arg-type]
+    assert pt.einsum("ij->ji", x).shape == (3, 2)
+    loss = pt.sum(x)
+    with pytest.raises(InvalidArgumentError, match=r"wrt\[1\] is a Tensor, got 'x' \(str\)"):
+        pt.grad(loss, [x, "x"])  # type: ignore[list-item]
+    with pytest.raises(InvalidArgumentError, match=r"wrt is a list of Tensors.*got Tensor"):
+        pt.grad(loss, x)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="loss is a Tensor, got float"):
+        pt.grad(1.0, [x])  # type: ignore[arg-type]
+    for rng in ("seed", -1, 2.5):
+        with pytest.raises(InvalidArgumentError, match=r"param 'p': rng is a numpy Generator or a seed"):
+            pt.param("p", (2,), rng=rng)  # type: ignore[arg-type]
+    for init in (lambda r, s: "x", lambda r, s: None, np.array(["a", "b"]), np.ones(2, np.complex64)):
+        with pytest.raises(DTypeMismatchError, match=r"initial value of 'q' \(float32, shape \(2,\)\) is not numbers"):
+            pt.param("q", (2,), init=init)  # type: ignore[arg-type]
+    assert pt.param("p", (2,), rng=np.int64(3)).shape == (2,)  # a numpy seed is a seed

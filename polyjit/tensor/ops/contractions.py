@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from polyjit.core import ir
 from polyjit.core.errors import (
     DTypeMismatchError,
+    InvalidArgumentError,
     InvalidProgramError,
     ShapeMismatchError,
     UnsupportedError,
@@ -18,12 +19,23 @@ from polyjit.tensor.tensor import Tensor
 
 
 def _parse_einsum(spec: str, count: int) -> tuple[list[str], str]:
-    if "->" not in spec:
-        raise InvalidProgramError(f"einsum spec {spec!r} needs an explicit '->' output")
+    """The operands' letters and the output's, each misuse a typed error (a bad spec raised a
+    bare KeyError, ValueError or TypeError) naming the spec."""
+    if not isinstance(spec, str):
+        raise InvalidArgumentError(f"einsum's spec is a str such as 'ik,kj->ij', got {type(spec).__name__}")
+    if count == 0:
+        raise InvalidProgramError(f"einsum {spec!r} of no operands")
+    if spec.count("->") != 1:
+        raise InvalidProgramError(f"einsum spec {spec!r} needs one explicit '->' output")
     lhs, out = spec.replace(" ", "").split("->")
     ins = lhs.split(",")
     if len(ins) != count:
         raise InvalidProgramError(f"einsum {spec!r} names {len(ins)} operands, got {count}")
+    unknown = sorted(set(out) - set(lhs) | set(out) & {","})
+    if unknown:
+        raise InvalidProgramError(f"einsum {spec!r}: output letter(s) {', '.join(map(repr, unknown))} name no operand's axis")
+    if len(set(out)) != len(out):  # numpy refuses it too: an output axis is one letter
+        raise InvalidProgramError(f"einsum {spec!r}: a letter repeats in the output")
     return ins, out
 
 
