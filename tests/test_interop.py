@@ -315,6 +315,19 @@ def test_other_tensors_are_copied_or_refused() -> None:
     ctx.finalize()
 
 
+@pytest.mark.parametrize("shape", [(0, 3), (3, 0), (0,), (2, 0, 4)])
+def test_an_empty_numpy_array_is_taken(shape: tuple[int, ...]) -> None:
+    """Found by review: numpy exports strides (0, 0) for zeros((0, 3)), and a 0-size array was
+    refused as not C-contiguous (a 0-size torch tensor was taken); with no elements, any
+    strides are contiguous, as numpy and torch say."""
+    value = np.zeros(shape, np.float32)
+    assert value.flags.c_contiguous
+    n = Node("n", shape)
+    ctx = get_backend("cpu").get_device(0).make_context().init_from_dlpack(n, value)
+    assert ctx.read(n).shape == shape
+    ctx.finalize()
+
+
 @needs_torch
 def test_torch_tensors_come_in_and_go_back() -> None:
     dev = get_backend("cpu").get_device(0)

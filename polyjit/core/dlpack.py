@@ -165,7 +165,9 @@ class Imported:
 
     @property
     def contiguous(self) -> bool:
-        if self.strides is None:
+        # no elements: contiguous whatever the strides (numpy exports (0, 0) for zeros((0, 3)),
+        # and numpy and torch both call it contiguous)
+        if self.strides is None or 0 in self.shape:
             return True
         expect, ok = 1, True
         for n, s in zip(reversed(self.shape), reversed(self.strides)):
