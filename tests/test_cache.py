@@ -190,6 +190,36 @@ def test_symlinked_entry_is_rebuilt(cache_root: Path, tmp_path: Path) -> None:
     assert not path.is_symlink() and outside.read_bytes() == b"elsewhere"
 
 
+_FIFO_CHILD = textwrap.dedent(
+    """
+    import ctypes
+    from polyjit.backends.cpu.compiler import build_shared
+    print(ctypes.CDLL(str(build_shared("int answer(void) { return 7; }\\n"))).answer(), flush=True)
+    """
+)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
+@pytest.mark.parametrize("planted", ["entry", "sidecar"])
+def test_fifo_in_place_of_an_entry_or_its_hash_is_rebuilt_not_waited_on(cache_root: Path, planted: str) -> None:
+    """A FIFO where a file should be: a blocking open waited forever for a writer before
+    fstat could refuse it. The compile (in a child, with a deadline) must rebuild instead."""
+    path = build_shared(_source(7))
+    target = path if planted == "entry" else _sidecar(path)
+    target.unlink()
+    os.mkfifo(target, 0o600)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    try:
+        child = subprocess.run([sys.executable, "-c", _FIFO_CHILD], env=env, text=True,
+                               capture_output=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the compile hung on the FIFO planted as the {planted}")
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.strip() == "7"
+    assert stat.S_ISREG(os.lstat(target).st_mode)
+    _assert_verified(path)
+
+
 def test_memory_layer_skips_rehash_but_notices_replacement(
     cache_root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -66,6 +66,10 @@ HANDED_OVER = frozenset({POCL_NAMESPACE})
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _BINARY = getattr(os, "O_BINARY", 0)
+# A FIFO (or device) planted in place of an entry or sidecar would block a plain O_RDONLY open
+# forever, before fstat can refuse it; O_NONBLOCK does not change reads of a regular file.
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_READ_FLAGS = os.O_RDONLY | _NOFOLLOW | _NONBLOCK | _CLOEXEC | _BINARY
 _SIDECAR_MAX = 4096
 _SIDECAR_RE = re.compile(r"([0-9a-f]{64})  (\S+)\n?")
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*")
@@ -310,7 +314,7 @@ def _digest_line(name: str, data: bytes) -> str:
 def _read_sidecar(path: Path) -> str | None:
     """The hex digest recorded for path, or None if the sidecar is missing or not trusted."""
     try:
-        fd = os.open(f"{path}{HASH_SUFFIX}", os.O_RDONLY | _NOFOLLOW | _CLOEXEC | _BINARY)
+        fd = os.open(f"{path}{HASH_SUFFIX}", _READ_FLAGS)
     except OSError:
         return None
     try:
@@ -339,7 +343,7 @@ def _verified(path: Path) -> tuple[bytes, _Ident] | None:
     if expected is None:
         return None
     try:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC | _BINARY)
+        fd = os.open(path, _READ_FLAGS)
     except OSError:
         return None
     try:
@@ -377,7 +381,7 @@ def _write_sidecar(path: Path, line: str) -> None:
 
 def _open_built(tmp: str, name: str) -> tuple[int, bytes]:
     """An fd on a freshly built tmp file (made private) and its bytes."""
-    fd = os.open(tmp, os.O_RDONLY | _NOFOLLOW | _CLOEXEC | _BINARY)
+    fd = os.open(tmp, _READ_FLAGS)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
