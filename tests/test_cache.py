@@ -367,6 +367,7 @@ def test_clear_empties_the_namespace_handed_to_pocl_and_follows_no_link(cache_ro
     """PoCL fills `<root>/pocl` its own way (a directory per program): `cache info` counts
     its files and `cache clear` removes them (it used to leave PoCL's native code behind),
     removing links in it without following them."""
+    assert cache_mod.hand_over(cache_mod.POCL_NAMESPACE) == cache_root / "pocl"  # as platforms.py does
     program = cache_root / cache_mod.POCL_NAMESPACE / "LG" / "HCGHGPMEMOIF"
     program.mkdir(parents=True)
     (program / "program.bc").write_bytes(b"bitcode")
@@ -379,8 +380,53 @@ def test_clear_empties_the_namespace_handed_to_pocl_and_follows_no_link(cache_ro
     (cache_root / "pocl" / "file_link").symlink_to(outside / "precious.txt")
     assert cache_mod.cache_info()["namespaces"] == {"pocl": {"entries": 3, "bytes": 9}}
     assert cache_mod.cache_clear() == 3
-    assert list((cache_root / "pocl").iterdir()) == []
+    # the marker stays: a running process's PoCL may still write there
+    assert [p.name for p in (cache_root / "pocl").iterdir()] == [cache_mod.HANDED_OVER_MARKER]
     assert (outside / "precious.txt").read_text() == "keep"
+
+
+def test_clear_leaves_a_pocl_directory_polyjit_never_handed_over(
+    cache_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With POCL_CACHE_DIR set elsewhere polyjit never gives `<root>/pocl` to PoCL, so what
+    is there is the user's: `cache clear` emptied it all the same (found by review)."""
+    from polyjit.backends.opencl import platforms
+
+    (cache_root / "pocl" / "src").mkdir(parents=True)
+    (cache_root / "pocl" / "src" / "important.c").write_text("int main(void) { return 0; }\n")
+    (cache_root / "pocl" / "README").write_text("my checkout of pocl\n")
+    monkeypatch.setenv("POCL_CACHE_DIR", str(cache_root.parent / "pocl_elsewhere"))
+    platforms._private_pocl_cache()  # the user chose PoCL's place: nothing handed over
+    assert os.environ["POCL_CACHE_DIR"] == str(cache_root.parent / "pocl_elsewhere")
+    assert cache_mod.cache_info()["namespaces"] == {"pocl": {"entries": 0, "bytes": 0}}
+    assert cache_mod.cache_clear() == 0
+    assert (cache_root / "pocl" / "src" / "important.c").exists()
+    assert (cache_root / "pocl" / "README").exists()
+
+    # Nor does handing it over later claim files that were there before: it stays unmarked.
+    monkeypatch.delenv("POCL_CACHE_DIR")
+    platforms._private_pocl_cache()
+    assert os.environ["POCL_CACHE_DIR"] == str(cache_root / "pocl")
+    assert not (cache_root / "pocl" / cache_mod.HANDED_OVER_MARKER).exists()
+    assert cache_mod.cache_clear() == 0
+    assert sorted(p.name for p in (cache_root / "pocl").rglob("*")) == ["README", "important.c", "src"]
+
+
+def test_clear_empties_the_pocl_directory_polyjit_handed_over(
+    cache_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real hand-over (POCL_CACHE_DIR unset): the directory is marked, and cleared."""
+    from polyjit.backends.opencl import platforms
+
+    monkeypatch.delenv("POCL_CACHE_DIR", raising=False)
+    platforms._private_pocl_cache()
+    assert os.environ["POCL_CACHE_DIR"] == str(cache_root / "pocl")
+    kernel = cache_root / "pocl" / "AB" / "CDEF"
+    kernel.mkdir(parents=True)
+    (kernel / "program.so").write_bytes(b"native")
+    assert cache_mod.cache_info()["namespaces"] == {"pocl": {"entries": 1, "bytes": 6}}
+    assert cache_mod.cache_clear() == 1
+    assert not (cache_root / "pocl" / "AB").exists()
 
 
 def test_ancestor_writable_by_others_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -46,6 +46,7 @@ from polyjit.core.log import logger
 
 __all__ = [
     "HANDED_OVER",
+    "HANDED_OVER_MARKER",
     "HASH_SUFFIX",
     "POCL_NAMESPACE",
     "BinaryCache",
@@ -53,15 +54,19 @@ __all__ = [
     "CacheError",
     "cache_dir",
     "content_key",
+    "hand_over",
 ]
 
 HASH_SUFFIX = ".sha256"
 
 # Namespaces handed whole to another program, which fills them its own way: PoCL's kernel
 # cache (backends/opencl/platforms.py). The cache checks their directory like its own;
-# `cache info` counts their files and `cache clear` empties them.
+# `cache info` counts their files and `cache clear` empties them, but only once polyjit has
+# really handed the directory over (HANDED_OVER_MARKER in it): a `<root>/pocl` that polyjit
+# never gave to PoCL (POCL_CACHE_DIR pointed elsewhere) may hold the user's own files.
 POCL_NAMESPACE = "pocl"
 HANDED_OVER = frozenset({POCL_NAMESPACE})
+HANDED_OVER_MARKER = ".polyjit-handed-over"
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -590,11 +595,43 @@ def _entries(space: Path) -> list[Path]:
             and _regular(f) and _regular(Path(f"{f}{HASH_SUFFIX}"))]
 
 
+def _marked(space: Path) -> bool:
+    """Whether polyjit handed this directory over (its marker is a plain file of ours)."""
+    try:
+        return not _file_problem(os.lstat(space / HANDED_OVER_MARKER))
+    except OSError:
+        return False
+
+
+def hand_over(namespace: str) -> Path:
+    """The directory of a namespace handed whole to another program (see HANDED_OVER),
+    created 0700 like the cache's own. It is marked as handed over only while it is empty (or
+    marked already): files found in an unmarked one are not known to be the other program's,
+    so `cache clear` will leave that directory alone."""
+    if namespace not in HANDED_OVER:
+        raise ValueError(f"{namespace!r} is not a namespace handed over to another program")
+    directory = BinaryCache(namespace, "").directory()
+    marker = directory / HANDED_OVER_MARKER
+    try:
+        if not _marked(directory) and not any(directory.iterdir()):
+            fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o600)
+            with open(fd, "w", encoding="ascii") as f:
+                f.write("polyjit handed this directory to another program's cache\n")
+    except FileExistsError:
+        pass  # a concurrent process marked it
+    except OSError as e:  # unmarked: clear leaves it alone, which is only less tidy
+        logger.debug("cannot mark %s as handed over: %s", directory, e)
+    return directory
+
+
 def _handed_over_files(space: Path) -> list[os.stat_result]:
-    """The plain files anywhere below a handed-over namespace (links are not followed)."""
+    """The plain files anywhere below a handed-over namespace (links are not followed), but
+    its marker."""
     found = []
     for top, _, names in os.walk(space):
         for name in names:
+            if top == str(space) and name == HANDED_OVER_MARKER:
+                continue
             with contextlib.suppress(OSError):  # the program may be removing it meanwhile
                 st = os.lstat(os.path.join(top, name))
                 if stat.S_ISREG(st.st_mode):
@@ -608,7 +645,7 @@ def cache_info() -> dict[str, object]:
     root = cache_dir()
     spaces: dict[str, dict[str, int]] = {}
     for space in _namespaces(root):
-        if space.name in HANDED_OVER:
+        if space.name in HANDED_OVER and _marked(space):
             sizes = [st.st_size for st in _handed_over_files(space)]
         else:
             sizes = [f.stat().st_size for f in _entries(space)]
@@ -622,9 +659,11 @@ def cache_clear() -> int:
     Processes running keep what they loaded."""
     removed = 0
     for space in _namespaces(cache_dir()):
-        if space.name in HANDED_OVER:  # the namespace is the other program's alone: all of it
+        if space.name in HANDED_OVER and _marked(space):  # the other program's alone: all of it
             removed += len(_handed_over_files(space))
             for f in space.iterdir():
+                if f.name == HANDED_OVER_MARKER:
+                    continue  # still handed over: a running process's PoCL may write there
                 if stat.S_ISDIR(os.lstat(f).st_mode):
                     shutil.rmtree(f, ignore_errors=True)  # unlinks links, never follows them
                 else:

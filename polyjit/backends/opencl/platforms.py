@@ -133,10 +133,10 @@ def _private_pocl_cache() -> None:
     PoCL reads the variable when it starts (the first ``get_platforms``)."""
     if POCL_CACHE_ENV in os.environ:
         return
-    from polyjit.core.cache import POCL_NAMESPACE, BinaryCache, CacheError
+    from polyjit.core.cache import POCL_NAMESPACE, CacheError, hand_over
 
     with contextlib.suppress(CacheError):  # else PoCL's default (the user's own cache directory)
-        os.environ[POCL_CACHE_ENV] = str(BinaryCache(POCL_NAMESPACE, ".so").directory())
+        os.environ[POCL_CACHE_ENV] = str(hand_over(POCL_NAMESPACE))
 
 
 def discover(platform_filter: str | None, cpu_options: bool) -> tuple[list[ClDevice], str | None]:
