@@ -7,7 +7,9 @@ mapped can kill the process with SIGBUS, so each test checks the bytes before an
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import errno
 import hashlib
 import os
 import stat
@@ -24,6 +26,7 @@ import pytest
 from polyjit.backends.cpu.compiler import build_shared
 from polyjit.core import cache as cache_mod
 from polyjit.core.cache import HASH_SUFFIX, BinaryCache, CacheDirWarning, cache_dir
+from polyjit.core.errors import CompileError
 
 ROOT = Path(__file__).resolve().parents[1]
 OTHER_UID = 65534  # nobody
@@ -463,6 +466,124 @@ def test_entry_name_taken_by_a_directory_falls_back(cache_root: Path) -> None:
     cache.path_for("k").mkdir()
     with pytest.warns(CacheDirWarning, match="cannot be replaced"):
         assert cache.get_or_build_bytes("k", _writer(b"data")) == b"data"
+
+
+def _full_below(root: Path, code: int, data: bytes, calls: list[Path]) -> Callable[[Path], None]:
+    """A build that fails with errno code while it writes under root, as on a full disk."""
+    def build(out: Path) -> None:
+        calls.append(out)
+        if out.is_relative_to(root):
+            out.write_bytes(data[:1])  # a partial write, then the error
+            raise OSError(code, os.strerror(code), str(out))
+        out.write_bytes(data)
+
+    return build
+
+
+_NO_ROOM = [code for code in (errno.ENOSPC, getattr(errno, "EDQUOT", None), errno.EROFS, errno.EACCES) if code]
+
+
+@pytest.mark.parametrize("code", _NO_ROOM, ids=errno.errorcode.get)
+def test_no_room_under_the_cache_root_builds_in_the_private_directory(cache_root: Path, code: int) -> None:
+    """ENOSPC (EDQUOT, EROFS, EACCES) while an entry is built went to the caller, so a full
+    disk under the root made the backend unusable; the build moves to the private directory."""
+    cache = BinaryCache("t", ".bin")
+    calls: list[Path] = []
+    with pytest.warns(CacheDirWarning, match="builds cannot be written there"):
+        path = cache.get_or_build("k", _full_below(cache_root, code, b"data", calls))
+    assert path.read_bytes() == b"data" and not path.is_relative_to(cache_root)
+    _assert_verified(path)
+    assert [p.is_relative_to(cache_root) for p in calls] == [True, False]
+    # The build is kept there: found again without building, bytes checked as ever.
+    assert cache.get_or_build_bytes("k", _full_below(cache_root, code, b"data", calls)) == b"data"
+    assert cache.get_or_build("k", _full_below(cache_root, code, b"data", calls)) == path
+    assert len(calls) == 2 and cache.compiles == 1
+    assert [p.name for p in (cache_root / "t").iterdir()] == []  # nothing half written left
+
+
+def test_put_on_a_full_disk_publishes_in_the_private_directory(
+    cache_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = BinaryCache("t", ".bin")
+    cache.directory()
+    real = Path.write_bytes
+
+    def full(self: Path, data: bytes) -> int:
+        if self.is_relative_to(cache_root):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
+        return real(self, data)
+
+    monkeypatch.setattr(Path, "write_bytes", full)
+    with pytest.warns(CacheDirWarning, match="No space left"):
+        path = cache.put("k", b"data")
+    assert not path.is_relative_to(cache_root)
+    assert _assert_verified(path) == b"data"
+
+
+def test_compiler_out_of_room_builds_in_the_private_directory(
+    cache_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compiler, a child process, reports ENOSPC only in its log: the CPU build is
+    retried in the private directory and the library works."""
+    cc = tmp_path / "cc"
+    cc.write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        for a in "$@"; do case "$a" in {cache_root}/*.so)
+            echo "/usr/bin/ld: final link failed: No space left on device" >&2; exit 1;; esac; done
+        exec {os.environ.get("CC", "cc")} "$@"
+        """))
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    cache = BinaryCache("cpu", ".so")
+    with pytest.warns(CacheDirWarning, match="No space left on device"):
+        path = build_shared(_source(11), cache=cache)
+    assert not path.is_relative_to(cache_root)
+    _assert_verified(path)
+    assert ctypes.CDLL(str(path)).answer() == 11 and cache.compiles == 1
+
+
+def test_a_real_compile_error_is_not_retried(cache_root: Path) -> None:
+    cache = BinaryCache("t", ".bin")
+    calls: list[Path] = []
+
+    def bad(out: Path) -> None:
+        calls.append(out)
+        raise CompileError("C compiler failed: error: expected ';'", log="error: expected ';'")
+
+    with pytest.raises(CompileError):
+        cache.get_or_build("k", bad)
+    assert len(calls) == 1
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    if not hasattr(os, "geteuid") or os.geteuid() != 0 or not sys.platform.startswith("linux"):
+        pytest.skip("mounting a small tmpfs needs root on Linux")
+    mount = tmp_path / "full"
+    mount.mkdir(mode=0o700)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k,mode=0700", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_compile_on_a_really_full_file_system(tiny_tmpfs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reviewer's case: a cache root on a full tmpfs. The compile falls back and works."""
+    monkeypatch.setenv("POLYJIT_CACHE_DIR", str(tiny_tmpfs))
+    cache = BinaryCache("cpu", ".so")
+    cache.directory()
+    with open(tiny_tmpfs / "filler", "wb", buffering=0) as f, contextlib.suppress(OSError):
+        while True:
+            f.write(b"\0" * 4096)
+    with pytest.warns(CacheDirWarning, match="builds cannot be written there"):
+        path = build_shared(_source(13), cache=cache)
+    assert not path.is_relative_to(tiny_tmpfs)
+    _assert_verified(path)
+    assert ctypes.CDLL(str(path)).answer() == 13
 
 
 # -- concurrency ---------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import hashlib
 import hmac
 import os
@@ -76,6 +77,13 @@ _BINARY = getattr(os, "O_BINARY", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _READ_FLAGS = os.O_RDONLY | _NOFOLLOW | _NONBLOCK | _CLOEXEC | _BINARY
 _SIDECAR_MAX = 4096
+# Why a build cannot be written in a directory that is otherwise fine: the file system is
+# full, over quota, read-only, or refuses us. Such a build moves to the private directory.
+_NO_ROOM = frozenset(
+    code for code in (errno.ENOSPC, getattr(errno, "EDQUOT", None), errno.EROFS, errno.EACCES)
+    if code is not None
+)
+_LITTLE_ROOM = 1 << 20  # bytes: below this a failed compiler run is retried in the fallback
 _SIDECAR_RE = re.compile(r"([0-9a-f]{64})  (\S+)\n?")
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*")
 _SUFFIX_RE = re.compile(r"(\.[A-Za-z0-9_]+)*")
@@ -384,6 +392,34 @@ def _write_sidecar(path: Path, line: str) -> None:
             os.unlink(tmp)
 
 
+def _no_room(directory: Path, error: BaseException) -> str | None:
+    """Why a build failed for want of room (or write access) in directory, or None."""
+    if isinstance(error, OSError):
+        return (error.strerror or str(error)) if error.errno in _NO_ROOM else None
+    if not isinstance(error, CompileError):
+        return None
+    # A compiler (a child process) reports the error only in its log: look for the C
+    # library's message, else (a translated one) ask the file system itself.
+    log = error.log or str(error)
+    for code in sorted(_NO_ROOM):
+        if os.strerror(code) in log:
+            return os.strerror(code)
+    try:
+        st = os.statvfs(directory)
+    except (OSError, AttributeError):  # AttributeError: no statvfs (Windows)
+        return None
+    if st.f_flag & getattr(os, "ST_RDONLY", 0):
+        return "read-only file system"
+    if st.f_bavail * st.f_frsize < _LITTLE_ROOM or (st.f_files and not st.f_favail):
+        return "almost no space left on its file system"
+    return None
+
+
+def _in_fallback(directory: Path) -> bool:
+    made = _fallback
+    return made is not None and made[0] == os.getpid() and directory.is_relative_to(made[1])
+
+
 def _open_built(tmp: str, name: str) -> tuple[int, bytes]:
     """An fd on a freshly built tmp file (made private) and its bytes."""
     fd = os.open(tmp, _READ_FLAGS)
@@ -486,6 +522,8 @@ class BinaryCache:
 
     def _hit(self, key: str, path: Path, want_bytes: bool) -> tuple[Path, bytes | None] | None:
         seen = self._memory.get(key)
+        if seen is not None and seen.path != path and _in_fallback(seen.path.parent):
+            path = seen.path  # built privately when the shared directory failed us: still ours
         if not want_bytes and seen is not None and seen.path == path and _unchanged(seen):
             return path, None  # verified by this process, and still the same file
         got = _verified(path)
@@ -532,7 +570,26 @@ class BinaryCache:
         """Run write(tmp) in directory (or the fallback, if directory fails us) and publish."""
         directory, tmp = self._new_tmp(directory, name)
         try:
-            write(Path(tmp))  # its errors (CompileError, ...) go to the caller as they are
+            try:
+                write(Path(tmp))  # its other errors (CompileError, ...) go to the caller as they are
+            except (OSError, CompileError) as e:
+                reason = _no_room(directory, e)
+                if reason is None:
+                    raise
+                if _in_fallback(directory):
+                    raise CacheError(f"polyjit compile cache: cannot build {directory / name}: {reason}") from e
+                # A full (or read-only, over-quota) file system under the cache root: build in
+                # the private directory and keep the build there, as for a refused root.
+                _warn(directory, f"builds cannot be written there ({reason})")
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+                directory, tmp = self._new_tmp(self._fallback_dir(), name)
+                try:
+                    write(Path(tmp))
+                except OSError as e2:
+                    if isinstance(e2, PolyjitError) or e2.errno not in _NO_ROOM:
+                        raise
+                    raise CacheError(f"polyjit compile cache: cannot build {directory / name}: {e2}") from e2
             try:
                 fd, data = _open_built(tmp, name)
             except OSError as e:
