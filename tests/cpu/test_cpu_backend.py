@@ -906,10 +906,10 @@ def test_a_bool_cast_to_a_float_is_zero_or_one(dtype: str) -> None:
     r.context.finalize()
 
 
-def test_a_guarded_integer_division_keeps_its_exp_scalar() -> None:
-    """``where(b != 0, exp(a / b), 0)`` on int32 a, b: the exp's argument divides integers, so
-    it stays where the ``where`` guards it (C's ``?:``), not in a vector chunk's first pass,
-    which would run it on every lane and trap on a zero divisor."""
+def test_a_guarded_integer_division_may_run_on_every_lane() -> None:
+    """``where(b != 0, exp(a / b), 0)`` on int32 a, b: an integer division never traps
+    (``pj_div_int32`` gives 0 for a zero divisor), so the exp runs on vectors in a chunk's
+    first pass, on every lane, and the ``where`` picks."""
     backend = get_backend("cpu")
     n = 100
     a, b = ir.Node("a", (n,), dtypes.int32), ir.Node("b", (n,), dtypes.int32)
@@ -919,7 +919,7 @@ def test_a_guarded_integer_division_keeps_its_exp_scalar() -> None:
                       ir.apply(ir.Op.EXP, f, into=e), ir.apply(ir.Op.NE, b, 0, into=nz),
                       ir.apply(ir.Op.WHERE, nz, e, 0.0, into=y))
     code = backend.compile_batch([comp], names=["guarded"])
-    assert "pj_exp_f32(" in code.source.text and "pj_lv0" not in code.source.text
+    assert "pj_div_int32(" in code.source.text and "pj_lv0" in code.source.text
     av = np.arange(n, dtype=np.int32) - 50
     bv = np.where(np.arange(n) % 3 == 0, 0, 7).astype(np.int32)
     ctx = backend.get_device(0).make_context().init_from_host(a, av).init_from_host(b, bv)
@@ -1007,15 +1007,16 @@ def test_long_full_reductions_split_and_vectorize_even_reading_backwards() -> No
     ctx.finalize()
 
 
-def test_where_runs_both_values_but_only_the_chosen_integer_division() -> None:
+def test_where_runs_both_values_an_integer_division_too() -> None:
     """A where computes both of its values (GCC 12.2 miscompiled C's ?: with a load on one
-    side in a vectorized nest: epilogue.relu_mask in the catalog), except an integer division,
-    which a zero divisor makes trap: that side runs only where chosen."""
+    side in a vectorized nest: epilogue.relu_mask in the catalog), an integer division too:
+    ``pj_div_<dtype>`` gives 0 for a zero divisor where C's ``/`` trapped."""
     from polyjit.testing.programs import by_name
 
     backend = get_backend("cpu")
     guarded = backend.compile(by_name("elementwise.where_guards_division.int32.16").comps[0], name="g").source
-    assert "pj_where_" not in guarded.split("void g_")[-1] and " ? " in guarded
+    body = guarded.split("void g_")[-1]
+    assert "pj_where_int32(" in body and "pj_div_int32(" in body
     masked = backend.compile(by_name("epilogue.relu_mask.float32").comps[0], name="m").source
     assert "pj_where_float32(" in masked.split("void m_")[-1]
 
