@@ -587,7 +587,7 @@ class BinaryCache:
                 try:
                     write(Path(tmp))
                 except OSError as e2:
-                    if isinstance(e2, PolyjitError) or e2.errno not in _NO_ROOM:
+                    if e2.errno not in _NO_ROOM:
                         raise
                     raise CacheError(f"polyjit compile cache: cannot build {directory / name}: {e2}") from e2
             try:

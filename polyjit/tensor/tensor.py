@@ -54,6 +54,7 @@ _tensor_ids = itertools.count(1)
 def _pass_gradient(g: Tensor, needs: Sequence[bool]) -> list[Tensor | None]:
     return [g]  # an alias: the gradient of its one parent
 
+
 # numpy ufuncs that numpy calls for ``numpy_scalar <op> tensor``: the tensor's own op handles them.
 _UFUNC_OPS = {
     "add": "add", "subtract": "sub", "multiply": "mul", "true_divide": "div", "power": "pow",
