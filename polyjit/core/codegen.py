@@ -559,11 +559,15 @@ class Emitter:
 
     def combine(self, accum: ir.AccumOp, dt: DType, old: str, new: str) -> str:
         """``accum(old, new)`` in the dtype kernels compute ``dt`` in (not rounded to a half type:
-        a store rounds)."""
-        if accum is ir.AccumOp.ADD:
-            return f"{old} + {new}"
-        if accum is ir.AccumOp.MUL:
-            return f"{old} * {new}"
+        a store rounds). A signed integer sum or product wraps, as in :meth:`_call` (LLVM took a
+        sum of non-negative int32 values for non-negative however it overflowed)."""
+        if accum in (ir.AccumOp.ADD, ir.AccumOp.MUL):
+            sign = "+" if accum is ir.AccumOp.ADD else "*"
+            c = dt.compute
+            if c.is_signed and not c.is_float:
+                t, u = self.d.type_name(c), self.d.unsigned_name(c)
+                return f"(({t})(({u})({old}) {sign} ({u})({new})))"
+            return f"{old} {sign} {new}"
         return f"pj_{accum.value}_{dt.compute.name}({old}, {new})"
 
     def stmt(self, s: Stmt, indent: int) -> list[str]:
