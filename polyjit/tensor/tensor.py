@@ -55,6 +55,13 @@ def _pass_gradient(g: Tensor, needs: Sequence[bool]) -> list[Tensor | None]:
     return [g]  # an alias: the gradient of its one parent
 
 
+def alias(x: Tensor) -> Tensor:
+    """A new tensor that is ``x`` (its node, its gradient): what an op that changes nothing
+    returns (``x.reshape(x.shape)``, a cast to its own dtype), so that naming the result
+    cannot rename ``x`` (an input, a parameter's state dict key)."""
+    return Tensor(x.node, (), (x,), _pass_gradient if x.dtype.is_float else None, name=x.name)
+
+
 # numpy ufuncs that numpy calls for ``numpy_scalar <op> tensor``: the tensor's own op handles them.
 _UFUNC_OPS = {
     "add": "add", "subtract": "sub", "multiply": "mul", "true_divide": "div", "power": "pow",
@@ -110,7 +117,7 @@ def is_int(value: object) -> bool:
 def _one_or_many(args: tuple[Any, ...]) -> tuple[Any, ...]:
     """numpy's ``x.reshape(2, 3)`` or ``x.reshape((2, 3))``: the ints, given apart or as one
     sequence. Anything else is kept as given, for the op to refuse by name."""
-    if len(args) == 1 and isinstance(args[0], (tuple, list, np.ndarray)):
+    if len(args) == 1 and isinstance(args[0], (tuple, list, range, np.ndarray)):
         return tuple(args[0])
     return args
 
@@ -215,15 +222,10 @@ class Tensor:
         return (self[k] for k in range(len(self)))
 
     def named(self, name: str) -> Tensor:
-        """Give the tensor a name (the key of its output in a plan); returns the tensor.
-
-        An input, parameter or state keeps its own name (the plan's input, the state dict's
-        key): naming one (or what a no-op such as ``w.reshape(w.shape)`` returns, the operand
-        itself) returns an alias of it under the new name."""
+        """Give the tensor a name (the key of its output in a plan; an input's or parameter's
+        own name); returns the tensor."""
         if not isinstance(name, str):
             raise InvalidArgumentError(f"a tensor's name is a str, not {type(name).__name__}")
-        if self.kind is not Kind.OP:
-            return Tensor(self.node, (), (self,), _pass_gradient, name=name)
         self.name = name
         return self
 

@@ -421,6 +421,9 @@ def test_numpy_integers_are_ints_for_shapes_axes_and_indices() -> None:
     assert pt.arange(np.int64(3)).shape == (3,)
     assert x[i1].shape == (3,)
     assert x[np.int32(0) : np.int64(1), ::np.int64(2)].shape == (1, 2)
+    # a range is a sequence of ints, as numpy takes it (found by the review of this fix)
+    assert x.reshape(range(3, 1, -1)).shape == (3, 2) and x.transpose(range(1, -1, -1)).shape == (3, 2)
+    assert pt.reshape(x, range(1, 7)[::5]).shape == (1, 6)
 
 
 def test_bool_indices_and_non_int_slice_bounds_are_refused() -> None:

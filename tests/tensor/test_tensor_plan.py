@@ -441,10 +441,11 @@ def test_threads_sharing_a_plan_take_turns() -> None:
         p.close()
 
 
-def test_naming_an_input_or_a_parameter_names_an_alias() -> None:
+def test_what_a_no_op_returns_is_an_alias_to_name() -> None:
     """Found by review: a no-op (a cast to the same dtype, a reshape to the same shape)
-    returns its operand, and .named() on it renamed the input or parameter itself: the plan
-    then wanted the input under the new name, and the state dict's key changed."""
+    returned its operand, and .named() on it renamed the input or parameter itself: the plan
+    then wanted the input under the new name, and the state dict's key changed. A no-op now
+    returns an alias; .named() on a parameter itself still renames it (and it still trains)."""
     x = pt.input("x", (2, 2))
     w = pt.param("layer.weight", (2, 2), init=np.arange(4, dtype=np.float32).reshape(2, 2))
     y = x.astype("float32").named("y")
@@ -461,6 +462,16 @@ def test_naming_an_input_or_a_parameter_names_an_alias() -> None:
     with pytest.raises(InvalidArgumentError, match="name"):
         x.named(3)  # type: ignore[arg-type]
     plan.close()
+    v = pt.param("v", (3,), init=np.ones(3, np.float32))
+    renamed = v.named("V")
+    assert renamed is v
+    (gv,) = pt.grad(pt.sum(v * v), [renamed])
+    np.testing.assert_array_equal(pt.compile({"gv": gv}).run()["gv"], np.full(3, 2.0))
+    trained = pt.compile(loss=pt.sum(v * v), optimizer=pt.SGD(0.1), params=[renamed])
+    trained.step()
+    assert list(trained.state_dict()) == ["V"]
+    np.testing.assert_allclose(trained.state_dict()["V"], np.full(3, 0.8))
+    trained.close()
 
 
 def test_each_thread_gets_results_of_its_own() -> None:

@@ -13,7 +13,7 @@ from polyjit.core.dtypes import as_dtype
 from polyjit.core.errors import DTypeMismatchError, InvalidProgramError
 from polyjit.core.ir import Op
 from polyjit.tensor.ops.indexing import sum_to
-from polyjit.tensor.tensor import DTypeLike, Scalar, Tensor, check_scalar, full
+from polyjit.tensor.tensor import DTypeLike, Scalar, Tensor, alias, check_scalar, full
 
 Operand = Tensor | Scalar
 
@@ -252,7 +252,7 @@ def not_equal(a: Operand, b: Operand) -> Tensor:
 def cast(x: Tensor, dtype: DTypeLike) -> Tensor:
     dt = as_dtype(dtype)
     if dt == x.dtype:
-        return x
+        return alias(x)
     return elementwise(Op.CAST, x, dtype=dt, name=f"to_{dt.name}")
 
 

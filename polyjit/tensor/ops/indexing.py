@@ -20,7 +20,7 @@ from polyjit.core.errors import (
     UnsupportedError,
 )
 from polyjit.core.ir import AccumOp, Affine, Op, Symbol
-from polyjit.tensor.tensor import Tensor, as_int, is_int
+from polyjit.tensor.tensor import Tensor, alias, as_int, is_int
 
 IndexMap = Callable[[Sequence[Symbol]], tuple[Affine, ...]]
 
@@ -115,7 +115,7 @@ def broadcast_to(x: Tensor, shape: int | Sequence[int]) -> Tensor:
     except ShapeMismatchError as e:
         raise ShapeMismatchError(f"broadcast_to of {x!r}: {e}") from None
     if x.shape == dst:
-        return x
+        return alias(x)
     return gather(x, dst, _broadcast_map(x.shape, dst), name="broadcast")
 
 
@@ -137,7 +137,7 @@ def transpose(x: Tensor, axes: Sequence[int] | None = None) -> Tensor:
     if sorted(perm) != list(range(x.ndim)):
         raise ShapeMismatchError(f"{axes} is not a permutation of the axes of {x.shape}")
     if perm == tuple(range(x.ndim)):
-        return x
+        return alias(x)
     inverse = [0] * x.ndim
     for pos, a in enumerate(perm):
         inverse[a] = pos
@@ -215,7 +215,7 @@ def getitem(x: Tensor, index: Any) -> Tensor:
 
     identity = all(pos == k and start == 0 and step == 1 for k, (pos, start, step) in enumerate(spec))
     if identity and tuple(shape) == x.shape:
-        return x
+        return alias(x)
     return gather(x, tuple(shape), gather_index, name="slice")
 
 

@@ -12,7 +12,7 @@ from polyjit.core.errors import ShapeMismatchError
 from polyjit.core.ir import AccumOp, Affine, Op, Symbol
 from polyjit.tensor.ops.elementwise import equal, where
 from polyjit.tensor.ops.indexing import IndexMap, _syms, gather, scatter_add
-from polyjit.tensor.tensor import Tensor, as_int, is_int
+from polyjit.tensor.tensor import Tensor, alias, as_int, is_int
 
 
 def _axes(axis: int | Sequence[int] | None, ndim: int) -> tuple[int, ...]:
@@ -52,7 +52,7 @@ def _reduced_shape(shape: tuple[int, ...], axes: tuple[int, ...], keepdims: bool
 def sum(x: Tensor, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
     axes = _axes(axis, x.ndim)
     if not axes:
-        return x
+        return alias(x)
     return scatter_add(x, _reduced_shape(x.shape, axes, keepdims), _reduce_map(x.ndim, axes, keepdims), name="sum")
 
 
@@ -65,7 +65,7 @@ def mean(x: Tensor, axis: int | Sequence[int] | None = None, keepdims: bool = Fa
 def _reduce_extreme(x: Tensor, axis: int | Sequence[int] | None, keepdims: bool, accum: AccumOp) -> Tensor:
     axes = _axes(axis, x.ndim)
     if not axes:
-        return x
+        return alias(x)
     index = _reduce_map(x.ndim, axes, keepdims)
     shape = _reduced_shape(x.shape, axes, keepdims)
     syms = _syms(x.ndim)

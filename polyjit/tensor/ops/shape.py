@@ -13,13 +13,13 @@ from polyjit.core.errors import DTypeMismatchError, InvalidProgramError, ShapeMi
 from polyjit.core.ir import Op
 from polyjit.tensor.ops.indexing import _syms, getitem
 from polyjit.tensor.ops.reductions import _axes
-from polyjit.tensor.tensor import Tensor, is_int
+from polyjit.tensor.tensor import Tensor, alias, is_int
 
 
 def reshape(x: Tensor, shape: int | Sequence[int]) -> Tensor:
     """Row-major reshape (one dimension may be -1)."""
     items = (shape,) if is_int(shape) else shape
-    if not isinstance(items, (tuple, list, np.ndarray)):
+    if not isinstance(items, (tuple, list, range, np.ndarray)):
         raise ShapeMismatchError(f"reshape of {x!r}: a shape is an int or a sequence of ints, got {shape!r}")
     free = [k for k, d in enumerate(items) if is_int(d) and d == -1]
     if len(free) > 1:
@@ -38,7 +38,7 @@ def reshape(x: Tensor, shape: int | Sequence[int]) -> Tensor:
     if math.prod(target) != x.size:
         raise ShapeMismatchError(f"cannot reshape {x.shape} into {target}")
     if target == x.shape:
-        return x
+        return alias(x)
     node = ir.Node("reshape", target, x.dtype)
 
     def backward(g: Tensor, needs: Sequence[bool]) -> list[Tensor | None]:
@@ -59,7 +59,7 @@ def concat(tensors: Sequence[Tensor], axis: int = 0) -> Tensor:
         if t.ndim != first.ndim or t.shape[:ax] + t.shape[ax + 1 :] != first.shape[:ax] + first.shape[ax + 1 :]:
             raise ShapeMismatchError(f"cannot concatenate {first.shape} and {t.shape} along axis {ax}")
     if len(tensors) == 1:
-        return first
+        return alias(first)
     total = builtins.sum(t.shape[ax] for t in tensors)
     shape = first.shape[:ax] + (total,) + first.shape[ax + 1 :]
     node = ir.Node("concat", shape, first.dtype)
