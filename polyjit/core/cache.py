@@ -399,11 +399,15 @@ def _no_room(directory: Path, error: BaseException) -> str | None:
     if not isinstance(error, CompileError):
         return None
     # A compiler (a child process) reports the error only in its log: look for the C
-    # library's message, else (a translated one) ask the file system itself.
+    # library's message of a full disk, else (a translated one, or a directory we may not
+    # write) ask the file system itself. Not "Permission denied": a compile error's own text
+    # (an #error, an echoed source line) may say it.
     log = error.log or str(error)
-    for code in sorted(_NO_ROOM):
-        if os.strerror(code) in log:
+    for code in (errno.ENOSPC, getattr(errno, "EDQUOT", None)):
+        if code is not None and os.strerror(code) in log:
             return os.strerror(code)
+    if not os.access(directory, os.W_OK):
+        return "not writable"
     try:
         st = os.statvfs(directory)
     except (OSError, AttributeError):  # AttributeError: no statvfs (Windows)
@@ -577,6 +581,8 @@ class BinaryCache:
                 if reason is None:
                     raise
                 if _in_fallback(directory):
+                    if isinstance(e, CompileError):
+                        raise  # the compiler's own error, with its log
                     raise CacheError(f"polyjit compile cache: cannot build {directory / name}: {reason}") from e
                 # A full (or read-only, over-quota) file system under the cache root: build in
                 # the private directory and keep the build there, as for a refused root.
@@ -662,15 +668,16 @@ def _marked(space: Path) -> bool:
 
 def hand_over(namespace: str) -> Path:
     """The directory of a namespace handed whole to another program (see HANDED_OVER),
-    created 0700 like the cache's own. It is marked as handed over only while it is empty (or
-    marked already): files found in an unmarked one are not known to be the other program's,
-    so `cache clear` will leave that directory alone."""
+    created 0700 like the cache's own, and marked as handed over: from now on what is in it
+    is the other program's (an earlier polyjit's hand-over left files there unmarked). A
+    directory polyjit never hands over (``$POCL_CACHE_DIR`` set elsewhere) stays unmarked,
+    and `cache clear` leaves it alone."""
     if namespace not in HANDED_OVER:
         raise ValueError(f"{namespace!r} is not a namespace handed over to another program")
     directory = BinaryCache(namespace, "").directory()
     marker = directory / HANDED_OVER_MARKER
     try:
-        if not _marked(directory) and not any(directory.iterdir()):
+        if not _marked(directory):
             fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o600)
             with open(fd, "w", encoding="ascii") as f:
                 f.write("polyjit handed this directory to another program's cache\n")
