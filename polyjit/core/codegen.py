@@ -141,6 +141,8 @@ class Dialect:
 
     # -- what the target is (core/patterns.py reads these) --------------------------------
     mapping = patterns.LOOPS  # how a parallel nest maps onto the target
+    # the most work-items a raw kernel may ask for in one dimension (its statics are int64)
+    max_work_items = 2**63 - 1
     # A kernel of less work than this (innermost iterations) runs on one thread: a team
     # costs microseconds.
     omp_min_work = 32768

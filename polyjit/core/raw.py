@@ -128,19 +128,18 @@ def _params(params: Any) -> tuple[Param, ...]:
     return tuple(out)
 
 
-def _size(value: Any, what: str) -> tuple[int, ...] | None:
+def _size(value: Any, what: str, most: int) -> tuple[int, ...] | None:
     if value is None:
         return None
     dims = (value,) if not isinstance(value, Sequence) else tuple(value)
-    # below 2**32 each: PoCL dies (SIGILL) on 2**32 work-groups in a dimension
-    if not 1 <= len(dims) <= 3 or any(isinstance(d, bool) or not isinstance(d, int) or not 1 <= d < 2**32
+    if not 1 <= len(dims) <= 3 or any(isinstance(d, bool) or not isinstance(d, int) or not 1 <= d <= most
                                       for d in dims):
-        raise InvalidArgumentError(f"raw_kernel: {what} must be 1 to 3 integers in [1, 2**32), not {value!r}")
+        raise InvalidArgumentError(f"raw_kernel: {what} must be 1 to 3 integers in [1, {most}], not {value!r}")
     return dims
 
 
-def _launch(global_size: Any, local_size: Any, needs_shape: bool) -> LaunchShape:
-    glob, local = _size(global_size, "global_size"), _size(local_size, "local_size")
+def _launch(global_size: Any, local_size: Any, needs_shape: bool, most: int) -> LaunchShape:
+    glob, local = _size(global_size, "global_size", most), _size(local_size, "local_size", most)
     if glob is None:
         if needs_shape:
             raise InvalidArgumentError("raw_kernel: this backend launches work-items: give global_size")
@@ -193,7 +192,8 @@ def raw_code(backend: Backend, source: str | os.PathLike[str], name: str, params
         raise BindingError(f"raw_kernel {name}: bindings for {unknown!r}, which are not among its statics {syms!r}")
     checked = {s: check_binding(f"raw_kernel {name}", s, v) for s, v in given.items()}
     driver = backend.driver
-    launch = _launch(global_size, local_size, needs_shape=driver.dialect.mapping != patterns.LOOPS)
+    launch = _launch(global_size, local_size, needs_shape=driver.dialect.mapping != patterns.LOOPS,
+                     most=driver.dialect.max_work_items)
     nodes = tuple(p.node for p in ps)
     written = tuple(p.node for p in ps if p.writes)
     reads = tuple(p.node for p in ps if p.reads)

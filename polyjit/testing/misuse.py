@@ -81,8 +81,8 @@ def misuse_table(backend: Backend) -> list[tuple[str, type[PolyjitError], Callab
         ("a static bound beyond int64", ValueRangeError, lambda: StaticSymbol("s", 2**64)),
         ("raw_kernel bindings that are not a mapping", BindingError,
          lambda: backend.raw_kernel("", "mis_raw", [], statics=[b], bindings=5)),  # type: ignore[arg-type]
-        ("raw_kernel with 2**32 work-items in a dimension", InvalidArgumentError,
-         lambda: backend.raw_kernel("", "mis_raw", [], global_size=2**32)),
+        ("raw_kernel with more work-items in a dimension than the backend takes", InvalidArgumentError,
+         lambda: backend.raw_kernel("", "mis_raw", [], global_size=backend.driver.dialect.max_work_items + 1)),
         ("a binding given as a string", BindingError, bind("1")),
         ("a binding given as a float", BindingError, bind(2.7)),
         ("a binding given as a bool", BindingError, bind(True)),

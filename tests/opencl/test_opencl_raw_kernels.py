@@ -155,6 +155,15 @@ def test_generated_reader_waits_for_a_raw_writer_on_another_stream(backend: Back
 # -- hostile input -------------------------------------------------------------------------------
 
 
+def test_2_to_the_32_work_items_in_a_dimension_are_refused(backend: Backend) -> None:
+    """Found by review: PoCL killed the process (SIGILL) on 2**32 work-groups in a dimension."""
+    out = f32("out", (4,))
+    backend.raw_kernel(SAXPY, "saxpy", [raw.write(out)], global_size=2**32 - 1, local_size=1)
+    for size in (2**32, (1, 2**62)):
+        with pytest.raises(InvalidArgumentError, match="global_size"):
+            backend.raw_kernel(SAXPY, "saxpy", [raw.write(out)], global_size=size)
+
+
 def test_wrong_parameters_are_refused_at_link(backend: Backend) -> None:
     dev = backend.get_device(0)
     n = 64

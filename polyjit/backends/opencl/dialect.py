@@ -46,6 +46,7 @@ class OpenCLDialect(Dialect):
     parallel_for_pragma = parallel_reduction_pragma = simd_reduction_pragma = simd_for_pragma = None  # no OpenMP
     ordered_float_prefix = ()  # the C dialect's GCC workaround: no OpenCL compiler is GCC
     mapping = patterns.GLOBAL_IDS
+    max_work_items = 2**32 - 1  # PoCL dies (SIGILL) on 2**32 work-groups in a dimension
     gpu = SPELLING
     work_group = max_work_group = 256
     # 64x64 blocks of 8x8 outputs per work-item: the register variant's 8x8 blocks of float8
