@@ -199,22 +199,23 @@ def integer_edges() -> list[CatalogProgram]:
                 f"elementwise.int_edges.{op.value}.{dt}", ir.apply(op, a, b, into=r),
                 inputs=[(a, _edge_values(dt, n)), (b, _edge_values(dt, n))], outputs=[r],
             ))
-        # a sum of non-negative values compared with 0: LLVM folded it to true
-        x, y = Node("x", (16, 4), dt), Node("y", (16, 4), dt)
-        sums = Node("row_sums", (16,), dt, mode=ir.MemoryMode.MATERIALIZED)  # read by the compare too
-        nonneg = Node("row_sums_ge_0", (16,), dtypes.bool_)
-        prods, big = Node("row_prods", (16,), dt), Node("x_big", (16, 4), dt)
+        if dt.is_signed:  # (uint8 >= 0 is always true, and NVRTC warns of it)
+            # a sum of non-negative values compared with 0: LLVM folded it to true
+            x, y = Node("x", (16, 4), dt), Node("y", (16, 4), dt)
+            sums = Node("row_sums", (16,), dt, mode=ir.MemoryMode.MATERIALIZED)  # read by the compare too
+            nonneg = Node("row_sums_ge_0", (16,), dtypes.bool_)
+            prods, big = Node("row_prods", (16,), dt), Node("x_big", (16, 4), dt)
 
-        def near_max(rng: np.random.Generator, dt: DType = dt) -> Array:
-            return (np.iinfo(dt.np).max - rng.integers(0, 3, (16, 4))).astype(dt.np)
+            def near_max(rng: np.random.Generator, dt: DType = dt) -> Array:
+                return (np.iinfo(dt.np).max - rng.integers(0, 3, (16, 4))).astype(dt.np)
 
-        out.append(program(
-            f"elementwise.int_edges.row_sums_compare.{dt}", ir.apply(Op.RELU, x, into=y),
-            ir.einsum("ij->i", y, into=sums), ir.apply(Op.GE, sums, 0, into=nonneg),
-            ir.apply(Op.ID, x, into=big), ir.Accum(prods, ir.AccumOp.MUL, Op.ID, (big,), _rows_of(prods, big),
-                                                   init_neutral=True),
-            inputs=[(x, near_max)], outputs=[sums, nonneg, prods], virtual=(y,),
-        ))
+            out.append(program(
+                f"elementwise.int_edges.row_sums_compare.{dt}", ir.apply(Op.RELU, x, into=y),
+                ir.einsum("ij->i", y, into=sums), ir.apply(Op.GE, sums, 0, into=nonneg),
+                ir.apply(Op.ID, x, into=big), ir.Accum(prods, ir.AccumOp.MUL, Op.ID, (big,), _rows_of(prods, big),
+                                                       init_neutral=True),
+                inputs=[(x, near_max)], outputs=[sums, nonneg, prods], virtual=(y,),
+            ))
         a, t, gt = Node("a", (n,), dt), Node("t", (n,), dt), Node("a_plus_1_gt_a", (n,), dtypes.bool_)
         neg, ab = Node("r_neg", (n,), dt), Node("r_abs", (n,), dt)
         out.append(program(
