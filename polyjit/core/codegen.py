@@ -503,8 +503,7 @@ class Emitter:
         wraps = dt.is_signed and not dt.is_float  # int32, int64: computed unsigned (see unsigned_name)
         if op in _INFIX:
             if wraps and op in _WRAPPING:
-                u = self.d.unsigned_name(dt)
-                return f"(({t})(({u})({args[0]}) {_INFIX[op]} ({u})({args[1]})))"
+                return self.arith(dt, args[0], _INFIX[op], args[1])
             s = f"({args[0]} {_INFIX[op]} {args[1]})"
             # C computes narrow integers in int: wrap like numpy does.
             return f"(({t})({s}))" if dt in (dtypes.uint8,) else s
@@ -564,13 +563,16 @@ class Emitter:
         a store rounds). A signed integer sum or product wraps, as in :meth:`_call` (LLVM took a
         sum of non-negative int32 values for non-negative however it overflowed)."""
         if accum in (ir.AccumOp.ADD, ir.AccumOp.MUL):
-            sign = "+" if accum is ir.AccumOp.ADD else "*"
-            c = dt.compute
-            if c.is_signed and not c.is_float:
-                t, u = self.d.type_name(c), self.d.unsigned_name(c)
-                return f"(({t})(({u})({old}) {sign} ({u})({new})))"
-            return f"{old} {sign} {new}"
+            return self.arith(dt.compute, old, "+" if accum is ir.AccumOp.ADD else "*", new)
         return f"pj_{accum.value}_{dt.compute.name}({old}, {new})"
+
+    def arith(self, dt: DType, left: str, sign: str, right: str) -> str:
+        """``left sign right`` in ``dt``; a signed integer one wraps, spelled in the unsigned
+        type of its width (:meth:`Dialect.unsigned_name`)."""
+        if dt.is_signed and not dt.is_float:
+            t, u = self.d.type_name(dt), self.d.unsigned_name(dt)
+            return f"(({t})(({u})({left}) {sign} ({u})({right})))"
+        return f"{left} {sign} {right}"
 
     def stmt(self, s: Stmt, indent: int) -> list[str]:
         pad = "  " * indent
