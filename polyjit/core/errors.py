@@ -150,3 +150,16 @@ class CollectiveMismatchError(PolyjitError, ValueError):
     """The ranks called a collective (or a send and its recv) with different shapes, dtypes,
     ops or roots, or called different collectives: raised on every rank taking part, before
     any data moves."""
+
+
+class CollectiveRefusedError(CollectiveMismatchError):
+    """Another rank could not take part in a collective (or in the other side of a send /
+    recv): its own arguments were wrong, or preparing the call failed there (a device fault in
+    the node's writer, a bad input to a data-parallel step). Raised on every other rank of the
+    call, after the join and before any data moves; the failing rank raises its own error, and
+    the communicator stays usable. ``ranks``: the ranks that refused; ``collective``: the call."""
+
+    def __init__(self, message: str, *, collective: str = "", ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.collective = collective
+        self.ranks = tuple(ranks)

@@ -13,7 +13,11 @@ that aborts the whole job when one rank raises (``POLYJIT_MPI_ABORT=0`` opts out
 
 from mpi4py import MPI
 
-from polyjit.core.errors import CollectiveMismatchError, CollectiveTimeoutError
+from polyjit.core.errors import (
+    CollectiveMismatchError,
+    CollectiveRefusedError,
+    CollectiveTimeoutError,
+)
 from polyjit.distributed.abort import (
     enabled_by_environment,
     excepthook_installed,
@@ -42,6 +46,7 @@ __all__ = [
     "MPI",
     "OPS",
     "CollectiveMismatchError",
+    "CollectiveRefusedError",
     "CollectiveTimeoutError",
     "Comm",
     "MpiexecNotFoundError",

@@ -39,6 +39,7 @@ from mpi4py import MPI
 from polyjit.core.context import Context
 from polyjit.core.errors import (
     CollectiveMismatchError,
+    CollectiveRefusedError,
     CollectiveTimeoutError,
     DTypeMismatchError,
     FinalizedError,
@@ -165,10 +166,11 @@ class Comm:
         paths), before routines after the call can change it."""
         deadline, problem = self._start(timeout)
         problem = problem or _node_problem(ctx, node, "all_reduce", write=True) or _op_problem(op, node)
-        self._refuse_on(problem, "all_reduce", node, deadline)
-        hdr = self._header("all_reduce", op=op, node=node)
-        with self._buffer(ctx, node, write=True) as (buf, host):
-            self._join(hdr, "all_reduce", node, deadline)
+        with contextlib.ExitStack() as stack:
+            problem, views = self._enter(stack, problem, (ctx, node, True))
+            self._refuse_on(problem, "all_reduce", node, deadline)
+            ((buf, host),) = views
+            self._join(self._header("all_reduce", op=op, node=node), "all_reduce", node, deadline)
             t0 = time.perf_counter()
             if self.size > 1:
                 req = self._data.Iallreduce(MPI.IN_PLACE, buf, _mpi_op(op, node))
@@ -183,10 +185,11 @@ class Comm:
         deadline, problem = self._start(timeout)
         problem = problem or self._rank_problem(root, "broadcast root") or \
             _node_problem(ctx, node, "broadcast", write=self.rank != root)
-        self._refuse_on(problem, "broadcast", node, deadline)
-        hdr = self._header("broadcast", node=node, root=root)
-        with self._buffer(ctx, node, write=self.rank != root) as (buf, host):
-            self._join(hdr, "broadcast", node, deadline)
+        with contextlib.ExitStack() as stack:
+            problem, views = self._enter(stack, problem, (ctx, node, self.rank != root))
+            self._refuse_on(problem, "broadcast", node, deadline)
+            ((buf, host),) = views
+            self._join(self._header("broadcast", node=node, root=root), "broadcast", node, deadline)
             if self.size == 1:
                 return
             req = self._data.Ibcast(buf, root=root)
@@ -200,11 +203,11 @@ class Comm:
         problem = problem or _node_problem(ctx, node, "all_gather", write=False) or \
             _node_problem(ctx, out_node, "all_gather (out_node)", write=True) or \
             _out_problem(node, out_node, self.size, "all_gather", gather=True)
-        self._refuse_on(problem, "all_gather", node, deadline)
-        hdr = self._header("all_gather", node=node)
-        with self._buffer(ctx, node, write=False) as (sbuf, shost), \
-                self._buffer(ctx, out_node, write=True) as (rbuf, rhost):
-            self._join(hdr, "all_gather", node, deadline)
+        with contextlib.ExitStack() as stack:
+            problem, views = self._enter(stack, problem, (ctx, node, False), (ctx, out_node, True))
+            self._refuse_on(problem, "all_gather", node, deadline)
+            (sbuf, shost), (rbuf, rhost) = views
+            self._join(self._header("all_gather", node=node), "all_gather", node, deadline)
             req = self._data.Iallgather(sbuf, rbuf)
             self._complete([req], deadline, "all_gather", node, (sbuf, shost, rbuf, rhost), ctx, out_node)
 
@@ -217,11 +220,11 @@ class Comm:
         problem = problem or _node_problem(ctx, node, "reduce_scatter", write=False) or \
             _node_problem(ctx, out_node, "reduce_scatter (out_node)", write=True) or \
             _op_problem(op, node) or _out_problem(out_node, node, self.size, "reduce_scatter", gather=False)
-        self._refuse_on(problem, "reduce_scatter", node, deadline)
-        hdr = self._header("reduce_scatter", op=op, node=node)
-        with self._buffer(ctx, node, write=False) as (sbuf, shost), \
-                self._buffer(ctx, out_node, write=True) as (rbuf, rhost):
-            self._join(hdr, "reduce_scatter", node, deadline)
+        with contextlib.ExitStack() as stack:
+            problem, views = self._enter(stack, problem, (ctx, node, False), (ctx, out_node, True))
+            self._refuse_on(problem, "reduce_scatter", node, deadline)
+            (sbuf, shost), (rbuf, rhost) = views
+            self._join(self._header("reduce_scatter", op=op, node=node), "reduce_scatter", node, deadline)
             if self.size > 1:
                 req = self._data.Ireduce_scatter_block(sbuf, rbuf, _mpi_op(op, node))
                 self._complete([req], deadline, "reduce_scatter", node, (sbuf, shost, rbuf, rhost), ctx, out_node)
@@ -244,10 +247,10 @@ class Comm:
         deadline, problem = self._start(timeout)
         self._check_peer(dest, tag, "send")  # else there is no one to tell, or no channel
         problem = problem or _node_problem(ctx, node, "send", write=False)
-        if problem is not None:
-            self._handshake("send", node, dest, tag, deadline, problem)
-        with self._buffer(ctx, node, write=False) as (buf, host):
-            self._handshake("send", node, dest, tag, deadline)
+        with contextlib.ExitStack() as stack:
+            problem, views = self._enter(stack, problem, (ctx, node, False))
+            self._handshake("send", node, dest, tag, deadline, problem)  # raises the problem after it
+            ((buf, host),) = views
             req = self._data.Isend(buf, dest=dest, tag=tag)
             self._complete([req], deadline, "send", node, (buf, host), ctx)
 
@@ -257,10 +260,10 @@ class Comm:
         deadline, problem = self._start(timeout)
         self._check_peer(source, tag, "recv")  # else there is no one to tell, or no channel
         problem = problem or _node_problem(ctx, node, "recv", write=True)
-        if problem is not None:
-            self._handshake("recv", node, source, tag, deadline, problem)
-        with self._buffer(ctx, node, write=True) as (buf, host):
-            self._handshake("recv", node, source, tag, deadline)
+        with contextlib.ExitStack() as stack:
+            problem, views = self._enter(stack, problem, (ctx, node, True))
+            self._handshake("recv", node, source, tag, deadline, problem)  # raises the problem after it
+            ((buf, host),) = views
             req = self._data.Irecv(buf, source=source, tag=tag)
             self._complete([req], deadline, "recv", node, (buf, host), ctx)
 
@@ -327,11 +330,26 @@ class Comm:
         self._seconds = seconds
         return (time.monotonic() + seconds if math.isfinite(seconds) else math.inf), problem
 
+    def _enter(self, stack: contextlib.ExitStack[Any], problem: Exception | None,
+               *views: tuple[Context, Node, bool]) -> tuple[Exception | None, list[tuple[Any, Array | None]]]:
+        """Step 0 of a call: enter the buffers of ``(ctx, node, write)`` (the waits for the
+        node's events, the host views) on ``stack``. What fails here (a device fault in the
+        node's writer, a copy) is this rank's own problem, returned to refuse the call with:
+        every rank joins every numbered call, whatever failed on it before."""
+        opened: list[tuple[Any, Array | None]] = []
+        if problem is None:
+            try:
+                for ctx, node, write in views:
+                    opened.append(stack.enter_context(self._buffer(ctx, node, write=write)))
+            except Exception as e:  # raised on this rank after the join
+                problem = e
+        return problem, opened
+
     def _refuse_on(self, problem: Exception | None, kind: str, node: Any, deadline: float) -> None:
-        """A rank whose own arguments are wrong joins the call with its refusal flag set and
-        raises its error after the join; every other rank raises CollectiveMismatchError naming
-        it. Raising at once would leave them waiting (then broken, at their timeout), or pair
-        their call with this rank's next one."""
+        """A rank whose own arguments are wrong, or whose preparation of the call failed, joins
+        the call with its refusal flag set and raises its error after the join; every other
+        rank raises CollectiveRefusedError naming it. Raising at once would leave them waiting
+        (then broken, at their timeout), or pair their call with this rank's next one."""
         if problem is None:
             return
         shown = node if isinstance(node, Node) else None
@@ -373,9 +391,10 @@ class Comm:
         if refused:
             if problem is not None:
                 raise problem
-            raise CollectiveMismatchError(
+            raise CollectiveRefusedError(
                 f"rank {me}: {kind}{_of(node)}: {header.ranks_text(refused)} refused the call "
-                f"(its own error says why): {header.describe(headers[refused[0]])}")
+                f"(its own error says why), no data was moved: {header.describe(headers[refused[0]])}",
+                collective=kind, ranks=tuple(refused))
         differ = header.disagreement(headers)
         if differ is not None:
             label = what or kind
@@ -409,9 +428,9 @@ class Comm:
         if problem is not None:
             raise problem
         if theirs[header.FLAG]:  # without a problem of its own, this rank's node is a Node
-            raise CollectiveMismatchError(
+            raise CollectiveRefusedError(
                 f"rank {self.rank}: {kind} of {node.label}: rank {peer} refused its side of the pair (its own "
-                f"error says why), no data was moved: {header.describe(theirs)}")
+                f"error says why), no data was moved: {header.describe(theirs)}", collective=kind, ranks=(peer,))
         send, recv = (mine, theirs) if kind == "send" else (theirs, mine)
         differ = header.pair_disagreement(send, recv)
         if differ is not None:

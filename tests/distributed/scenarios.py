@@ -28,6 +28,7 @@ from polyjit.backends import get_backend
 from polyjit.backends.cpu import create_backend
 from polyjit.core.errors import (
     CollectiveMismatchError,
+    CollectiveRefusedError,
     CollectiveTimeoutError,
     DTypeMismatchError,
     FinalizedError,
@@ -339,6 +340,76 @@ def mismatch() -> None:
     say("mismatch")
 
 
+def _refused(fn: Callable[[], None], rank: int, *words: str) -> None:
+    """``fn`` raises CollectiveRefusedError naming ``rank`` (and ``words``) on this rank."""
+    try:
+        fn()
+    except CollectiveRefusedError as e:
+        assert e.ranks == (rank,), (e.ranks, str(e))
+        for w in (f"rank {rank} refused", *words):
+            assert w in str(e), (w, str(e))
+        return
+    raise AssertionError("CollectiveRefusedError not raised")
+
+
+def local_failure() -> None:
+    """Found by review: a call that failed on one rank while it prepared the call (here a device
+    fault in the node's writer, which the call's wait reports) skipped the join there, and the
+    Comm was out of step for good. The rank now joins with its refusal flag: it raises its own
+    error, every other rank CollectiveRefusedError naming it and the call, and the next call
+    works on every rank."""
+    from polyjit.backends.cpu import CpuDriver
+    from polyjit.core.errors import DeviceFaultError
+    from polyjit.core.runtime import Backend
+    from polyjit.testing.faults import FaultyDriver
+
+    comm = Comm(timeout=TIMEOUT)
+    last = ranks - 1
+    driver = FaultyDriver(CpuDriver(1), rate=1.0, kinds=("event_sync",))
+    driver.armed = False
+    be = Backend(driver)
+    a, x, many = Node("lf_a", (4,), "float32"), Node("lf_x", (4,), "float32"), Node("lf_many", (ranks * 4,), "float32")
+    writer = be.get_device(0).make_context().init_from_host(a, np.zeros(4, np.float32)).init_from_host(
+        x, np.zeros(4, np.float32)).init_from_host(many, np.zeros(ranks * 4, np.float32)).link(
+        be.compile(ir.Comp.of(ir.apply(Op.EXP, a, into=x)), name="lf_write"))
+    ctx = writer.context
+    good = Node("lf_good", (3,), "float32")
+    gctx = cpu2().get_device(0).make_context().init_from_host(good, np.ones(3, np.float32))
+    calls: list[tuple[str, Callable[[], None]]] = [
+        ("all_reduce", lambda: comm.all_reduce(ctx, x)),
+        ("broadcast", lambda: comm.broadcast(ctx, x, root=0)),  # the last rank (not 0) writes x
+        ("all_gather", lambda: comm.all_gather(ctx, x, many)),
+        ("reduce_scatter", lambda: comm.reduce_scatter(ctx, many, x)),
+    ]
+    for name, call in calls:
+        driver.armed = me == last
+        writer.run()  # its event reports the fault to the call's wait, on the last rank only
+        if me == last:
+            _expect(DeviceFaultError, call, "injected")
+        else:
+            _refused(call, last, name, "(call #")
+        driver.armed = False
+        comm.all_reduce(gctx, good)  # the Comm carries on
+        np.testing.assert_array_equal(gctx.read(good), np.full(3, ranks, np.float32))
+        gctx = gctx.init_from_host(good, np.ones(3, np.float32))
+    if me in (0, 1):  # send / recv: the sender's wait fails
+        driver.armed = me == 0
+        writer.run()
+        if me == 0:
+            _expect(DeviceFaultError, lambda: comm.send(ctx, x, 1), "injected")
+        else:
+            _refused(lambda: comm.recv(ctx, x, 0), 0, "recv")
+        driver.armed = False
+        writer.run()
+        if me == 0:
+            comm.send(ctx, x, 1)
+        else:
+            comm.recv(ctx, x, 0)
+            np.testing.assert_array_equal(ctx.read(x), np.ones(4, np.float32))
+    comm.barrier()
+    say("local_failure")
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -631,6 +702,7 @@ SCENARIOS: dict[str, Callable[[], None]] = {
     "collectives": collectives, "ordering": ordering, "mismatch": mismatch, "timeout": timeout,
     "abort": abort, "staged": staged, "cuda_staged": cuda_staged, "cuda_aware": cuda_aware,
     "nccl": nccl, "nccl_id": nccl_id, "export_path": export_path, "cuda_data_parallel": cuda_data_parallel,
+    "local_failure": local_failure,
 }
 
 

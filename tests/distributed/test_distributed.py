@@ -95,8 +95,9 @@ def mpiexec() -> str:
         pytest.fail(str(e))
 
 
-JOB2 = ("collectives", "ordering", "mismatch", "export_path", "staged", "data_parallel:2", "nccl_id", "timeout")
-JOB3 = ("collectives", "mismatch", "data_parallel:2", "timeout")
+JOB2 = ("collectives", "ordering", "mismatch", "local_failure", "export_path", "staged", "data_parallel:2", "nccl_id",
+        "timeout")
+JOB3 = ("collectives", "mismatch", "local_failure", "data_parallel:2", "timeout")
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +136,10 @@ def test_mismatched_calls_raise_on_every_rank_before_data_moves(job: Job) -> Non
     for r in range(job.n):
         (line,) = job.lines(r, "MISMATCH ")
         assert "(4, 3)" in line and "(5, 3)" in line and "no data was moved" in line, line
+
+
+def test_a_rank_whose_call_fails_locally_still_joins_and_the_comm_carries_on(job: Job) -> None:
+    job.passed("local_failure")
 
 
 @pytest.mark.parametrize(("n", "devices"), [(2, 2), (3, 2)], ids=["2x2", "3x2"])
