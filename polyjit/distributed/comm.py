@@ -31,7 +31,7 @@ import operator
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 from mpi4py import MPI
@@ -310,6 +310,20 @@ class Comm:
         self._refuse_on(problem, "check", None, deadline)
         hdr = self._header("check", shape=ints, dtype=np.int64)
         self._join(hdr, "check", None, deadline, what=what)
+
+    def refuse(self, error: Exception, collective: str = "all_reduce", node: Node | None = None, *,
+               timeout: float | None = None) -> NoReturn:
+        """Take part in this rank's next call without making it, because the work before it
+        failed here: join with the refusal flag set, then raise ``error``. The other ranks'
+        call (``collective``, of ``node``) raises CollectiveRefusedError naming this rank and
+        the call, and the Comm stays in step. ``data_parallel``'s step uses it when its local
+        part (the shards' checks, the compute) fails on one rank."""
+        if collective not in header.KINDS or collective in ("send", "recv"):
+            raise InvalidArgumentError(f"rank {self.rank}: refuse: {collective!r} is not a collective "
+                                       f"({', '.join(k for k in header.KINDS if k not in ('send', 'recv'))})")
+        deadline, _ = self._start(timeout)
+        self._refuse_on(error, collective, node, deadline)
+        raise error  # not reached: the join raises it
 
     # -- the two phases ---------------------------------------------------------------------
 

@@ -222,7 +222,7 @@ class DataParallel:
         """Replica 0's context with the parameters: ``compile(..., share=dp)`` links there."""
         return self.replicas[0].state.context
 
-    def _compute(self, inputs: Mapping[str, Any]) -> None:
+    def _compute(self, inputs: Mapping[str, Any], sync: bool = False) -> None:
         check_names(inputs, self._input_names, "data_parallel inputs")
         s = self.shard
         first = {}  # per input: the row of the given array where this rank's rows begin
@@ -251,11 +251,31 @@ class DataParallel:
         for rep, shards in zip(self.replicas, arrays):
             assert rep.compute_replay is not None
             rep.compute_replay.replay(shards)  # the shards' copies and the routine: one enqueue
+        if sync:
+            self._sync()
 
-    def _allreduce(self, profile: bool = False) -> None:
+    def _guarded(self, local: Callable[[], None]) -> None:
+        """Run this rank's part of a step before the all-reduce between the ranks. With
+        ``comm``, an error there (an input that fails its checks on this rank only, a device
+        fault) is told to the other ranks before it is raised: this rank joins the step's
+        all-reduce with its refusal flag (Comm.refuse), so every rank raises in the same step
+        (the others CollectiveRefusedError naming it), none applies an update, and the
+        replicas stay in step."""
+        if self.comm is None:
+            local()
+            return
+        try:
+            local()
+        except Exception as e:
+            self.comm.refuse(e, "all_reduce", self.grads_node)
+
+    def _tree_up(self) -> None:
         for xfer, add in self._reduce:
             xfer.run()
             add.run()
+
+    def _allreduce(self, profile: bool = False) -> None:
+        self._guarded(self._tree_up)
         if self._rank_reduce is not None:
             t0 = time.perf_counter()
             self._global_loss = None
@@ -289,8 +309,11 @@ class DataParallel:
 
     @serialized
     def step(self, **inputs: Any) -> float:
-        """One data-parallel training step on a global batch; returns the mean loss."""
-        self._compute(inputs)
+        """One data-parallel training step on a global batch; returns the mean loss. With
+        ``comm``, an error on one rank before the all-reduce between the ranks is raised on
+        every rank in this step: that rank's own error there, CollectiveRefusedError naming it
+        elsewhere; no replica applies the step."""
+        self._guarded(lambda: self._compute(inputs))
         self._allreduce()
         return self._update()
 
@@ -298,8 +321,7 @@ class DataParallel:
     def step_profiled(self, **inputs: Any) -> float:
         """Like step(), with a sync between phases; the times go to ``self.timings``."""
         t0 = time.perf_counter()
-        self._compute(inputs)
-        self._sync()
+        self._guarded(lambda: self._compute(inputs, sync=True))
         t1 = time.perf_counter()
         self._allreduce(profile=True)
         self._sync()

@@ -12,6 +12,7 @@ cuda_staged, cuda_aware, nccl (GPU only).
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -520,6 +521,50 @@ def data_parallel(devices_per_rank: int = 2) -> None:
     say(f"data_parallel:{devices_per_rank}")
 
 
+def dp_local_failure() -> None:
+    """Found by review: a data-parallel step that failed on one rank before the all-reduce (a
+    label out of range in that rank's rows) left the other ranks' all-reduce to pair with
+    the next step's, which then trained on wrong gradients. Now every rank raises in that step
+    (the failing one its own error, the others CollectiveRefusedError naming it), nobody
+    applies it, and training goes on in step: the result is one device's on the good batches."""
+    from polyjit import tensor as pt
+    from polyjit.core.errors import IndexOutOfRangeError
+    from polyjit.demo.datasets import two_spirals
+
+    comm = Comm(timeout=TIMEOUT)
+    last = ranks - 1
+    xs, ys = two_spirals(BATCH * 3, seed=1)
+    batches = [(xs[k * BATCH : (k + 1) * BATCH], ys[k * BATCH : (k + 1) * BATCH]) for k in range(3)]
+
+    def make(devs: Any, c: Any) -> Any:
+        mlp = pt.MLP("mlp", [2, 16, 2], activation="tanh", seed=3)
+        return pt.data_parallel(lambda x, y: pt.cross_entropy(mlp(x), y),
+                                {"x": ((BATCH, 2), "float32"), "y": ((BATCH,), "int32")},
+                                optimizer=pt.Adam(0.01), devices=devs, comm=c)
+
+    ref = make(create_backend(num_devices=1).devices(), None)
+    ref.step(x=batches[0][0], y=batches[0][1])
+    ref.step(x=batches[2][0], y=batches[2][1])
+    dp = make(cpu2().devices(), comm)
+    dp.step(x=batches[0][0], y=batches[0][1])
+    bad_y = batches[1][1].copy()
+    bad_y[BATCH - 1] = 7  # a class that does not exist, in the last rank's rows
+    for step in (dp.step, dp.step_profiled):
+        bad = functools.partial(step, x=batches[1][0], y=bad_y)
+        if me == last:
+            _expect(IndexOutOfRangeError, bad, "out of range")
+        else:
+            _refused(bad, last, "all_reduce", "(call #")
+    dp.step(x=batches[2][0], y=batches[2][1])
+    assert dp.steps == 2, dp.steps
+    assert dp.rank_spread() == 0.0 and dp.replica_spread() == 0.0
+    for name, value in ref.parameters().items():
+        np.testing.assert_allclose(dp.parameters()[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+    dp.close()
+    ref.close()
+    say("dp_local_failure")
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -702,7 +747,7 @@ SCENARIOS: dict[str, Callable[[], None]] = {
     "collectives": collectives, "ordering": ordering, "mismatch": mismatch, "timeout": timeout,
     "abort": abort, "staged": staged, "cuda_staged": cuda_staged, "cuda_aware": cuda_aware,
     "nccl": nccl, "nccl_id": nccl_id, "export_path": export_path, "cuda_data_parallel": cuda_data_parallel,
-    "local_failure": local_failure,
+    "local_failure": local_failure, "dp_local_failure": dp_local_failure,
 }
 
 

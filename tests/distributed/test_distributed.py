@@ -95,9 +95,9 @@ def mpiexec() -> str:
         pytest.fail(str(e))
 
 
-JOB2 = ("collectives", "ordering", "mismatch", "local_failure", "export_path", "staged", "data_parallel:2", "nccl_id",
-        "timeout")
-JOB3 = ("collectives", "mismatch", "local_failure", "data_parallel:2", "timeout")
+JOB2 = ("collectives", "ordering", "mismatch", "local_failure", "export_path", "staged", "data_parallel:2",
+        "dp_local_failure", "nccl_id", "timeout")
+JOB3 = ("collectives", "mismatch", "local_failure", "data_parallel:2", "dp_local_failure", "timeout")
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +146,10 @@ def test_a_rank_whose_call_fails_locally_still_joins_and_the_comm_carries_on(job
 def test_hierarchical_data_parallel_matches_one_device(n: int, devices: int, request: pytest.FixtureRequest) -> None:
     job: Job = request.getfixturevalue(f"job{n}")
     job.passed(f"data_parallel:{devices}")
+
+
+def test_a_data_parallel_step_that_fails_on_one_rank_fails_on_every_rank_in_step(job: Job) -> None:
+    job.passed("dp_local_failure")
 
 
 def test_a_rank_that_never_joins_is_named_by_the_others(job: Job) -> None:
