@@ -126,7 +126,7 @@ class Comm:
         self.mpi: Any = base
         self.rank = int(base.Get_rank())
         self.size = int(base.Get_size())
-        self.timeout = default_timeout() if timeout is None else _check_timeout(timeout, "Comm(timeout=)")
+        self._timeout = default_timeout() if timeout is None else _check_timeout(timeout, "Comm(timeout=)")
         self.cuda_aware = mpi_cuda_aware() if cuda_aware is None else bool(cuda_aware)
         self._seconds = self.timeout
         self._data: Any = self._dup(base)
@@ -150,6 +150,16 @@ class Comm:
                 "a rank did not make its Comm (every rank makes its Comms at the same point)",
                 collective="Comm()")
         return new
+
+    @property
+    def timeout(self) -> float:
+        """Seconds any call may take (``inf``: for ever); set it to a positive number (NaN,
+        zero and negative values are refused: InvalidArgumentError)."""
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        self._timeout = _check_timeout(seconds, "Comm.timeout")
 
     def __repr__(self) -> str:
         state = ", broken" if self._broken else ""

@@ -47,7 +47,14 @@ from polyjit.core.errors import (
     UnsupportedError,
 )
 from polyjit.core.ir import Node
-from polyjit.distributed.comm import Comm, _node_problem, _of, _op_problem, _out_problem
+from polyjit.distributed.comm import (
+    Comm,
+    _check_timeout,
+    _node_problem,
+    _of,
+    _op_problem,
+    _out_problem,
+)
 from polyjit.distributed.ordering import node_events
 
 if TYPE_CHECKING:
@@ -217,12 +224,12 @@ class NcclComm:
     """
 
     def __init__(self, comm: Comm, device: Device, *, timeout: float | None = None) -> None:
+        self._timeout = comm.timeout if timeout is None else _check_timeout(timeout, "NcclComm(timeout=)")
         self.lib = load_nccl()
         fn = getattr(device.driver, "dlpack_device", None)
         if fn is None or int(fn(device.ordinal)[0]) != 2:
             raise UnsupportedError(f"NCCL needs a CUDA device; {device.device_id} is not one")
         self.comm, self.device = comm, device
-        self.timeout = comm.timeout if timeout is None else float(timeout)
         uid = UniqueId()
         ctypes.memmove(ctypes.addressof(uid), shared_unique_id(comm), UNIQUE_ID_BYTES)
         _make_current(device)
@@ -232,6 +239,16 @@ class NcclComm:
         self.handle = handle
         self._broken: str | None = None
         self._watch = _Watchdog(self)
+
+    @property
+    def timeout(self) -> float:
+        """Seconds a call may take, from its start to its NCCL kernels' end (checked as
+        ``Comm.timeout`` is)."""
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        self._timeout = _check_timeout(seconds, "NcclComm.timeout")
 
     # -- calls ----------------------------------------------------------------------------
 

@@ -236,6 +236,26 @@ def test_timeouts_are_checked() -> None:
     assert out.split() == ["42.0", "12.5", "refused", "refused", "refused", "refused"]
 
 
+def test_a_timeout_set_later_is_checked_too() -> None:
+    """Found by review: ``comm.timeout = nan`` waited for ever, ``-1`` made the ranks disagree;
+    NcclComm(timeout=) took anything float() took."""
+    out = _python(
+        "import math\n"
+        "import polyjit.distributed as d\n"
+        "from polyjit.core.errors import InvalidArgumentError\n"
+        "from polyjit.distributed.nccl import NcclComm\n"
+        "c = d.Comm(timeout=5)\n"
+        "for bad in (float('nan'), 0, -1, 'soon', None):\n"
+        "    try: c.timeout = bad\n"
+        "    except InvalidArgumentError: print('refused')\n"
+        "print(c.timeout)\n"
+        "c.timeout = math.inf; print(c.timeout)\n"
+        "for bad in (float('nan'), -1):\n"
+        "    try: NcclComm(c, None, timeout=bad)\n"
+        "    except InvalidArgumentError: print('nccl refused')\n")
+    assert out.split() == ["refused"] * 5 + ["5.0", "inf", "nccl", "refused", "nccl", "refused"], out
+
+
 def test_mpiexec_command_adds_open_mpi_flags(tmp_path: Path) -> None:
     fake = tmp_path / "mpiexec"
     fake.write_text("#!/bin/sh\necho 'mpiexec (OpenRTE) 4.1.5'\n")
