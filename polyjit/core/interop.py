@@ -222,7 +222,7 @@ def host_view(ctx: Context, node: Node, *, write: bool = False) -> Iterator[np.n
     if fn is not None and tuple(fn(device.ordinal)) == (dlpack.CPU, 0):
         exported = Exported(ctx, node, read_only=not write)  # a read's view is not a way to write
         try:
-            yield np.from_dlpack(exported)
+            yield np.asarray(exported)  # __array__: numpy's from_dlpack, or a wrap of bfloat16 memory
         finally:
             exported.release()
         return

@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
+import ml_dtypes
 import numpy as np
 from mpi4py import MPI
 
@@ -177,7 +178,7 @@ class Comm:
         deadline, problem = self._start(timeout)
         problem = problem or _node_problem(ctx, node, "all_reduce", write=True) or _op_problem(op, node)
         with contextlib.ExitStack() as stack:
-            problem, views = self._enter(stack, problem, (ctx, node, True))
+            problem, views = self._enter(stack, problem, (ctx, node, True), reduce=True)
             self._refuse_on(problem, "all_reduce", node, deadline)
             ((buf, host),) = views
             self._join(self._header("all_reduce", op=op, node=node), "all_reduce", node, deadline)
@@ -231,7 +232,7 @@ class Comm:
             _node_problem(ctx, out_node, "reduce_scatter (out_node)", write=True) or \
             _op_problem(op, node) or _out_problem(out_node, node, self.size, "reduce_scatter", gather=False)
         with contextlib.ExitStack() as stack:
-            problem, views = self._enter(stack, problem, (ctx, node, False), (ctx, out_node, True))
+            problem, views = self._enter(stack, problem, (ctx, node, False), (ctx, out_node, True), reduce=True)
             self._refuse_on(problem, "reduce_scatter", node, deadline)
             (sbuf, shost), (rbuf, rhost) = views
             self._join(self._header("reduce_scatter", op=op, node=node), "reduce_scatter", node, deadline)
@@ -287,11 +288,14 @@ class Comm:
         self._refuse_on(problem, "all_reduce", None, deadline)
         hdr = self._header("all_reduce", op=op, shape=arr.shape, dtype=arr.dtype)
         self._join(hdr, "all_reduce", None, deadline)
+        work = _mpi_array(arr.reshape(-1), reduce=True)
         if self.size > 1:
-            req = self._data.Iallreduce(MPI.IN_PLACE, arr.reshape(-1), _mpi_op_dtype(op, arr.dtype))
-            self._complete([req], deadline, "all_reduce", None, arr, None)
+            req = self._data.Iallreduce(MPI.IN_PLACE, work, _mpi_op_dtype(op, work.dtype))
+            self._complete([req], deadline, "all_reduce", None, (arr, work), None)
         if op == "mean":
-            np.divide(arr, self.size, out=arr)
+            np.divide(work, self.size, out=work)
+        if work.dtype != arr.dtype:
+            arr.reshape(-1)[...] = work
         return arr
 
     def broadcast_array(self, array: Array, root: int = 0, *, timeout: float | None = None) -> Array:
@@ -304,7 +308,7 @@ class Comm:
         hdr = self._header("broadcast", root=root, shape=arr.shape, dtype=arr.dtype)
         self._join(hdr, "broadcast", None, deadline)
         if self.size > 1:
-            req = self._data.Ibcast(arr.reshape(-1), root=root)
+            req = self._data.Ibcast(_mpi_array(arr.reshape(-1), reduce=False), root=root)
             self._complete([req], deadline, "broadcast", None, arr, None)
         return arr
 
@@ -354,17 +358,17 @@ class Comm:
         self._seconds = seconds
         return (time.monotonic() + seconds if math.isfinite(seconds) else math.inf), problem
 
-    def _enter(self, stack: contextlib.ExitStack[Any], problem: Exception | None,
-               *views: tuple[Context, Node, bool]) -> tuple[Exception | None, list[tuple[Any, Array | None]]]:
+    def _enter(self, stack: contextlib.ExitStack[Any], problem: Exception | None, *views: tuple[Context, Node, bool],
+               reduce: bool = False) -> tuple[Exception | None, list[tuple[Any, Array | None]]]:
         """Step 0 of a call: enter the buffers of ``(ctx, node, write)`` (the waits for the
-        node's events, the host views) on ``stack``. What fails here (a device fault in the
+        node's events, the host views; ``reduce``: MPI reduces them) on ``stack``. What fails here (a device fault in the
         node's writer, a copy) is this rank's own problem, returned to refuse the call with:
         every rank joins every numbered call, whatever failed on it before."""
         opened: list[tuple[Any, Array | None]] = []
         if problem is None:
             try:
                 for ctx, node, write in views:
-                    opened.append(stack.enter_context(self._buffer(ctx, node, write=write)))
+                    opened.append(stack.enter_context(self._buffer(ctx, node, write=write, reduce=reduce)))
             except Exception as e:  # raised on this rank after the join
                 problem = e
         return problem, opened
@@ -506,10 +510,13 @@ class Comm:
     # -- buffers ------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _buffer(self, ctx: Context, node: Node, *, write: bool) -> Iterator[tuple[Any, Array | None]]:
+    def _buffer(self, ctx: Context, node: Node, *, write: bool, reduce: bool = False
+                ) -> Iterator[tuple[Any, Array | None]]:
         """What MPI reads or writes for the node, ordered by its events: (buffer, host array or
-        None when the buffer is device memory)."""
-        if self.cuda_aware and on_cuda(ctx):
+        None when the buffer is device memory). MPI has no bfloat16: a bfloat16 node goes
+        through the host, as its 16-bit patterns where MPI only moves it, as a float32 copy
+        where MPI reduces it (written back rounded once: see :func:`_mpi_array`)."""
+        if self.cuda_aware and on_cuda(ctx) and node.dtype.np != BFLOAT16:
             wait_on_host(ctx, node, write=write)
             exported = ctx.export(node)
             try:
@@ -521,7 +528,10 @@ class Comm:
             flat = values.reshape(-1)
             if flat.nbytes >= HUGE_PAGES_FROM:
                 huge_pages(flat)
-            yield flat, flat
+            buf = _mpi_array(flat, reduce)
+            yield buf, buf
+            if write and reduce and buf is not flat:
+                flat[...] = buf  # the reduced float32 values, rounded once to bfloat16
 
     def _finish_mean(self, ctx: Context, node: Node, host: Array | None, op: str) -> None:
         if op != "mean" or self.size == 1:
@@ -615,6 +625,19 @@ def _out_problem(small: Node, big: Node, size: int, what: str, *, gather: bool) 
         return ShapeMismatchError(f"{what} over {size} ranks: {name} {big.label} has shape {big.shape}, "
                                   f"expected {want} for {small.label} {small.shape}")
     return None
+
+
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _mpi_array(flat: Array, reduce: bool) -> Array:
+    """What MPI gets for a flat host array: the array itself, but for bfloat16, which MPI has
+    no datatype for: its 16-bit patterns (``uint16``, the same memory) where MPI only moves
+    it, a float32 copy where MPI reduces it (max and min are exact; a sum is rounded once, when
+    the caller writes the float32 result back to bfloat16)."""
+    if flat.dtype != BFLOAT16:
+        return flat
+    return flat.astype(np.float32) if reduce else flat.view(np.uint16)
 
 
 def _mpi_op(op: str, node: Node) -> Any:

@@ -31,8 +31,10 @@ Array = np.ndarray[Any, Any]
 
 
 def dtype_code(dtype: Any) -> int:
-    """A numpy dtype as an int64: its ``str`` ('<f4') in little-endian bytes."""
-    text = np.dtype(dtype).str.encode()[:8]
+    """A numpy dtype as an int64: its ``str`` ('<f4') in little-endian bytes; its name for
+    ml_dtypes' types ('bfloat16'), whose ``str`` is a bare size ('<V2')."""
+    dt = np.dtype(dtype)
+    text = (dt.name if dt.kind == "V" else dt.str).encode()[:8]
     return int.from_bytes(text.ljust(8, b"\0"), "little", signed=True)
 
 

@@ -95,9 +95,9 @@ def mpiexec() -> str:
         pytest.fail(str(e))
 
 
-JOB2 = ("collectives", "ordering", "mismatch", "local_failure", "export_path", "staged", "data_parallel:2",
+JOB2 = ("collectives", "bfloat16", "ordering", "mismatch", "local_failure", "export_path", "staged", "data_parallel:2",
         "dp_local_failure", "nccl_id", "timeout")
-JOB3 = ("collectives", "mismatch", "local_failure", "data_parallel:2", "dp_local_failure", "timeout")
+JOB3 = ("collectives", "bfloat16", "mismatch", "local_failure", "data_parallel:2", "dp_local_failure", "timeout")
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +125,10 @@ def job(request: pytest.FixtureRequest) -> Job:
 
 def test_every_collective_and_op_matches_numpy(job: Job) -> None:
     job.passed("collectives")
+
+
+def test_bfloat16_goes_through_every_collective_and_data_parallel(job: Job) -> None:
+    job.passed("bfloat16")
 
 
 def test_collectives_order_with_routines_before_and_after_without_waits(job2: Job) -> None:
