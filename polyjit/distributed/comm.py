@@ -321,6 +321,10 @@ class Comm:
         except TypeError:
             ints, problem = [], problem or InvalidArgumentError(
                 f"rank {self.rank}: check_same({what!r}) takes integers, got {values!r}")
+        wide = [v for v in ints if not -(2**63) <= v < 2**63]
+        if wide:  # the header carries int64s
+            ints, problem = [], problem or InvalidArgumentError(
+                f"rank {self.rank}: check_same({what!r}) takes integers of int64, got {wide[0]}")
         self._refuse_on(problem, "check", None, deadline)
         hdr = self._header("check", shape=ints, dtype=np.int64)
         self._join(hdr, "check", None, deadline, what=what)
@@ -386,11 +390,10 @@ class Comm:
 
     def _header(self, kind: str, *, op: str | None = None, node: Node | None = None, root: int = -1,
                 shape: Sequence[int] | None = None, dtype: Any = None, refused: bool = False) -> Array:
-        seq = self._seq
-        self._seq += 1
         if node is not None:
             shape, dtype = node.shape, node.dtype.np
-        h = header.make(seq, kind, op=op, root=root, dtype=dtype, shape=shape or ())
+        h = header.make(self._seq, kind, op=op, root=root, dtype=dtype, shape=shape or ())
+        self._seq += 1  # once the header is made: a call numbered here joins
         if refused:
             h[header.FLAG] = 1
         return h

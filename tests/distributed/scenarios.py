@@ -387,6 +387,9 @@ def mismatch() -> None:
          lambda: comm.all_reduce_array(np.zeros(3, np.float32)), "complex"),
         (InvalidArgumentError, lambda: comm.check_same("setup", ["a"]), lambda: comm.check_same("setup", [1]),
          "integers"),
+        # found by review: a raw OverflowError on that rank, and the Comm out of step
+        (InvalidArgumentError, lambda: comm.check_same("setup", [1, 2**64]), lambda: comm.check_same("setup", [1, 2]),
+         "int64"),
         (InvalidArgumentError, lambda: comm.barrier(timeout="soon"), comm.barrier, "timeout"),  # type: ignore[arg-type]
     ]
     for error, own, others, says in own_errors:
