@@ -19,6 +19,7 @@ splits into ``ranks * devices`` equal contiguous shards: rank r takes rows
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -363,28 +364,36 @@ class DataParallel:
 
     @serialized
     def rank_spread(self) -> float:
-        """The largest difference of any parameter between the ranks (0.0: equal); a collective
-        call with ``comm`` (every rank calls it), 0.0 without."""
+        """The largest difference of any parameter between the ranks (0.0: equal; NaN when a
+        parameter is NaN on any rank: MPI's max and min may drop a NaN, so it is counted
+        apart); a collective call with ``comm`` (every rank calls it), 0.0 without."""
         if self.comm is None:
             return 0.0
-        worst = 0.0
+        diffs, nan = [0.0], False
         for value in self.parameters(0).values():
             flat = value.reshape(-1).astype(np.float64)
+            nan = nan or bool(np.isnan(flat).any())
             hi = self.comm.all_reduce_array(flat, "max")
             lo = self.comm.all_reduce_array(flat, "min")
-            worst = max(worst, float(np.max(hi - lo)) if flat.size else 0.0)
-        return worst
+            if flat.size:
+                diffs.append(float(np.max(hi - lo)))
+        if self.comm.all_reduce_array(np.array(nan), "max").any():
+            return math.nan
+        return float(np.max(diffs))  # NaN (inf - inf) shows: builtin max() would drop it
 
     @serialized
     def replica_spread(self) -> float:
         """The largest difference of any parameter between replica 0 and another of this
-        process (0.0: equal); :meth:`rank_spread` compares the ranks."""
+        process (0.0: equal; NaN when a parameter of any replica is NaN);
+        :meth:`rank_spread` compares the ranks."""
         ref = self.parameters(0)
-        worst = 0.0
-        for k in range(1, len(self.replicas)):
+        diffs = [0.0]
+        for k in range(len(self.replicas)):
             for name, value in self.parameters(k).items():
-                worst = max(worst, float(np.max(np.abs(value - ref[name]))) if value.size else 0.0)
-        return worst
+                if value.size:
+                    diffs.append(float(np.max(np.abs(value - ref[name]))) if k else
+                                 (math.nan if np.isnan(value).any() else 0.0))
+        return float(np.max(diffs))
 
     @serialized
     def reset(self) -> None:

@@ -643,6 +643,31 @@ def dp_local_failure() -> None:
     say("dp_local_failure")
 
 
+def spread_nan() -> None:
+    """Found by review: rank_spread() and replica_spread() returned 0.0 when a replica's
+    parameters were NaN (builtin max() drops a NaN that comes second, and MPI's max and min
+    may drop it too). A NaN parameter on any rank now gives NaN on every rank."""
+    from polyjit import tensor as pt
+
+    comm = Comm(timeout=TIMEOUT)
+    mlp = pt.MLP("mlp", [2, 4, 2], seed=0)
+    dp = pt.data_parallel(lambda x, y: pt.cross_entropy(mlp(x), y),
+                          {"x": ((ranks * 2, 2), "float32"), "y": ((ranks * 2,), "int32")},
+                          optimizer=pt.SGD(0.1), devices=cpu2().devices(), comm=comm)
+    assert dp.rank_spread() == 0.0 and dp.replica_spread() == 0.0
+    state = dp.state_dict()
+    if me == ranks - 1:
+        name = sorted(state)[-1]
+        state[name] = state[name].copy()
+        state[name].reshape(-1)[-1] = np.nan  # one value of one parameter, on one rank
+        dp.load_state_dict(state)
+    assert np.isnan(dp.rank_spread()), dp.rank_spread()
+    spread = dp.replica_spread()
+    assert np.isnan(spread) if me == ranks - 1 else spread == 0.0, spread
+    dp.close()
+    say("spread_nan")
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -826,6 +851,7 @@ SCENARIOS: dict[str, Callable[[], None]] = {
     "abort": abort, "staged": staged, "cuda_staged": cuda_staged, "cuda_aware": cuda_aware,
     "nccl": nccl, "nccl_id": nccl_id, "export_path": export_path, "cuda_data_parallel": cuda_data_parallel,
     "local_failure": local_failure, "dp_local_failure": dp_local_failure, "bfloat16": bfloat16,
+    "spread_nan": spread_nan,
 }
 
 

@@ -96,8 +96,9 @@ def mpiexec() -> str:
 
 
 JOB2 = ("collectives", "bfloat16", "ordering", "mismatch", "local_failure", "export_path", "staged", "data_parallel:2",
-        "dp_local_failure", "nccl_id", "timeout")
-JOB3 = ("collectives", "bfloat16", "mismatch", "local_failure", "data_parallel:2", "dp_local_failure", "timeout")
+        "dp_local_failure", "spread_nan", "nccl_id", "timeout")
+JOB3 = ("collectives", "bfloat16", "mismatch", "local_failure", "data_parallel:2", "dp_local_failure", "spread_nan",
+        "timeout")
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +155,10 @@ def test_hierarchical_data_parallel_matches_one_device(n: int, devices: int, req
 
 def test_a_data_parallel_step_that_fails_on_one_rank_fails_on_every_rank_in_step(job: Job) -> None:
     job.passed("dp_local_failure")
+
+
+def test_a_nan_parameter_shows_in_the_spreads(job: Job) -> None:
+    job.passed("spread_nan")
 
 
 def test_a_rank_that_never_joins_is_named_by_the_others(job: Job) -> None:
