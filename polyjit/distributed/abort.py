@@ -10,6 +10,10 @@ calls ``MPI_Abort`` on COMM_WORLD, so
 Opt out with ``POLYJIT_MPI_ABORT=0`` in the environment (read at import), or
 ``polyjit.distributed.uninstall_excepthook()``. In a single process (no ``mpiexec``, or
 ``-n 1``) the hook hands over to the previous one.
+
+A ``SystemExit`` (``sys.exit(n)``) never reaches ``sys.excepthook``, and nothing a library can
+hook sees its code, so it does not end the job: the other ranks time out. Starting the ranks
+with ``python -m mpi4py script.py`` makes a non-zero exit abort the job (docs/distributed.md).
 """
 
 from __future__ import annotations

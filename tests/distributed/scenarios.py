@@ -539,6 +539,22 @@ def abort() -> None:
     report(f"NOT ABORTED rank {me}")
 
 
+def sysexit() -> None:
+    """Rank 1 calls sys.exit(3) while rank 0 waits in a collective. A SystemExit never reaches
+    the excepthook: under ``python -m mpi4py`` mpi4py's runner aborts the job with its code;
+    without it rank 0 waits out its timeout (short here) and names rank 1."""
+    comm = Comm(timeout=float(os.environ.get("SYSEXIT_TIMEOUT", "120")))
+    comm.barrier()
+    if me == 1:
+        sys.exit(3)
+    try:
+        comm.barrier()
+    except CollectiveTimeoutError as e:
+        report(f"SYSEXIT rank {me}: {e}")
+        os._exit(0)  # MPI_Finalize would wait for the rank that left
+    report(f"NOT ABORTED rank {me}")
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -851,7 +867,7 @@ SCENARIOS: dict[str, Callable[[], None]] = {
     "abort": abort, "staged": staged, "cuda_staged": cuda_staged, "cuda_aware": cuda_aware,
     "nccl": nccl, "nccl_id": nccl_id, "export_path": export_path, "cuda_data_parallel": cuda_data_parallel,
     "local_failure": local_failure, "dp_local_failure": dp_local_failure, "bfloat16": bfloat16,
-    "spread_nan": spread_nan,
+    "spread_nan": spread_nan, "sysexit": sysexit,
 }
 
 

@@ -192,6 +192,20 @@ def test_an_exception_on_one_rank_aborts_the_job_with_its_traceback(mpiexec: str
     assert not any(job.lines(r, "NOT ABORTED") for r in range(2)), job.text()
 
 
+def test_sys_exit_on_one_rank_ends_the_job_under_the_mpi4py_runner(mpiexec: str) -> None:
+    """A SystemExit never reaches sys.excepthook, so the hook cannot end the job (docs: "One
+    rank fails, the job ends"): under ``python -m mpi4py`` the runner aborts it with the exit
+    code; under plain ``python`` the other rank waits out its timeout and names the rank."""
+    cmd = launch.mpiexec_command(2, "-m", "mpi4py", str(SCENARIOS), "sysexit")
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, start_new_session=True)
+    assert proc.returncode == 3 and time.monotonic() - t0 < 60, proc.stdout + proc.stderr
+    assert "NOT ABORTED" not in proc.stdout, proc.stdout
+    job = run_job(2, "sysexit", env={"SYSEXIT_TIMEOUT": "3"}, timeout=120)
+    (line,) = job.lines(0, "SYSEXIT ")
+    assert "rank 1 of 2 did not join" in line, job.text()
+
+
 def test_the_example_trains_across_two_ranks(mpiexec: str) -> None:
     cmd = launch.mpiexec_command(2, str(ROOT / "examples" / "mpi_data_parallel.py"), "--steps", "40")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT,
