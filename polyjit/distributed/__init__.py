@@ -11,6 +11,8 @@ that aborts the whole job when one rank raises (``POLYJIT_MPI_ABORT=0`` opts out
 ``abort.py``). ``import polyjit`` alone never imports mpi4py.
 """
 
+import threading
+
 from mpi4py import MPI
 
 from polyjit.core.errors import (
@@ -65,15 +67,17 @@ __all__ = [
 ]
 
 _world: Comm | None = None
+_world_lock = threading.Lock()
 
 
 def world() -> Comm:
     """A Comm over MPI.COMM_WORLD, made on first use (collective: every rank calls it first
-    at the same point) and shared."""
+    at the same point) and shared; threads that ask at once get the same one."""
     global _world
-    if _world is None:
-        _world = Comm()
-    return _world
+    with _world_lock:
+        if _world is None:
+            _world = Comm()
+        return _world
 
 
 if enabled_by_environment():

@@ -539,6 +539,30 @@ def abort() -> None:
     report(f"NOT ABORTED rank {me}")
 
 
+def world_threads() -> None:
+    """Found by review: world() from two threads at once made two Comms (two concurrent
+    MPI_Comm_idup calls). Every thread now gets the one shared Comm."""
+    import threading
+
+    import polyjit.distributed as pd
+
+    got: list[Any] = []
+    start = threading.Barrier(4)
+
+    def ask() -> None:
+        start.wait()
+        got.append(pd.world())
+
+    threads = [threading.Thread(target=ask) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT)
+    assert len(got) == 4 and len({id(c) for c in got}) == 1, got
+    got[0].barrier(timeout=TIMEOUT)
+    say("world_threads")
+
+
 def sysexit() -> None:
     """Rank 1 calls sys.exit(3) while rank 0 waits in a collective. A SystemExit never reaches
     the excepthook: under ``python -m mpi4py`` mpi4py's runner aborts the job with its code;
@@ -868,6 +892,7 @@ SCENARIOS: dict[str, Callable[[], None]] = {
     "nccl": nccl, "nccl_id": nccl_id, "export_path": export_path, "cuda_data_parallel": cuda_data_parallel,
     "local_failure": local_failure, "dp_local_failure": dp_local_failure, "bfloat16": bfloat16,
     "spread_nan": spread_nan, "sysexit": sysexit,
+    "world_threads": world_threads,
 }
 
 

@@ -96,7 +96,7 @@ def mpiexec() -> str:
 
 
 JOB2 = ("collectives", "bfloat16", "ordering", "mismatch", "local_failure", "export_path", "staged", "data_parallel:2",
-        "dp_local_failure", "spread_nan", "nccl_id", "timeout")
+        "dp_local_failure", "spread_nan", "world_threads", "nccl_id", "timeout")
 JOB3 = ("collectives", "bfloat16", "mismatch", "local_failure", "data_parallel:2", "dp_local_failure", "spread_nan",
         "timeout")
 
@@ -159,6 +159,10 @@ def test_a_data_parallel_step_that_fails_on_one_rank_fails_on_every_rank_in_step
 
 def test_a_nan_parameter_shows_in_the_spreads(job: Job) -> None:
     job.passed("spread_nan")
+
+
+def test_world_from_several_threads_is_one_comm(job2: Job) -> None:
+    job2.passed("world_threads")
 
 
 def test_a_rank_that_never_joins_is_named_by_the_others(job: Job) -> None:
