@@ -599,7 +599,7 @@ def _host_array(array: Any, what: str) -> tuple[Array, Node, Exception | None]:
     """A private contiguous copy of a host array, a node that describes it, and what is
     wrong with it (a dtype no node has: complex, object)."""
     try:
-        arr = np.ascontiguousarray(array).copy()
+        arr = np.array(array, order="C")  # a copy of its shape (ascontiguousarray made 0-d arrays 1-d)
         return arr, Node("array", arr.shape, arr.dtype), None
     except PolyjitError as e:
         problem: Exception = e

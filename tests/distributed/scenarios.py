@@ -167,6 +167,11 @@ def collectives(backend: Any = None, name: str = "collectives") -> None:
     check(ctx.read(big), np.full(1 << 20, ranks * (ranks + 1) / 2, np.float32), "all_reduce 1M")
     got = comm.all_reduce_array(np.arange(4.0) * (me + 1), "max")
     check(got, np.arange(4.0) * ranks, "all_reduce_array")
+    # found by review: a 0-d array came back with shape (1,)
+    check(comm.all_reduce_array(np.array(me + 1.0), "sum"), np.array(ranks * (ranks + 1) / 2), "all_reduce_array 0-d")
+    check(comm.all_reduce_array(np.float64(me), "max"), np.array(float(ranks - 1)), "all_reduce_array scalar")
+    check(comm.broadcast_array(np.array(me, np.int32), root=ranks - 1), np.array(ranks - 1, np.int32),
+          "broadcast_array 0-d")
     comm.check_same("the same numbers", [3, 4])
     comm.barrier()
     say(name)
