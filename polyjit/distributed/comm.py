@@ -618,6 +618,9 @@ def _op_problem(op: Any, node: Node) -> Exception | None:
 
 def _out_problem(small: Node, big: Node, size: int, what: str, *, gather: bool) -> Exception | None:
     """``big`` must hold ``size`` blocks of ``small`` along axis 0, of the same dtype."""
+    if small is big:  # MPI may not send from and receive into one buffer (it raised mpi4py's Exception)
+        return InvalidArgumentError(f"{what}: node and out_node are the same node, {small.label}: the result "
+                                    "needs a node of its own")
     if small.dtype != big.dtype:
         return DTypeMismatchError(f"{what}: {small.label} is {small.dtype}, {big.label} is {big.dtype}")
     stacked = (size, *small.shape)

@@ -283,6 +283,25 @@ def test_a_timeout_set_later_is_checked_too() -> None:
     assert out.split() == ["refused"] * 5 + ["5.0", "inf", "nccl", "refused", "nccl", "refused"], out
 
 
+def test_one_node_as_both_sides_of_a_gather_is_refused_by_name() -> None:
+    """Found by review: all_gather(ctx, x, x) in a job of one rank raised mpi4py's bare
+    Exception (MPI cannot send from and receive into one buffer)."""
+    out = _python(
+        "import numpy as np\n"
+        "from polyjit.backends.cpu import create_backend\n"
+        "from polyjit.core.errors import InvalidArgumentError\n"
+        "from polyjit.core.ir import Node\n"
+        "from polyjit.distributed import Comm\n"
+        "c = Comm(timeout=10)\n"
+        "x = Node('same_x', (3,), 'float32')\n"
+        "ctx = create_backend(num_devices=1).get_device(0).make_context().init_from_host(x, np.ones(3, np.float32))\n"
+        "for call in (lambda: c.all_gather(ctx, x, x), lambda: c.reduce_scatter(ctx, x, x)):\n"
+        "    try: call()\n"
+        "    except InvalidArgumentError as e: print('refused', 'same_x' in str(e))\n"
+        "c.barrier(); print('usable')\n")
+    assert out.split() == ["refused", "True", "refused", "True", "usable"], out
+
+
 def test_mpiexec_command_adds_open_mpi_flags(tmp_path: Path) -> None:
     fake = tmp_path / "mpiexec"
     fake.write_text("#!/bin/sh\necho 'mpiexec (OpenRTE) 4.1.5'\n")
