@@ -23,11 +23,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from polyjit.core.errors import InvalidArgumentError, PolyjitError
+
 ENV = "POLYJIT_MPIEXEC"
 NAMES = ("mpiexec", "mpirun")
 
 
-class MpiexecNotFoundError(FileNotFoundError):
+class MpiexecNotFoundError(PolyjitError, FileNotFoundError):
     """No ``mpiexec`` was found (``pip install 'polyjit[mpi]'`` installs one)."""
 
 
@@ -109,10 +111,19 @@ def bind_to_cores(cores_per_rank: int | None = None, comm: Any = None,
     first used: a cpu device is the set of cores the process may use when it starts
     (``POLYJIT_CPU_DEVICES`` then splits that set).
     """
+    if cores_per_rank is not None and (isinstance(cores_per_rank, bool) or not isinstance(cores_per_rank, int)
+                                       or cores_per_rank < 1):
+        raise InvalidArgumentError(f"bind_to_cores: cores_per_rank is a positive int, got {cores_per_rank!r}")
+    if cores is not None and not list(cores):
+        raise InvalidArgumentError("bind_to_cores: cores=[] leaves no core to bind to")
     here, count = local_rank(comm)
     allowed = sorted(cores if cores is not None else os.sched_getaffinity(0))
     per = cores_per_rank or max(len(allowed) // count, 1)
     start = (here * per) % len(allowed)
     mine = [allowed[(start + k) % len(allowed)] for k in range(min(per, len(allowed)))]
-    os.sched_setaffinity(0, mine)
+    try:
+        os.sched_setaffinity(0, mine)
+    except OSError as e:
+        raise InvalidArgumentError(f"bind_to_cores: cannot bind rank {here} of this machine to cores {mine}: "
+                                   f"{e.strerror or e}") from None
     return mine

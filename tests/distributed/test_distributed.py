@@ -317,9 +317,23 @@ def test_mpiexec_command_adds_open_mpi_flags(tmp_path: Path) -> None:
 
 
 def test_find_mpiexec_honours_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from polyjit.core.errors import PolyjitError
+
     monkeypatch.setenv("POLYJIT_MPIEXEC", str(tmp_path / "nope"))
-    with pytest.raises(FileNotFoundError, match="POLYJIT_MPIEXEC"):
+    with pytest.raises(FileNotFoundError, match="POLYJIT_MPIEXEC") as caught:
         launch.find_mpiexec()
+    assert isinstance(caught.value, PolyjitError)  # found by review: only a FileNotFoundError
+
+
+def test_bind_to_cores_refuses_what_binds_nothing() -> None:
+    """Found by review: cores=[] raised ZeroDivisionError, cores_per_rank=-1 an OSError."""
+    out = _python(
+        "from polyjit.core.errors import InvalidArgumentError\n"
+        "from polyjit.distributed import bind_to_cores\n"
+        "for kw in ({'cores': []}, {'cores_per_rank': -1}, {'cores_per_rank': 0}, {'cores': [99999]}):\n"
+        "    try: bind_to_cores(**kw)\n"
+        "    except InvalidArgumentError as e: print('refused')\n")
+    assert out.split() == ["refused"] * 4, out
 
 
 # ---------------------------------------------------------------------------------------------
