@@ -30,7 +30,6 @@ import ctypes
 import ctypes.util
 import functools
 import importlib.util
-import math
 import os
 import threading
 import time
@@ -43,6 +42,7 @@ from polyjit.core.errors import (
     BackendUnavailableError,
     CollectiveTimeoutError,
     DriverError,
+    DTypeMismatchError,
     InvalidArgumentError,
     UnsupportedError,
 )
@@ -67,7 +67,7 @@ UNIQUE_ID_BYTES = 128
 WATCH_PERIOD_S = 0.05
 
 # ncclDataType_t and ncclRedOp_t (nccl.h)
-_DTYPES = {"float32": 7, "float64": 8, "int32": 2, "int64": 4, "uint8": 1, "bool": 1}
+_DTYPES = {"float32": 7, "float64": 8, "int32": 2, "int64": 4, "uint8": 1, "bool": 1, "float16": 6, "bfloat16": 9}
 _OPS = {"sum": 0, "max": 2, "min": 3, "mean": 4}  # mean: ncclAvg (NCCL >= 2.10)
 _BOOL_OPS = {"sum": 2, "max": 2, "min": 3}  # 0/1 bytes: or is max, and is min
 
@@ -344,8 +344,8 @@ class NcclComm:
             _check(lib, call([*pointers, stream]), f"nccl {kind}{_of(node)}")
 
         event = enqueue(ctx.stream, r, w, f"nccl {kind}", launch, (), tuple(exports))
-        if math.isfinite(deadline):
-            self._watch.track(event, deadline, f"nccl {kind}{_of(node)}")
+        # tracked whatever the deadline (inf never passes): the watchdog polls asynchronous errors too
+        self._watch.track(event, deadline, f"nccl {kind}{_of(node)}")
 
     def async_error(self) -> str | None:
         err = ctypes.c_int(0)
@@ -368,8 +368,12 @@ class NcclComm:
                                          collective="nccl")
 
     def close(self) -> None:
-        """Wait for the calls in flight, then destroy the communicator."""
+        """Stop the watchdog (and wait for it: it may be calling into the communicator), wait
+        for the calls in flight, then destroy the communicator."""
         self._watch.stop.set()
+        thread = self._watch.thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
         if self._broken is None:
             self.device.synchronize()
             _check(self.lib, self.lib.ncclCommDestroy(self.handle), "ncclCommDestroy")
@@ -377,7 +381,10 @@ class NcclComm:
 
 
 def _nccl_types(node: Node, op: str | None) -> tuple[int, int]:
-    dt = _DTYPES[node.dtype.name]
+    """(ncclDataType_t, ncclRedOp_t) of a call on ``node``."""
+    dt = _DTYPES.get(node.dtype.name)
+    if dt is None:
+        raise DTypeMismatchError(f"nccl: {node.label} is {node.dtype}, which has no NCCL datatype")
     if op is None:
         return dt, 0
     if node.dtype.name == "bool":

@@ -336,6 +336,37 @@ def test_bind_to_cores_refuses_what_binds_nothing() -> None:
     assert out.split() == ["refused"] * 4, out
 
 
+def test_nccl_host_side_without_a_gpu() -> None:
+    """Found by review, the parts of NcclComm that run on the host: float16 and bfloat16 had no
+    NCCL datatype (KeyError); the watchdog started only for a finite timeout, so asynchronous
+    errors went unpolled under ``inf``; close() destroyed the communicator while the watchdog
+    could still be calling into it. (A fake library and stream stand in for NCCL and CUDA.)"""
+    out = _python(
+        "import math, threading, types\n"
+        "import polyjit.core.streams as streams\n"
+        "from polyjit.core.ir import Node\n"
+        "from polyjit.distributed import nccl\n"
+        "print(*(nccl._nccl_types(Node('t', (2,), d), 'max') for d in ('float16', 'bfloat16', 'bool')))\n"
+        "class Lib:\n"
+        "    def ncclCommGetAsyncError(self, handle, err): return 0\n"
+        "    def ncclCommDestroy(self, handle):\n"
+        "        print('destroy with the watchdog', 'alive' if nc._watch.thread.is_alive() else 'stopped'); return 0\n"
+        "class Pending:\n"
+        "    def is_done(self): return False\n"
+        "streams.enqueue = lambda *a: Pending()\n"
+        "nc = object.__new__(nccl.NcclComm)\n"
+        "nc.lib, nc.handle, nc._broken = Lib(), None, None\n"
+        "nc.device = types.SimpleNamespace(synchronize=lambda: None)\n"
+        "nc._watch = nccl._Watchdog(nc)\n"
+        "ctx = types.SimpleNamespace(device=types.SimpleNamespace(driver=types.SimpleNamespace(\n"
+        "    foreign_stream=lambda h: 0)), stream=types.SimpleNamespace(handle=0))\n"
+        "nc._enqueue(ctx, 'all_reduce', Node('g', (2,)), (), (), math.inf, None)\n"
+        "print('watchdog', 'started' if nc._watch.thread is not None else 'not started')\n"
+        "nc._watch.track(Pending(), math.inf, 'another call')  # a running watchdog, either way\n"
+        "nc.close()\n")
+    assert out.splitlines() == ["(6, 2) (9, 2) (1, 2)", "watchdog started", "destroy with the watchdog stopped"], out
+
+
 # ---------------------------------------------------------------------------------------------
 # CUDA nodes without a GPU: tests/cuda's stub driver (its "device memory" is host memory, so
 # an MPI that is not CUDA-aware can stand in for one that is)
