@@ -5,6 +5,8 @@ Every call runs in three steps (docs/distributed.md, "Design"):
 0. **local order**: ``ctx.host_view(node, write=...)`` waits for the node's last writer (and,
    when the collective writes the node, its readers) and gives the node's memory itself on
    the cpu backend (zero-copy), a host copy elsewhere (copied back after the collective).
+   What fails here on one rank (a device fault in the node's writer) refuses the call in
+   step 1, as a wrong argument does: every rank joins every numbered call.
    With a CUDA-aware MPI and a node on a CUDA device, MPI gets ``ctx.export(node)`` (device
    memory) after the same waits. The host returns once the data is in place, so routines
    enqueued before and after a collective need no waits from the user. (Waiting first also
@@ -112,9 +114,10 @@ class Comm:
 
     Every call is collective over the communicator (``send`` / ``recv``: over the pair) and
     must be made by every rank in the same order with the same shapes, dtypes, ops and roots.
-    Argument errors of one rank (an unknown op, an ``out_node`` of the wrong shape) are raised
-    on that rank after the join, and every other rank raises CollectiveMismatchError naming
-    it, so no rank is left waiting. Making a Comm is itself collective (``MPI_Comm_idup``,
+    Argument errors of one rank (an unknown op, an ``out_node`` of the wrong shape), and
+    failures while it takes the node's buffers (a device fault in the node's writer), are
+    raised on that rank after the join, and every other rank raises CollectiveRefusedError
+    naming it, so no rank is left waiting and the calls stay numbered alike. Making a Comm is itself collective (``MPI_Comm_idup``,
     tested until the timeout). One thread at a time calls a Comm (its calls are numbered).
     """
 
