@@ -68,7 +68,8 @@ from polyjit.core.loops import (
 # The loop IR lives in core/loops.py; its names stay importable from here.
 __all__ = [
     "Call", "Const", "Expr", "IndexValue", "Inference", "Kernel", "Load", "Loop", "LoweredBatch",
-    "LoweredComp", "Reduce", "Stmt", "Store", "cell_symbols", "flat_index", "infer_modes", "lower", "simplify",
+    "LoweredComp", "Reduce", "Stmt", "Store", "cell_symbols", "flat_index", "infer_modes", "injective", "lower",
+    "simplify",
     "split_long_reduction", "strides", "walk_exprs", "walk_stmts",
 ]
 
@@ -133,12 +134,25 @@ def _is_elementwise_writer(leaf: ir.Accum | ir.Fetch) -> bool:
     return leaf.accum is None and _is_bijective_write(leaf)
 
 
+def injective(index: Sequence[Affine], symbols: Sequence[Symbol]) -> bool:
+    """Distinct iterations over ``symbols`` reach distinct cells through ``index``: every loop
+    symbol is the only one of some axis (``x[i + j]`` reaches a cell from several)."""
+    seen: set[Symbol] = set()
+    for e in index:
+        loops = [v for v in e.vars if isinstance(v, Symbol)]
+        if len(loops) > 1 or (loops and loops[0] in seen):
+            return False
+        seen.update(loops)
+    return all(s in seen for s in symbols)
+
+
 def _read_covers_space(reader: ir.Accum, node: Node) -> bool:
-    """Every loop symbol of the reader appears in its read of node: each element is computed once."""
+    """The reader reads each element of node in one iteration only: inlined, each element is
+    computed once, and from the values its writer saw (``s[i + j] += v[i + j]`` with ``v = 2 *
+    s`` inlined would read cells of s that earlier iterations updated)."""
     for x, idx in zip(reader.tensor_operands, reader.projections.rhs):
         if x is node:
-            used = {v for e in idx for v in e.vars}
-            return all(s in used for s in reader.projections.symbols)
+            return injective(idx, reader.projections.symbols)
     return False
 
 
@@ -324,11 +338,14 @@ def _inlined_reads_of_own_target(
         suspects = {v for v in _inlined_by(inference, leaf) if target in stored_sources(inference, v)}
         if not suspects or (isinstance(leaf, ir.Fetch) and isinstance(leaf.value, ir.Constant)):
             continue
+        # Where several iterations write one cell, even a load at the stored index reads what
+        # an earlier iteration wrote there.
+        several = isinstance(leaf, ir.Accum) and not injective(leaf.projections.lhs, leaf.projections.symbols)
         kernels = lowerer.lower_fetch("k", leaf) if isinstance(leaf, ir.Fetch) else lowerer.lower_accum("k", leaf)
         for k in kernels:
             for st in walk_stmts(k.body):
                 if isinstance(st, (Store, Reduce)) and any(
-                        isinstance(e, Load) and e.node is st.node and e.index != st.index
+                        isinstance(e, Load) and e.node is st.node and (several or e.index != st.index)
                         for e in walk_exprs(st)):
                     found |= suspects
     return found

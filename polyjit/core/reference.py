@@ -263,14 +263,8 @@ _UFUNC_AT = {
 
 
 def _injective(pr: ir.Projections) -> bool:
-    """Distinct iterations write distinct cells: every loop symbol is the only one of some lhs axis."""
-    seen: set[Symbol] = set()
-    for e in pr.lhs:
-        loops = [v for v in e.vars if isinstance(v, Symbol)]
-        if len(loops) > 1 or (loops and loops[0] in seen):
-            return False
-        seen.update(loops)
-    return all(s in seen for s in pr.symbols)
+    """Distinct iterations write distinct cells."""
+    return lower.injective(pr.lhs, pr.symbols)
 
 
 def _lookup(node: Node, env: Mapping[Node, Array], what: str) -> Array:

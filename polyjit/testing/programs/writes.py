@@ -155,6 +155,34 @@ def own_target() -> list[CatalogProgram]:
                           [ir.affine((1, i), const=1), j])
     out.append(program("own_target.partial_update", ir.Accum(wt, None, Op.SUB, (wt, mom), part),
                        inputs=[(wt, q(wt.shape)), (mom, q(mom.shape))], outputs=[wt]))
+    out += _own_target_windows()
+    return out
+
+
+def _own_target_windows() -> list[CatalogProgram]:
+    """Sums over a sliding window (``s[i + j] += ...``: several iterations accumulate into one
+    cell) of the target itself, of an elementwise intermediate made from it, and of one that
+    broadcasts it: each reads the target's values from before the write, not what earlier
+    iterations of the same kernel added (int32: exact)."""
+    out = []
+    for m, w in ((4, 3), (300, 5)):
+        i, j, a, b = Symbol("i"), Symbol("j"), Symbol("a"), Symbol("b")
+        window = ir.affine((1, i), (1, j))
+        space = [(i, m), (j, w)]
+        for init in (True, False):
+            s = Node(f"s_{init}", (m + w - 1,), dtypes.int32)
+            acc = ir.Accum(s, AccumOp.ADD, Op.ID, (s,), ir.projections(space, [window], [window]), init_neutral=init)
+            out.append(program(f"own_target.window.{m}x{w}.{'fresh' if init else 'onto'}", acc,
+                               inputs=[(s, values(dtypes.int32, s.shape))], outputs=[s]))
+        s, v = Node("s", (m + w - 1,), dtypes.int32), Node("v", (m + w - 1,), dtypes.int32)
+        acc = ir.Accum(s, AccumOp.ADD, Op.ID, (v,), ir.projections(space, [window], [window]), init_neutral=False)
+        out.append(program(f"own_target.window_of_an_intermediate.{m}x{w}", inputs=[(s, values(dtypes.int32, s.shape))],
+                           outputs=[s], comps=[ir.Comp.of(ir.Seq((ir.apply(Op.MUL, s, 2, into=v), acc)), embedded=[s])]))
+        s, vb = Node("s", (m + w - 1,), dtypes.int32), Node("vb", (m, w), dtypes.int32)
+        spread = ir.Accum(vb, None, Op.MUL, (s, 2), ir.projections([(a, m), (b, w)], [a, b], [ir.affine((1, a), (1, b))]))
+        acc = ir.Accum(s, AccumOp.ADD, Op.ID, (vb,), ir.projections(space, [window], [i, j]), init_neutral=False)
+        out.append(program(f"own_target.window_of_a_broadcast.{m}x{w}", inputs=[(s, values(dtypes.int32, s.shape))],
+                           outputs=[s], comps=[ir.Comp.of(ir.Seq((spread, acc)), embedded=[s])]))
     return out
 
 
