@@ -706,6 +706,12 @@ def lower(comps: Sequence[ir.Comp], names: Sequence[str], horizontal: bool = Tru
     over one outer loop merged; ``segments``: the kernels the target batches, independent ones
     run as segments of one launch (core/fusion.py); ``scatter_scan``: scatters of at most this
     many rows x updates are computed by row (:meth:`_Lowerer.scatter_by_owner`)."""
+    if len(names) != len(comps):  # zip would drop the computations without a name
+        raise InvalidProgramError(f"lower: {len(comps)} computations but {len(names)} names")
+    for k, c in enumerate(comps):
+        if not isinstance(c, ir.Comp):
+            raise InvalidProgramError(f"lower: computation {k} is a {type(c).__name__}, not an ir.Comp "
+                                      "(ir.Comp.of(...) makes one)")
     folded = fold_constants(comps)
     # nodes folded into their readers as literals are never stored, as inlined ones are: a
     # context that holds one is refused at link (Context._check_link), not left stale

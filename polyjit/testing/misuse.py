@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 import polyjit
-from polyjit.core import dtypes, ir
+from polyjit.core import dtypes, ir, lower
 from polyjit.core.errors import (
     BindingError,
     DTypeMismatchError,
@@ -142,6 +142,9 @@ def misuse_table(backend: Backend) -> list[tuple[str, type[PolyjitError], Callab
         ("a node of 2**62 x 8 elements", ShapeMismatchError, lambda: Node("huge", (1 << 62, 8))),
         ("an integer literal beyond every float", ValueRangeError, lambda: ir.apply(Op.ADD, a, 10**400, into=out)),
         ("a constant of strings", DTypeMismatchError, lambda: ir.constant(out, ["a"] * 16)),
+        ("lowering with fewer names than computations", InvalidProgramError, lambda: lower.lower([comp], [])),
+        ("lowering an assignment, not a computation", InvalidProgramError,
+         lambda: lower.lower([ir.apply(Op.ADD, a, 1.0, into=out)], ["k"])),  # type: ignore[list-item]
         ("a reshape of an array", InvalidArgumentError, lambda: ir.reshape(out, np.ones(16))),  # type: ignore[arg-type]
         ("a product space of bare symbols", InvalidProgramError,
          lambda: ir.projections([ir.Symbol("i")], [ir.Symbol("i")])),  # type: ignore[list-item]
