@@ -116,6 +116,9 @@ class DataParallel:
         if len(sizes) != 1:
             raise ShapeMismatchError(f"every input needs the same batch size (axis 0), got {sorted(sizes)}")
         self.batch_size = sizes.pop()
+        if self.batch_size == 0:
+            raise ShapeMismatchError(f"a batch of 0 rows (inputs {', '.join(sorted(inputs))}): each device needs "
+                                     "a shard of at least one row")
         total = n * self.ranks
         if self.comm is not None:
             # every rank must build the same thing: a refusal on one rank is one on all
@@ -130,12 +133,15 @@ class DataParallel:
         if not isinstance(loss, Tensor) or loss.shape != ():
             raise InvalidProgramError("model_step must return the loss: a scalar Tensor (the mean over its shard)")
         self.params = checked_params(params) if params is not None else trainable_params(loss)
+        if not self.params:
+            raise InvalidProgramError(f"data_parallel {name!r}: nothing to train (params is empty, or the loss "
+                                      "depends on no parameter)")
         if len({p.dtype for p in self.params}) > 1:
             raise DTypeMismatchError("data_parallel packs the gradients into one buffer: use one dtype")
         grads = grad(loss, self.params)
         pieces = [ops.reshape(g, (-1,)) for g in grads]
         if self.comm is not None:  # the loss rides along: one all-reduce gives the global loss too
-            dtype = self.params[0].dtype if self.params else loss.dtype
+            dtype = self.params[0].dtype
             pieces.append(ops.reshape(loss if loss.dtype == dtype else ops.cast(loss, dtype), (1,)))
         flat = ops.concat(pieces).named("grads")
         self.grads_node = flat.node
@@ -150,7 +156,9 @@ class DataParallel:
         self.update_program = Program({}, optimizer.updates(self.params, views, grad_scale=1.0 / total),
                                       name=f"{name}_update")
         self.persistent = _union(self.compute_program.persistent, self.update_program.persistent)
-        self._input_names = frozenset(t.name for t in self.compute_program.inputs)
+        # Declared inputs the model does not read are still taken (and their shapes checked).
+        self._input_names = frozenset(inputs)
+        self._unread = {k: v for k, v in inputs.items() if k not in {t.name for t in self.compute_program.inputs}}
         g = self.grads_node
         self._reduce_comp = ir.Comp.of(ir.apply(ir.Op.ADD, g, ir.merge(g), into=g), embedded=[g])
         self._batches: dict[int, tuple[CodeBatch, CodeBatch]] = {}
@@ -226,24 +234,10 @@ class DataParallel:
     def _compute(self, inputs: Mapping[str, Any], sync: bool = False) -> None:
         check_names(inputs, self._input_names, "data_parallel inputs")
         s = self.shard
-        first = {}  # per input: the row of the given array where this rank's rows begin
-        for f in self.replicas[0].feeds:
-            try:
-                shape = np.shape(inputs[f.name])
-            except ValueError as e:  # a ragged nested list
-                raise ShapeMismatchError(f"input {f.name!r}: {e}") from None
-            want = (self.batch_size, *f.node.shape[1:])
-            if shape == want:
-                first[f.name] = self.rank * self.rank_rows
-            elif self.comm is not None and shape == (self.rank_rows, *f.node.shape[1:]):
-                first[f.name] = 0  # this rank's slice only
-            elif self.comm is not None:
-                raise ShapeMismatchError(
-                    f"input {f.name!r} ({f.node.dtype}): got shape {shape}, expected {want} (the global "
-                    f"batch) or {(self.rank_rows, *f.node.shape[1:])} (rank {self.rank}'s slice of it)")
-            else:
-                raise ShapeMismatchError(f"input {f.name!r} ({f.node.dtype}): got shape {shape}, expected "
-                                         f"{want} (the global batch)")
+        first = {f.name: self._first_row(f.name, f.node.shape, f.node.dtype, inputs[f.name])
+                 for f in self.replicas[0].feeds}  # per input: the row of the given array where this rank's rows begin
+        for key, (shape, dt) in self._unread.items():
+            self._first_row(key, shape, dt, inputs[key])
         base = self.rank * self.rank_rows  # row numbers in messages are rows of the global batch
         # Every shard is checked (dtype, range, class labels) before anything is copied.
         arrays = [[f.host_array(inputs[f.name][first[f.name] + k * s : first[f.name] + (k + 1) * s],
@@ -254,6 +248,23 @@ class DataParallel:
             rep.compute_replay.replay(shards)  # the shards' copies and the routine: one enqueue
         if sync:
             self._sync()
+
+    def _first_row(self, key: str, shape: Sequence[int], dt: DType, value: Any) -> int:
+        """Where this rank's rows begin in the array given for input ``key``: the global batch,
+        or with ``comm`` this rank's slice of it; any other shape is refused."""
+        try:
+            got = np.shape(value)
+        except ValueError as e:  # a ragged nested list
+            raise ShapeMismatchError(f"input {key!r}: {e}") from None
+        want = (self.batch_size, *shape[1:])
+        if got == want:
+            return self.rank * self.rank_rows
+        if self.comm is not None and got == (self.rank_rows, *shape[1:]):
+            return 0  # this rank's slice only
+        if self.comm is not None:
+            raise ShapeMismatchError(f"input {key!r} ({dt}): got shape {got}, expected {want} (the global batch) "
+                                     f"or {(self.rank_rows, *shape[1:])} (rank {self.rank}'s slice of it)")
+        raise ShapeMismatchError(f"input {key!r} ({dt}): got shape {got}, expected {want} (the global batch)")
 
     def _guarded(self, local: Callable[[], None]) -> None:
         """Run this rank's part of a step before the all-reduce between the ranks. With

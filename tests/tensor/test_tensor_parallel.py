@@ -11,7 +11,7 @@ import pytest
 
 from polyjit import tensor as pt
 from polyjit.backends.cpu import create_backend
-from polyjit.core.errors import ShapeMismatchError
+from polyjit.core.errors import BindingError, InvalidProgramError, ShapeMismatchError
 from polyjit.core.runtime import Backend
 from polyjit.demo.datasets import two_spirals
 from polyjit.tensor.parallel import tree_rounds
@@ -113,6 +113,34 @@ def test_an_input_needs_a_batch_axis(three_devices: Backend) -> None:
         with pytest.raises(ShapeMismatchError, match=r"input 'x'.*no batch axis"):
             pt.data_parallel(lambda x: pt.sum(x * w), {"x": (shape, "float32")},
                              optimizer=pt.SGD(0.1), devices=three_devices)
+
+
+def test_an_empty_batch_or_nothing_to_train_is_refused(three_devices: Backend) -> None:
+    """A batch of 0 rows made 0-row shards and a NaN loss; a model without parameters failed
+    inside concat ("concat of no tensors")."""
+    w = pt.param("w", (2, 2))
+    with pytest.raises(ShapeMismatchError, match="batch of 0 rows"):
+        pt.data_parallel(lambda x: pt.sum(x @ w), {"x": ((0, 2), "float32")},
+                         optimizer=pt.SGD(0.1), devices=three_devices)
+    for params, model in (([], lambda x: pt.sum(x @ w)), (None, lambda x: pt.sum(x * 2.0))):
+        with pytest.raises(InvalidProgramError, match="nothing to train"):
+            pt.data_parallel(model, {"x": ((3, 2), "float32")}, optimizer=pt.SGD(0.1), devices=three_devices,
+                             params=params)
+
+
+def test_a_declared_input_the_model_does_not_read_is_taken(three_devices: Backend) -> None:
+    """An input of the spec that model_step ignores is taken by step() (it was refused as
+    "unknown"), its shape still checked; leaving it out is refused, as for any input."""
+    w = pt.param("w", (4, 2), init="ones")
+    dp = pt.data_parallel(lambda x, mask: pt.mean((x @ w) ** 2), {"x": ((3, 4), "float32"), "mask": ((3,), "float32")},
+                          optimizer=pt.SGD(0.1), devices=three_devices)
+    x = np.ones((3, 4), np.float32)
+    assert dp.step(x=x, mask=np.ones(3, np.float32)) == 16.0
+    with pytest.raises(ShapeMismatchError, match="input 'mask'"):
+        dp.step(x=x, mask=np.ones(4, np.float32))
+    with pytest.raises(BindingError, match="missing mask"):
+        dp.step(x=x)
+    dp.close()
 
 
 def test_load_state_dict_sets_every_replica(three_devices: Backend) -> None:
