@@ -53,13 +53,18 @@ def _hyperparameter(owner: str, name: str, value: Any) -> Any:
 
 def checked_params(params: Any) -> list[Tensor]:
     """A user's ``params=``: an iterable of parameters (``pt.param``), each refused by name
-    here rather than failing somewhere inside autodiff."""
+    here rather than failing somewhere inside autodiff, and each listed once (one listed twice
+    would be updated once per mention; PyTorch refuses it too). ``compile``, ``data_parallel``
+    and ``Optimizer.updates`` all check through here."""
     if isinstance(params, (str, bytes, Tensor)) or not isinstance(params, Iterable):
         raise InvalidProgramError(f"params must be a list of parameters, got {params!r}")
     out = list(params)
     for p in out:
         if not isinstance(p, Tensor) or p.kind is not Kind.PARAM:
             raise InvalidProgramError(f"params holds {p!r}, not a parameter (pt.param)")
+    twice = sorted({p.name for k, p in enumerate(out) if any(p is q for q in out[:k])})
+    if twice:
+        raise InvalidProgramError(f"params lists {', '.join(twice)} more than once")
     return out
 
 

@@ -471,9 +471,6 @@ def compile(
         if loss is None:
             raise InvalidProgramError("an optimizer needs a loss")
         wrt = checked_params(params) if params is not None else trainable_params(loss)
-        twice = sorted({p.name for k, p in enumerate(wrt) if any(p is q for q in wrt[:k])})
-        if twice:  # each would be updated once per mention (PyTorch refuses them too)
-            raise InvalidProgramError(f"params lists {', '.join(twice)} more than once")
         scale = _loss_scale(loss_scale)
         seed = None if scale == 1.0 else full((), scale, loss.dtype, name="loss_scale")
         grads = grad(loss, wrt, seed=seed)

@@ -106,6 +106,18 @@ def test_batch_must_split_evenly(three_devices: Backend) -> None:
                          optimizer=pt.SGD(0.1), devices=three_devices)
 
 
+def test_a_parameter_listed_twice_is_refused(three_devices: Backend) -> None:
+    """As compile() does (``optim.checked_params``): listed twice, it would be updated twice a step."""
+    w = pt.param("dp_twice", (4, 2), init="ones")
+    with pytest.raises(InvalidProgramError, match="dp_twice more than once"):
+        pt.data_parallel(lambda x: ((x @ w) ** 2.0).mean(), {"x": ((2, 4), "float32")},
+                         optimizer=pt.SGD(0.1), devices=three_devices.devices()[:2], params=[w, w])
+    opt = pt.SGD(0.1)
+    with pytest.raises(InvalidProgramError, match="dp_twice more than once"):
+        opt.updates([w, w], [w, w])
+    opt.lr = 0.5  # a refused updates() built nothing
+
+
 def test_an_input_needs_a_batch_axis(three_devices: Backend) -> None:
     """A 0-d input (or a shape that is not a tuple) is refused by name, not by a StopIteration."""
     w = pt.param("w", (2, 2))
