@@ -149,6 +149,27 @@ class _Slot:
         self.result_arrays = list(self.results.values())
 
 
+def _unaliased(arrays: list[Array], staging: list[Array], written: dict[int, Array]) -> list[Array]:
+    """A pipelined run's input arrays, each one that overlaps a result array of an earlier run
+    of the same call (``written``: the previous call's results fed back) copied into the run's
+    own staging array now: its copy to the device is enqueued behind the earlier run's copy
+    out, which would overwrite it first. The common case, an array the caller owns (or a view
+    of one), is one identity test; other arrays are compared with ``np.may_share_memory``."""
+    out = arrays
+    for k, arr in enumerate(arrays):
+        owner = arr if arr.base is None else arr.base
+        if isinstance(owner, np.ndarray) and owner.base is None and owner.flags.owndata:
+            clash = id(owner) in written  # results own their memory (_Slot), as this array does
+        else:
+            clash = any(np.may_share_memory(arr, r) for r in written.values())
+        if clash:
+            if out is arrays:
+                out = list(arrays)
+            np.copyto(staging[k], arr)
+            out[k] = staging[k]
+    return out
+
+
 def trainable_params(loss: Tensor) -> list[Tensor]:
     """The parameters a tensor depends on, in the order the graph reaches them."""
     return [t for t in topo_order([loss]) if t.kind is Kind.PARAM]
@@ -340,8 +361,12 @@ class Plan:
         while len(slots) < len(runs):
             slots.append(_Slot(self._feeds, self._outputs))
         prepared = [self._prepare(inputs, slot) for inputs, slot in zip(runs, slots)]
+        written: dict[int, Array] = {}  # the result arrays of the runs enqueued so far, by id
         for arrays, slot in zip(prepared, slots):
+            if written:
+                arrays = _unaliased(arrays, slot.inputs, written)
             self._run(arrays, slot.result_arrays)
+            written.update((id(r), r) for r in slot.result_arrays)
         self.context.stream.synchronize()
         return [slot.results for slot in slots[: len(runs)]]
 
