@@ -14,7 +14,9 @@ stored (readable with ``plan.read``); ``"auto"`` runs dynamic for the first
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Protocol
 
@@ -218,6 +220,11 @@ class Plan:
         self.backend = device.backend
         self.mode: Mode = mode
         self._state = StateContext(device, share.state_context if share is not None else None)
+        # The plans that share one state (share=): reset() of any resets the state of all.
+        self._share = share
+        self._sharers: weakref.WeakSet[Plan] = weakref.WeakSet()
+        if isinstance(share, Plan):
+            share._sharers.add(self)
         for t in program.persistent:
             assert t.init is not None
             self._state.add(t.node, t.init)
@@ -372,10 +379,28 @@ class Plan:
 
     # -- state -----------------------------------------------------------------------
 
-    @serialized
     def reset(self) -> None:
-        """Put every parameter and optimizer state back to its initial value."""
-        self._state.reset(self.program.persistent)
+        """Put every parameter and optimizer state back to its initial value: this plan's, and
+        when plans share state (``share=``), those of every plan sharing it (a training plan's
+        optimizer state too, when an evaluation plan sharing its parameters is reset), and of
+        the ``data_parallel`` they share, on all its replicas. It takes the locks of all those
+        plans (in one order), so no step of any of them is half enqueued meanwhile."""
+        root = self
+        while isinstance(root._share, Plan):
+            root = root._share
+        plans, todo = [], [root]
+        while todo:  # the sharing tree below the root
+            plan = todo.pop()
+            plans.append(plan)
+            todo.extend(list(plan._sharers))
+        with contextlib.ExitStack() as locks:
+            for plan in sorted(plans, key=id):
+                locks.enter_context(plan._lock)
+            owner_reset = getattr(root._share, "reset", None)  # a data_parallel's: every replica
+            if callable(owner_reset):
+                owner_reset()
+            for plan in plans:
+                plan._state.reset(plan.program.persistent)
 
     @serialized
     def state_dict(self) -> dict[str, Array]:
@@ -428,6 +453,8 @@ class Plan:
             self._linked.finalize()
             self._linked = None
         self._state.close()
+        if isinstance(self._share, Plan):
+            self._share._sharers.discard(self)
 
     def __enter__(self) -> Plan:
         return self

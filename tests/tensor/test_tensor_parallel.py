@@ -96,6 +96,9 @@ def test_evaluation_plan_shares_replica_zero(three_devices: Backend) -> None:
     np.testing.assert_allclose(after, h @ p["mlp.1.weight"] + p["mlp.1.bias"], rtol=1e-5, atol=1e-6)
     with pytest.raises(ShapeMismatchError):
         dp.step(x=xs[:4], y=ys[:4])
+    evaluate.reset()  # resets what it shares: every replica, not replica 0's parameters only
+    assert dp.replica_spread() == 0.0
+    np.testing.assert_array_equal(evaluate.run(xe=xs)["logits"], before)
     dp.close()
 
 

@@ -301,6 +301,33 @@ def test_reset_restarts_training_exactly() -> None:
     plan.close()
 
 
+def test_reset_of_a_sharer_resets_the_whole_shared_state() -> None:
+    """``reset()`` of either plan resets both: the evaluation plan's reset puts the training
+    plan's optimizer state back too (step count, moments), and the training plan's reset a
+    parameter only the evaluation plan has; training then restarts exactly."""
+    _, x, _, loss = _classifier()
+    train = pt.compile(loss=loss, optimizer=pt.Adam(0.05))
+    scale = pt.param("eval_scale", (), init="ones")  # the evaluation plan's own
+    infer = pt.compile({"s": pt.sum(x) * scale}, share=train)
+    sharer_of_sharer = pt.compile({"s2": pt.sum(x) * scale}, share=infer)
+    data = _batches(3)
+    first = [train.step(**b) for b in data]
+    infer.load_state_dict({"eval_scale": np.float32(3.0)}, strict=False)
+    for plan in (infer, sharer_of_sharer, train):
+        assert train.state_dict()["adam.step"] == 3.0
+        plan.reset()
+        state = train.state_dict()
+        assert state["adam.step"] == 0.0, plan
+        assert not state["mlp.0.weight.m"].any() and not state["mlp.0.weight.v"].any(), plan
+        assert infer.state_dict()["eval_scale"] == 1.0, plan
+        assert [train.step(**b) for b in data] == first, plan
+        infer.load_state_dict({"eval_scale": np.float32(3.0)}, strict=False)
+    sharer_of_sharer.close()  # a closed sharer leaves the others' reset alone
+    train.reset()
+    assert train.state_dict()["adam.step"] == 0.0
+    train.close()
+
+
 def test_input_errors() -> None:
     x = pt.input("x", (2, 3))
     plan = pt.compile({"y": x * 2.0})
