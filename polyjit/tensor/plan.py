@@ -509,8 +509,12 @@ def compile(
     """
     named = _named_outputs(outputs)
     _check_share(share)
+    if mode not in MODES:  # checked before an optimizer builds its updates (and locks its settings)
+        raise InvalidProgramError(f"mode must be one of {MODES}, got {mode!r}")
+    dev = share.device if device is None and share is not None else resolve_device(device)
     writes = []
     grads: list[Tensor] = []
+    was_built = False
     if loss is not None:
         _check_tensor(loss, "loss")
         if loss.shape != ():
@@ -526,6 +530,7 @@ def compile(
         scale = _loss_scale(loss_scale)
         seed = None if scale == 1.0 else full((), scale, loss.dtype, name="loss_scale")
         grads = grad(loss, wrt, seed=seed)
+        was_built = optimizer._built
         writes = optimizer.updates(wrt, grads, grad_scale=1.0 / scale)
     elif loss_scale != 1.0:
         raise InvalidProgramError("loss_scale scales the gradients of an optimizer step: it needs an optimizer")
@@ -536,6 +541,10 @@ def compile(
     # layers' small kernels run while the host thread is back in Python after the loss, and
     # the first layer's large weight gradient, which that thread helps with on the CPU, comes
     # last (the MLP step: 0.977 of its time; docs/benchmarks.md, session 15).
-    program = Program(named, writes, name=name, computed_first=grads[::-1])
-    dev = share.device if device is None and share is not None else resolve_device(device)
-    return Plan(program, dev, mode=mode, share=share)
+    try:
+        program = Program(named, writes, name=name, computed_first=grads[::-1])
+        return Plan(program, dev, mode=mode, share=share)
+    except BaseException:  # no plan was made: the optimizer's settings are still free to change
+        if optimizer is not None:
+            optimizer._built = was_built
+        raise

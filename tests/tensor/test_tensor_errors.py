@@ -277,7 +277,7 @@ def test_symbolic_tensors_refuse_to_be_values() -> None:
     plan.close()
 
 
-def test_compile_and_optimizer_misuse() -> None:
+def test_compile_and_optimizer_misuse(two_devices: Backend) -> None:
     x = pt.input("x", (4,))
     w = pt.param("w", (4,), init="ones")
     with pytest.raises(ShapeMismatchError, match=r"loss must be a scalar.*Tensor\(mul 4 float32 op\)"):
@@ -304,6 +304,13 @@ def test_compile_and_optimizer_misuse() -> None:
     assert type(opt.lr) is float
     with pytest.raises(InvalidProgramError, match=r"SGD has no hyperparameter 'betas'"):
         opt.betas = (0.9, 0.99)
+    other = pt.compile({"y": x * 2.0}, device=two_devices.get_device(0))
+    for bad in ({"mode": "fast"}, {"device": "cpu:99"}, {"share": other, "device": two_devices.get_device(1)}):
+        with pytest.raises(PolyjitError, match=r"fast|no device 99|cannot share"):  # no plan was made:
+            pt.compile(loss=pt.sum(x * w), optimizer=opt, **bad)  # type: ignore[arg-type]
+        opt.lr = 0.25  # the optimizer is still free to change
+        opt.lr = 0.5
+    other.close()
     plan = pt.compile(loss=pt.sum(x * w), optimizer=opt)
     with pytest.raises(InvalidProgramError, match=r"SGD\.lr = 0\.1: .*already built into a plan with lr=0\.5"):
         opt.lr = 0.1  # a schedule would silently not happen: the plan has lr as a constant
