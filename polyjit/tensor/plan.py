@@ -23,6 +23,7 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 from polyjit.core.errors import (
+    FinalizedError,
     InvalidArgumentError,
     InvalidProgramError,
     NodeNotInContextError,
@@ -239,6 +240,7 @@ class Plan:
         self._by_thread = threading.local()
         self._linked: _Linked | None = None
         self._lock = threading.RLock()
+        self._closed = False
         self.runs = 0
 
     # -- contexts --------------------------------------------------------------------
@@ -256,6 +258,16 @@ class Plan:
     @property
     def input_names(self) -> list[str]:
         return [f.name for f in self._feeds]
+
+    def _check_open(self, call: str) -> None:
+        """Refuse ``call`` (``"run()"``, ...) on a closed plan, or on one whose shared state
+        (``share=``) was freed, by the name of what was called."""
+        if self._closed:
+            raise FinalizedError(f"{self!r}: {call} after close(): its device memory was freed; "
+                                 "compile a new plan")
+        if self._state.context.finalized:
+            raise FinalizedError(f"{self!r}: {call} after the plan (or data_parallel) whose state it "
+                                 "shares (share=) was closed, which freed that state; compile a new plan")
 
     def _kind(self) -> str:
         if self.mode == "dynamic" or (self.mode == "auto" and self.runs < AUTO_DYNAMIC_STEPS):
@@ -290,6 +302,7 @@ class Plan:
     @serialized
     def build(self) -> Plan:
         """Compile and link now rather than on the first run; returns the plan."""
+        self._check_open("build()")
         self._routines()
         return self
 
@@ -320,6 +333,7 @@ class Plan:
     def run(self, **inputs: Any) -> dict[str, Array]:
         """One run: returns every output, in arrays this plan reuses on the calling thread's
         next run."""
+        self._check_open("run()")
         mine = self._mine()
         self._run(self._prepare(inputs, None), mine.result_arrays).synchronize()
         return mine.results
@@ -329,6 +343,7 @@ class Plan:
         """One run whose outputs stay on the device: zero-copy views of the output buffers
         (DLPack; ``np.from_dlpack``, ``torch.from_dlpack``), which show the values of this run
         until the next run writes them."""
+        self._check_open("run_on_device()")
         self._run(self._prepare(inputs, None), None)
         ctx = self.context
         return {name: ctx.export(node) for name, node, _ in self._outputs}
@@ -341,6 +356,7 @@ class Plan:
         running, in order before anything enqueued later (the next step, ``read``,
         ``state_dict``: each waits for the buffers it touches). ``synchronize()`` waits for
         them."""
+        self._check_open("step()")
         if self._loss is None:
             raise InvalidProgramError("step() needs a plan compiled with loss=...")
         arrays = self._prepare(inputs, None)
@@ -360,6 +376,7 @@ class Plan:
     def run_pipelined(self, runs: Sequence[Mapping[str, Any]]) -> list[dict[str, Array]]:
         """Enqueue several runs back to back and synchronize once; one result dict per run
         (host arrays reused by the calling thread's next pipelined call)."""
+        self._check_open("run_pipelined()")
         if isinstance(runs, (str, bytes, Mapping)) or not isinstance(runs, Sequence):
             raise InvalidArgumentError(f"run_pipelined takes a list of input mappings (one per run), "
                                        f"not {type(runs).__name__}")
@@ -385,6 +402,7 @@ class Plan:
         optimizer state too, when an evaluation plan sharing its parameters is reset), and of
         the ``data_parallel`` they share, on all its replicas. It takes the locks of all those
         plans (in one order), so no step of any of them is half enqueued meanwhile."""
+        self._check_open("reset()")
         root = self
         while isinstance(root._share, Plan):
             root = root._share
@@ -400,11 +418,13 @@ class Plan:
             if callable(owner_reset):
                 owner_reset()
             for plan in plans:
-                plan._state.reset(plan.program.persistent)
+                if not plan._state.context.finalized:  # a closed sharer's buffers are gone
+                    plan._state.reset(plan.program.persistent)
 
     @serialized
     def state_dict(self) -> dict[str, Array]:
         """Copies of the persistent buffers (parameters, optimizer state), by name."""
+        self._check_open("state_dict()")
         return self._state.state_dict(self.program.persistent)
 
     @serialized
@@ -417,11 +437,13 @@ class Plan:
         exactly the plan's (``StateDictKeyError``); without it, unknown and missing names are
         skipped. On an error nothing has changed.
         """
+        self._check_open("load_state_dict()")
         self._state.load_state_dict(self.program.persistent, values, strict, "this plan")
 
     @serialized
     def read(self, tensor: Tensor) -> Array:
         """The current value of a stored tensor: outputs and state; every op's result in dynamic mode."""
+        self._check_open("read()")
         if not isinstance(tensor, Tensor):
             raise InvalidArgumentError(f"Plan.read takes a Tensor (run() returns outputs by name), "
                                        f"not {type(tensor).__name__}")
@@ -453,8 +475,7 @@ class Plan:
             self._linked.finalize()
             self._linked = None
         self._state.close()
-        if isinstance(self._share, Plan):
-            self._share._sharers.discard(self)
+        self._closed = True
 
     def __enter__(self) -> Plan:
         return self

@@ -4,6 +4,7 @@ again with good input."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -354,11 +355,23 @@ def test_a_closed_plan_says_so_for_every_call(mode: str) -> None:
     xs = np.ones(4, np.float32)
     plan.step(x=xs)
     plan.close()
-    for call in (lambda: plan.step(x=xs), lambda: plan.run(x=xs), plan.state_dict, lambda: plan.load_state_dict({}),
-                 plan.reset, lambda: plan.read(w)):
-        with pytest.raises(FinalizedError):
-            call()
+    calls: dict[str, Any] = {
+        "step()": lambda p: p.step(x=xs), "run()": lambda p: p.run(x=xs),
+        "run_pipelined()": lambda p: p.run_pipelined([{"x": xs}]), "run_on_device()": lambda p: p.run_on_device(x=xs),
+        "state_dict()": lambda p: p.state_dict(), "load_state_dict()": lambda p: p.load_state_dict({}),
+        "reset()": lambda p: p.reset(), "read()": lambda p: p.read(w), "build()": lambda p: p.build()}
+    for name, call in calls.items():  # each names what was called (it said "link into a live context")
+        with pytest.raises(FinalizedError, match=rf"{re.escape(name)} after close\(\)"):
+            call(plan)
     plan.close()  # twice is fine
+    owner = pt.compile(loss=pt.sum(x * w), optimizer=pt.SGD(0.1), mode=mode)
+    sharer = pt.compile({"y": x * w}, share=owner)
+    sharer.run(x=xs)
+    owner.close()
+    for name, call in calls.items():
+        if name != "step()":  # the sharer has no loss
+            with pytest.raises(FinalizedError, match=rf"{re.escape(name)} after the plan .*whose state it shares"):
+                call(sharer)
 
 
 def test_graph_building_misuse_raises_typed_errors_naming_the_culprit() -> None:
