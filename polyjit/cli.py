@@ -1,17 +1,65 @@
-"""The ``polyjit`` command: devices, selftest, demo, bench."""
+"""The ``polyjit`` command: devices, selftest, demo, bench.
+
+It also holds the argument types its subcommands' parsers share (the demo's, the bench
+suites'): a misused option ends in argparse's one-line error and exit status 2, before any
+work, never in a traceback after it."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
+import polyjit
 from polyjit.backends import backends, get_backend
 from polyjit.core.errors import PolyjitError
 
 
-def _fmt_bytes(n: int) -> str:
+def _whole(text: str, least: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
+    return value
+
+
+def count(text: str) -> int:
+    """An option that counts something (steps, elements, rows): a whole number of at least 1."""
+    return _whole(text, 1)
+
+
+def natural(text: str) -> int:
+    """A whole number of at least 0 (a seed)."""
+    return _whole(text, 0)
+
+
+def file_problem(path: str) -> str | None:
+    """Why a file could not be written at ``path`` (checked before the work that makes it)."""
+    target = Path(path)
+    if target.is_dir():
+        return f"{path}: is a directory"
+    parent = target.parent
+    if not parent.is_dir():
+        return f"{path}: no directory {parent}"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{path}: cannot write in {parent}"
+    return None
+
+
+def output_file(text: str) -> str:
+    """An option naming a file to write (``--json``): refused up front if it cannot be written."""
+    problem = file_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
+def fmt_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -36,7 +84,7 @@ def cmd_devices(args: argparse.Namespace) -> int:
             dev = be.get_device(k)
             skip = {"memory_bytes", "compute_units"}
             details = ", ".join(f"{key}={val}" for key, val in dev.properties.items() if key not in skip)
-            rows.append((name, str(k), dev.name, _fmt_bytes(dev.info.memory_bytes),
+            rows.append((name, str(k), dev.name, fmt_bytes(dev.info.memory_bytes),
                          str(dev.info.compute_units), details))
     widths = [max(len(r[c]) for r in rows) for c in range(5)]
     for r in rows:
@@ -54,15 +102,22 @@ def cmd_devices(args: argparse.Namespace) -> int:
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
-    from polyjit.core.cache import cache_clear, cache_info
+    from polyjit.core.cache import cache_clear, cache_info, refused_cache_dir
 
+    refused = refused_cache_dir()
+    if refused is not None:  # not the private temporary directory a process would use instead
+        place, why = refused
+        print(f"polyjit cache: refusing the configured cache directory {place}: {why}; "
+              f"nothing {'cleared' if args.action == 'clear' else 'to show'} (polyjit compiles into a "
+              "private temporary directory while it is refused)", file=sys.stderr)
+        return 1
     if args.action == "clear":
         print(f"removed {cache_clear()} entries from {cache_info()['directory']}")
         return 0
     info = cache_info()
     print(f"compile cache: {info['directory']}")
     for space, counts in info["namespaces"].items():  # type: ignore[attr-defined]
-        print(f"  {space:10s} {counts['entries']:6d} entries  {_fmt_bytes(counts['bytes'])}")
+        print(f"  {space:10s} {counts['entries']:6d} entries  {fmt_bytes(counts['bytes'])}")
     return 0
 
 
@@ -105,7 +160,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="polyjit", description=__doc__)
+    p = argparse.ArgumentParser(prog="polyjit", description=__doc__.split("\n\n")[0])
+    p.add_argument("--version", action="version", version=f"polyjit {polyjit.__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("devices", help="list backends and their devices")
     d.set_defaults(func=cmd_devices)

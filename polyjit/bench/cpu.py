@@ -26,6 +26,7 @@ from polyjit.backends import get_backend
 from polyjit.backends.cpu import cpu_model
 from polyjit.bench.common import Target, linked_matmul, print_targets
 from polyjit.bench.timing import best_of, best_of_blocks, best_of_each, median_ns
+from polyjit.cli import count, output_file
 from polyjit.core import ir
 from polyjit.core.routine import Routine
 from polyjit.demo import chain_program
@@ -222,9 +223,9 @@ TARGETS: list[Target] = [
 
 def main(argv: Sequence[str] = ()) -> int:
     p = argparse.ArgumentParser(prog="polyjit bench cpu")
-    p.add_argument("--size", type=int, default=1 << 24)
-    p.add_argument("--matmul", type=int, default=1024)
-    p.add_argument("--json", help="write the results to this file")
+    p.add_argument("--size", type=count, default=1 << 24)
+    p.add_argument("--matmul", type=count, default=1024)
+    p.add_argument("--json", type=output_file, help="write the results to this file")
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run, not a measurement")
     args = p.parse_args(list(argv))
     if args.quick:

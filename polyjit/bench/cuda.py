@@ -25,6 +25,7 @@ import numpy as np
 from polyjit import device_to_device
 from polyjit.backends import cuda
 from polyjit.bench.timing import median_per_call
+from polyjit.cli import output_file
 from polyjit.core import ir
 from polyjit.core.ir import Node, Op
 
@@ -202,9 +203,9 @@ def bench_copy(backend: cuda.CudaBackend, nbytes: int) -> list[Result]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="polyjit bench cuda", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller sizes and fewer repetitions")
-    ap.add_argument("--json", help="write the results to this file")
+    ap.add_argument("--json", type=output_file, help="write the results to this file")
     ap.add_argument("--require-gpu", action="store_true", help="exit 1 when there is no GPU")
     args = ap.parse_args(argv)
     try:

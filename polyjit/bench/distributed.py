@@ -30,7 +30,8 @@ from typing import Any
 import numpy as np
 
 from polyjit.bench.common import Target, print_results, print_targets
-from polyjit.bench.peers import parse_list
+from polyjit.bench.peers import subset_of
+from polyjit.cli import count, output_file
 from polyjit.distributed import MPI, Comm, bind_to_cores, mpiexec_command
 
 Array = np.ndarray[Any, Any]
@@ -146,7 +147,7 @@ GROUPS = ("allreduce", "data_parallel")
 
 def run(args: argparse.Namespace) -> int:
     cores = bind_to_cores(1)  # before the cpu backend exists: one core per rank
-    wanted = set(parse_list(args.only, GROUPS, "group")) or set(GROUPS)
+    wanted = set(args.only) or set(GROUPS)
     results: dict[str, dict[str, Any]] = {"machine": {"ranks": SIZE, "cores_of_rank_0": str(cores),
                                                       "mpi": MPI.Get_library_version().splitlines()[0]}}
     if "allreduce" in wanted:
@@ -163,14 +164,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] = ()) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mib", type=int, default=64, help="size of the all-reduced node")
-    p.add_argument("--batch", type=int, default=1024, help="global batch of the data-parallel MLP")
-    p.add_argument("--steps", type=int, default=20, help="steps per timed block")
-    p.add_argument("--rounds", type=int, default=3, help="timed blocks per contender")
-    p.add_argument("--ranks", type=int, default=2, help="ranks to start when run without mpiexec")
-    p.add_argument("--only", default="", help=f"comma-separated subset: {','.join(GROUPS)}")
-    p.add_argument("--json", help="write the results to this file (rank 0)")
+    p = argparse.ArgumentParser(prog="polyjit bench distributed", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mib", type=count, default=64, help="size of the all-reduced node")
+    p.add_argument("--batch", type=count, default=1024, help="global batch of the data-parallel MLP")
+    p.add_argument("--steps", type=count, default=20, help="steps per timed block")
+    p.add_argument("--rounds", type=count, default=3, help="timed blocks per contender")
+    p.add_argument("--ranks", type=count, default=2, help="ranks to start when run without mpiexec")
+    p.add_argument("--only", type=subset_of(GROUPS, "group"), default="",
+                   help=f"comma-separated subset: {','.join(GROUPS)}")
+    p.add_argument("--json", type=output_file, help="write the results to this file (rank 0)")
     args = p.parse_args(list(argv))
     if SIZE == 1 and args.ranks > 1:  # not under mpiexec: start the job
         cmd = mpiexec_command(args.ranks, str(Path(__file__).resolve()), *argv)

@@ -30,6 +30,7 @@ import numpy as np
 
 from polyjit.bench.common import Target, linked_matmul, print_targets
 from polyjit.bench.timing import best_of, best_of_each
+from polyjit.cli import count, output_file
 
 Report = Callable[[str, float, str], None]
 
@@ -337,9 +338,9 @@ def run(report: Report = print_report, *, size: int = 1 << 24, matmul: int = 102
 
 def main(argv: Sequence[str] = ()) -> int:
     p = argparse.ArgumentParser(prog="polyjit bench opencl")
-    p.add_argument("--size", type=int, default=1 << 24, help="elements of the elementwise benchmarks")
-    p.add_argument("--matmul", type=int, default=1024)
-    p.add_argument("--json", help="write the results to this file")
+    p.add_argument("--size", type=count, default=1 << 24, help="elements of the elementwise benchmarks")
+    p.add_argument("--matmul", type=count, default=1024)
+    p.add_argument("--json", type=output_file, help="write the results to this file")
     args = p.parse_args(list(argv))
     os.environ.setdefault("POCL_DEVICES", "pthread pthread")  # before OpenCL starts: two PoCL devices
     results = run(size=args.size, matmul=args.matmul)

@@ -31,7 +31,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import IO, Any
 
@@ -47,6 +47,7 @@ from polyjit.bench.steps import (
     finish,
     mnist_like,
 )
+from polyjit.cli import count, output_file
 
 __all__ = ["BATCH", "CONTENDERS", "MODELS", "PEERS", "Absent", "build_step", "mnist_like", "race"]
 
@@ -279,43 +280,48 @@ def contention_targets(group: str, contention: Sequence[int]) -> list[tuple[str,
     return out
 
 
-def parse_list(text: str, allowed: Sequence[str], what: str) -> list[str]:
-    """A comma-separated subset of ``allowed`` (``none`` or empty: nothing)."""
-    items = [s.strip() for s in text.split(",") if s.strip() and s.strip() != "none"]
-    bad = [s for s in items if s not in allowed]
-    if bad:
-        raise SystemExit(f"unknown {what}: {', '.join(bad)} (choose from {', '.join(allowed)})")
-    return list(dict.fromkeys(items))
+def subset_of(allowed: Sequence[str], what: str) -> Callable[[str], list[str]]:
+    """An argparse type: a comma-separated subset of ``allowed`` (``none`` or empty: nothing);
+    anything else is argparse's error (exit status 2)."""
+    def parse(text: str) -> list[str]:
+        items = [s.strip() for s in text.split(",") if s.strip() and s.strip() != "none"]
+        bad = [s for s in items if s not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {what}: {', '.join(bad)} (choose from {', '.join(allowed)})")
+        return list(dict.fromkeys(items))
+    return parse
 
 
-def parse_contention(text: str) -> list[int]:
+def contention_list(text: str) -> list[int]:
+    """An argparse type: numbers of busy processes, ``1`` or ``1,2``."""
     try:
         values = [int(s) for s in text.split(",") if s.strip()]
     except ValueError:
-        raise SystemExit(f"--contention takes numbers of busy processes, e.g. 1 or 1,2; got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"numbers of busy processes, e.g. 1 or 1,2; got {text!r}") from None
     if any(n < 0 for n in values):
-        raise SystemExit("--contention: the number of busy processes cannot be negative")
+        raise argparse.ArgumentTypeError("the number of busy processes cannot be negative")
     return values
 
 
 def add_race_arguments(p: argparse.ArgumentParser) -> None:
     """The options ``polyjit bench peers`` and ``polyjit bench tensor`` share."""
-    p.add_argument("--peers", default=",".join(PEERS),
+    p.add_argument("--peers", type=subset_of(PEERS, "peers"), default=",".join(PEERS),
                    help=f"comma-separated peers to race polyjit against (default: all of {', '.join(PEERS)}; "
                         "'none' for none); those not installed are reported as absent")
-    p.add_argument("--contention", default="",
+    p.add_argument("--contention", type=contention_list, default="",
                    help="numbers of busy processes (one core spinning each) to time every contender "
                         "beside as well, e.g. 1 or 1,2; reports each contender's retained fraction")
-    p.add_argument("--rounds", type=int, default=3, help="rounds of turns (the best block counts)")
+    p.add_argument("--rounds", type=count, default=3, help="rounds of turns (the best block counts)")
     p.add_argument("--seconds", type=float, default=1.0, help="seconds each contender is timed per turn")
 
 
 def main(argv: Sequence[str] = ()) -> int:
     p = argparse.ArgumentParser(prog="polyjit bench peers", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default=",".join(MODELS), help="comma-separated: mlp,char_lm")
+    p.add_argument("--models", type=subset_of(MODELS, "models"), default=",".join(MODELS),
+                   help="comma-separated: mlp,char_lm")
     p.add_argument("--batch", type=int, default=0, help="batch (default: 256 for mlp, 128 for char_lm)")
-    p.add_argument("--json", help="write the results to this file")
+    p.add_argument("--json", type=output_file, help="write the results to this file")
     p.add_argument("--serve", nargs=2, metavar=("MODEL", "CONTENDER"), help=argparse.SUPPRESS)
     add_race_arguments(p)
     args = p.parse_args(list(argv))
@@ -323,11 +329,11 @@ def main(argv: Sequence[str] = ()) -> int:
         return serve(args.serve[0], args.serve[1], args.batch or BATCH[args.serve[0]])
     from polyjit.bench.common import print_results, print_targets
 
-    contention = parse_contention(args.contention)
-    contenders = ["polyjit", *parse_list(args.peers, PEERS, "peers")]
+    contention = args.contention
+    contenders = ["polyjit", *args.peers]
     results: dict[str, dict[str, Any]] = {"machine": machine_info()}
     targets = []
-    for model in parse_list(args.models, MODELS, "models"):
+    for model in args.models:
         result = race(model, contenders, args.batch or BATCH[model], contention, args.rounds, args.seconds)
         results[model] = flatten(result, contention)
         targets += contention_targets(model, contention)

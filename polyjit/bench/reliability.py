@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 
 from polyjit import get_backend, ir
-from polyjit.bench.peers import parse_list
+from polyjit.bench.peers import subset_of
+from polyjit.cli import count, output_file
 from polyjit.core.ir import Node, Op
 from polyjit.core.runtime import Backend
 from polyjit.testing.concurrency import thread_stress
@@ -151,14 +152,15 @@ GROUPS = ("misuse", "faults", "threads", "streams", "programs", "launch")
 def main(argv: Sequence[str] = ()) -> int:
     p = argparse.ArgumentParser(prog="polyjit bench reliability")
     p.add_argument("--backends", default="cpu,opencl")
-    p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--operations", type=int, default=1000)
-    p.add_argument("--programs", type=int, default=1000)
-    p.add_argument("--streams", type=int, default=1000)
-    p.add_argument("--only", default=",".join(GROUPS), help=f"comma-separated subset: {','.join(GROUPS)}")
-    p.add_argument("--json", help="write the results to this file")
+    p.add_argument("--seeds", type=count, default=3)
+    p.add_argument("--operations", type=count, default=1000)
+    p.add_argument("--programs", type=count, default=1000)
+    p.add_argument("--streams", type=count, default=1000)
+    p.add_argument("--only", type=subset_of(GROUPS, "group"), default=",".join(GROUPS),
+                   help=f"comma-separated subset: {','.join(GROUPS)}")
+    p.add_argument("--json", type=output_file, help="write the results to this file")
     args = p.parse_args(list(argv))
-    groups = parse_list(args.only, GROUPS, "group")
+    groups = args.only
     results: dict[str, dict[str, Any]] = {}
     for name in args.backends.split(","):
         if get_backend(name).num_devices() == 0:

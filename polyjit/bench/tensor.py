@@ -44,18 +44,17 @@ from polyjit.backends.cpu import create_backend
 from polyjit.bench.common import Target, print_results, print_targets
 from polyjit.bench.cpu import bench_matmul
 from polyjit.bench.peers import (
-    PEERS,
     add_race_arguments,
     contention_targets,
     flatten,
     machine_info,
     mnist_like,
-    parse_contention,
-    parse_list,
     race,
+    subset_of,
 )
 from polyjit.bench.steps import PlanStep, finish
 from polyjit.bench.timing import best_of, best_of_blocks
+from polyjit.cli import count, output_file
 from polyjit.core.errors import UnsupportedError
 from polyjit.demo.datasets import context_windows, encode_text
 from polyjit.tensor.plan import Mode
@@ -308,20 +307,20 @@ GROUPS = ("mlp", "char_lm", "dispatch", "data_parallel")
 def main(argv: Sequence[str] = ()) -> int:
     p = argparse.ArgumentParser(prog="polyjit bench tensor", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=20, help="steps per timed block")
-    p.add_argument("--batch", type=int, default=256, help="MLP batch")
-    p.add_argument("--dp-batch", type=int, default=1024,
+    p.add_argument("--steps", type=count, default=20, help="steps per timed block")
+    p.add_argument("--batch", type=count, default=256, help="MLP batch")
+    p.add_argument("--dp-batch", type=count, default=1024,
                    help="global batch of the data-parallel MLP (512 per device on 2 devices)")
-    p.add_argument("--lm-batch", type=int, default=128, help="char_lm batch")
+    p.add_argument("--lm-batch", type=count, default=128, help="char_lm batch")
     p.add_argument("--lm-device", default="cpu",
                    help="device of the char_lm group, e.g. cuda:0 (the other groups run on the CPU)")
-    p.add_argument("--only", default="", help=f"comma-separated subset: {','.join(GROUPS)}")
-    p.add_argument("--json", help="write the results to this file")
+    p.add_argument("--only", type=subset_of(GROUPS, "group"), default="",
+                   help=f"comma-separated subset: {','.join(GROUPS)}")
+    p.add_argument("--json", type=output_file, help="write the results to this file")
     add_race_arguments(p)
     args = p.parse_args(list(argv))
-    wanted = set(parse_list(args.only, GROUPS, "group")) or set(GROUPS)
-    peers = parse_list(args.peers, PEERS, "peers")
-    contention = parse_contention(args.contention)
+    wanted = set(args.only) or set(GROUPS)
+    peers, contention = args.peers, args.contention
     results: dict[str, dict[str, Any]] = {
         "machine": {**machine_info(), "devices": get_backend("cpu").num_devices()},
     }

@@ -277,17 +277,31 @@ def _configured_root() -> Path | None:
     return base / "polyjit"
 
 
+def _root() -> tuple[Path | None, Path, str]:
+    """The configured cache root: (its real path, or None when it is refused; the path as
+    configured; why it is refused)."""
+    root = _configured_root()
+    if root is None:
+        return None, Path("~/.cache/polyjit"), "there is no home directory"
+    real, problem = _usable_root(root)
+    return real, root, problem or "it is unusable"
+
+
+def refused_cache_dir() -> tuple[Path, str] | None:
+    """The configured cache directory and why it is refused (unsafe or unusable), or None when
+    it is in use. ``polyjit cache`` says so rather than show or clear the private temporary
+    directory that :func:`cache_dir` falls back to."""
+    real, root, problem = _root()
+    return None if real is not None else (root, problem)
+
+
 def cache_dir() -> Path:
     """The cache root in use: ``$POLYJIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/polyjit``, else
     ``~/.cache/polyjit``, created 0700; a private temporary directory (with a
     :class:`CacheDirWarning`) when that one is unsafe or unusable."""
-    root = _configured_root()
-    if root is None:
-        _warn(Path("~/.cache/polyjit"), "there is no home directory")
-        return _fallback_root()
-    real, problem = _usable_root(root)
+    real, root, problem = _root()
     if real is None:
-        _warn(root, problem or "it is unusable")
+        _warn(root, problem)
         return _fallback_root()
     return real
 

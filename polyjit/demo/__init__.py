@@ -19,12 +19,12 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 
 from polyjit import tensor as pt
 from polyjit.backends import get_backend
+from polyjit.cli import count, file_problem, fmt_bytes, natural
 from polyjit.core import ir
 from polyjit.core.runtime import Backend
 from polyjit.demo.datasets import two_spirals
@@ -37,41 +37,17 @@ __all__ = ["add_arguments", "chain_program", "kernels", "main", "pick_backend", 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The demo's options (``polyjit demo`` uses the same)."""
     p.add_argument("--backend", default="cpu", help="backend name (default: cpu)")
-    p.add_argument("--devices", type=_positive, default=None,
+    p.add_argument("--devices", type=count, default=None,
                    help="devices to train on (default: all; the cpu backend is split into this many)")
-    p.add_argument("--steps", type=_positive, default=300, help="training steps (default: 300)")
-    p.add_argument("--batch", type=_positive, default=256, help="global batch size (default: 256)")
+    p.add_argument("--steps", type=count, default=300, help="training steps (default: 300)")
+    p.add_argument("--batch", type=count, default=256, help="global batch size (default: 256)")
     p.add_argument("--lr", type=float, default=0.01, help="Adam learning rate (default: 0.01)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=natural, default=0, help="seed of the data and the weights (default: 0)")
     p.add_argument("--plot", default=None, metavar="FILE", help="also write the loss curve as a PNG")
     p.add_argument("--kernels", action="store_true",
                    help="instead: a fused chain and a matmul on every device, checked against numpy")
-    p.add_argument("--size", type=_positive, default=1 << 20, help="with --kernels: elements of the chain")
+    p.add_argument("--size", type=count, default=1 << 20, help="with --kernels: elements of the chain")
     return p
-
-
-def _positive(text: str) -> int:
-    """An option that counts something: a whole number of at least 1 (argparse's own error otherwise)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _plot_problem(path: str) -> str | None:
-    """Why the loss curve could not be written at ``path``, checked before training."""
-    target = Path(path)
-    if target.is_dir():
-        return f"--plot {path}: is a directory"
-    parent = target.parent
-    if not parent.is_dir():
-        return f"--plot {path}: no directory {parent}"
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return f"--plot {path}: cannot write in {parent}"
-    return None
 
 
 def _options(args: argparse.Namespace) -> argparse.Namespace:
@@ -110,9 +86,9 @@ def pick_backend(name: str, devices: int | None) -> Backend:
 def train(args: argparse.Namespace) -> int:
     """Train the MLP data-parallel; print the loss curve and the accuracy."""
     args = _options(args)
-    problem = _plot_problem(args.plot) if args.plot else None
+    problem = file_problem(args.plot) if args.plot else None
     if problem is not None:  # before the training, not after it
-        print(f"polyjit demo: {problem}", file=sys.stderr)
+        print(f"polyjit demo: --plot {problem}", file=sys.stderr)
         return 2
     backend = pick_backend(args.backend, args.devices)
     devices = backend.devices()[: args.devices] if args.devices else backend.devices()
@@ -177,11 +153,31 @@ def chain_program(n: int) -> tuple[ir.Comp, list[ir.Node], ir.Node]:
     return comp, [a, b, c, d, e], out
 
 
+def _size_problem(n: int, backend: Backend) -> str | None:
+    """Why the chain of ``n`` elements would not fit: its six float32 nodes on a device, or
+    the host's inputs and numpy's check (about ten float32 arrays of ``n``)."""
+    on_device = 6 * 4 * n
+    for dev in backend.devices():
+        if on_device > dev.info.memory_bytes:
+            return (f"the chain's 6 float32 arrays need {fmt_bytes(on_device)} on each device, more than "
+                    f"{dev.device_id}'s {fmt_bytes(dev.info.memory_bytes)}")
+    on_host = 10 * 4 * n
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if on_host > memory:
+        return (f"its inputs and numpy's check need about {fmt_bytes(on_host)} of host memory, "
+                f"more than this machine's {fmt_bytes(memory)}")
+    return None
+
+
 def kernels(args: argparse.Namespace) -> int:
     """A fused chain and a matmul on every device of the backend, checked against numpy."""
     args = _options(args)
     backend = get_backend(args.backend)
     n, m = args.size, 256
+    problem = _size_problem(n, backend)
+    if problem is not None:  # before numpy or a device is asked for the memory
+        print(f"polyjit demo: --size {n}: {problem}", file=sys.stderr)
+        return 2
     rng = np.random.default_rng(0)
     chain, inputs, out = chain_program(n)
     x, y, z = ir.Node("x", (m, m)), ir.Node("y", (m, m)), ir.Node("z", (m, m))

@@ -17,7 +17,7 @@ def ascii_chart(values: Sequence[float] | np.ndarray[Any, Any], width: int = 60,
     v = v[np.isfinite(v)]
     if v.size == 0:
         return f"{title}\n(no values)"
-    width = max(2, min(width, v.size))
+    width = max(1, min(width, v.size))  # a column per value at most: no empty bucket
     buckets = np.array_split(v, width)
     cols = np.array([b.mean() for b in buckets])
     lo, hi = float(cols.min()), float(cols.max())
@@ -32,7 +32,8 @@ def ascii_chart(values: Sequence[float] | np.ndarray[Any, Any], width: int = 60,
         label = f"{hi:.4g}" if k == 0 else f"{lo:.4g}" if k == height - 1 else ""
         lines.append(f"{label:>{label_w}} |{''.join(row)}")
     lines.append(f"{'':>{label_w}} +{'-' * width}")
-    lines.append(f"{'':>{label_w}}  0{len(values)!s:>{width - 1}}")
+    n = str(len(values))
+    lines.append(f"{'':>{label_w}}  0{n:>{max(width - 1, len(n) + 1)}}")  # "0 1" under one column
     return "\n".join(lines)
 
 

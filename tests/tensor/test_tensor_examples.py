@@ -109,6 +109,7 @@ def test_demo_trains_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str
     (["--devices", "-1"], "--devices: must be at least 1"),
     (["--kernels", "--size", "0"], "--size: must be at least 1"),
     (["--batch", "x"], "--batch: not a whole number"),
+    (["--seed", "-1"], "--seed: must be at least 0, got -1"),  # was numpy's ValueError, a traceback
 ])
 def test_demo_options_out_of_range_are_refused_by_the_parser(argv: list[str], says: str,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
@@ -117,6 +118,22 @@ def test_demo_options_out_of_range_are_refused_by_the_parser(argv: list[str], sa
     with pytest.raises(SystemExit) as stop:
         demo.run(argv)
     assert stop.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_demo_of_one_step_draws_its_one_point_chart(capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by review: ``polyjit demo --steps 1`` trained, then raised an IndexError drawing
+    the chart of one loss (two columns for one value: an empty bucket's NaN row)."""
+    lines = ascii_chart([0.5], height=3).splitlines()
+    assert lines == ["0.5 | ", "    | ", "0.5 |*", "    +-", "     0 1"]
+    assert demo.run(["--steps", "1", "--devices", "1", "--batch", "8"]) == 0
+    assert "training loss" in capsys.readouterr().out
+
+
+def test_demo_kernels_refuses_a_size_that_cannot_fit(capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by review: ``--kernels --size 1099511627776`` was numpy's MemoryError traceback."""
+    assert demo.run(["--kernels", "--size", str(1 << 40)]) == 2
+    err = capsys.readouterr().err
+    assert "--size 1099511627776: the chain's 6 float32 arrays need 24.0 TiB on each device" in err
 
 
 def test_demo_refuses_a_plot_it_could_not_write_before_training(tmp_path: Path,
