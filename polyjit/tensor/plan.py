@@ -155,9 +155,10 @@ class _Slot:
 def _unaliased(arrays: list[Array], staging: list[Array], written: dict[int, Array]) -> list[Array]:
     """A pipelined run's input arrays, each one that overlaps a result array of an earlier run
     of the same call (``written``: the previous call's results fed back) copied into the run's
-    own staging array now: its copy to the device is enqueued behind the earlier run's copy
-    out, which would overwrite it first. The common case, an array the caller owns (or a view
-    of one), is one identity test; other arrays are compared with ``np.may_share_memory``."""
+    own staging array, before the call enqueues anything: its copy to the device would come
+    behind the earlier run's copy out, which overwrites it. The common case, an array the
+    caller owns (or a view of one), is one identity test; other arrays are compared with
+    ``np.may_share_memory``."""
     out = arrays
     for k, arr in enumerate(arrays):
         owner = arr if arr.base is None else arr.base
@@ -385,12 +386,13 @@ class Plan:
         while len(slots) < len(runs):
             slots.append(_Slot(self._feeds, self._outputs))
         prepared = [self._prepare(inputs, slot) for inputs, slot in zip(runs, slots)]
-        written: dict[int, Array] = {}  # the result arrays of the runs enqueued so far, by id
-        for arrays, slot in zip(prepared, slots):
+        written: dict[int, Array] = {}  # the result arrays of the earlier runs, by id
+        for k, slot in enumerate(slots[: len(runs)]):  # all before the first run is enqueued
             if written:
-                arrays = _unaliased(arrays, slot.inputs, written)
-            self._run(arrays, slot.result_arrays)
+                prepared[k] = _unaliased(prepared[k], slot.inputs, written)
             written.update((id(r), r) for r in slot.result_arrays)
+        for arrays, slot in zip(prepared, slots):
+            self._run(arrays, slot.result_arrays)
         self.context.stream.synchronize()
         return [slot.results for slot in slots[: len(runs)]]
 
