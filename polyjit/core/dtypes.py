@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy
 import numpy as np
 
-from polyjit.core.errors import DTypeMismatchError
+from polyjit.core.errors import DTypeMismatchError, ValueRangeError
 
 
 @attrs.frozen(eq=False)
@@ -139,6 +139,44 @@ def float32_round_to_odd(x: Any) -> Array:
         bits = np.where(inexact & away, bits - np.uint32(1), bits)
         bits = np.where(inexact, bits | np.uint32(1), bits)
     return bits.astype(np.uint32).view(np.float32).reshape(d.shape)
+
+
+def position(flat: int, shape: tuple[int, ...], row0: int = 0) -> tuple[int, ...]:
+    """The index of a flat position, its first axis shifted by ``row0`` (a shard's offset)."""
+    pos = [int(k) for k in np.unravel_index(flat, shape)] if shape else []
+    if pos:
+        pos[0] += row0
+    return tuple(pos)
+
+
+def check_integers(arr: Array, dst: np.dtype[Any], what: str, row0: int = 0) -> None:
+    """Every value of ``arr`` (bools, integers or floats) is an integer that the integer dtype
+    ``dst`` holds, so a cast neither wraps nor truncates; else ValueRangeError naming ``what``
+    and the first culprit's index (``row0``: see :func:`position`). Host values bound for an
+    integer node (a plan's inputs, a constant) pass here."""
+    if not arr.size or arr.dtype.kind == "b":
+        return
+    info = np.iinfo(dst)
+    lo, hi = arr.min(), arr.max()
+    if arr.dtype.kind == "f":
+        if np.isnan(lo) or np.isnan(hi):
+            at = int(np.flatnonzero(np.isnan(arr))[0]) if arr.ndim else 0
+            raise ValueRangeError(f"{what}: NaN at index {position(at, arr.shape, row0)} does not fit {dst}")
+        # exact: Python compares a float with an int exactly (2.0**63 > 2**63 - 1)
+        too_low, too_high = float(lo) < info.min, float(hi) > info.max
+    else:
+        too_low, too_high = int(lo) < info.min, int(hi) > info.max
+    if too_low or too_high:
+        at = int(np.argmin(arr)) if too_low else int(np.argmax(arr))
+        raise ValueRangeError(f"{what}: value {arr.flat[at].item()!r} at index "
+                              f"{position(at, arr.shape, row0)} does not fit {dst} ({info.min}..{info.max})")
+    if arr.dtype.kind == "f":
+        fraction = np.flatnonzero(arr != np.trunc(arr))
+        if fraction.size:
+            at = int(fraction[0])
+            raise ValueRangeError(f"{what}: value {arr.flat[at].item()!r} at index "
+                                  f"{position(at, arr.shape, row0)} is not an integer "
+                                  "(an integer node takes integral values)")
 
 
 def to_half(x: Any, dt: DType) -> Array:

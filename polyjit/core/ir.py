@@ -683,8 +683,14 @@ def constant(node: Node, values: Any) -> Fetch:
     _check_target(node, None, "constant")
     dt = node.dtype
     try:
+        if dt.np.kind in "iu":  # nothing wraps or truncates (np.asarray would, with a warning at most)
+            given = np.asarray(values)
+            if given.dtype.kind in "biuf":
+                dtypes.check_integers(given, dt.np, f"constant of {node.label}")
         arr = dtypes.to_half(values, dt) if dt.is_half else np.asarray(values, dtype=dt.np)  # half: rounded once
     except (TypeError, ValueError, OverflowError) as e:
+        if isinstance(e, ValueRangeError):
+            raise
         raise DTypeMismatchError(f"constant of {node.label}: the values do not convert to {dt}: {e}") from None
     # Read-only and never the caller's memory (0-d stays 0-d): the constant is the values of
     # now, whatever the caller does to its array later (its bytes are copied to devices when

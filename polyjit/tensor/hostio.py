@@ -32,7 +32,6 @@ from polyjit.core.errors import (
     InvalidArgumentError,
     NodeNotInContextError,
     ShapeMismatchError,
-    ValueRangeError,
 )
 from polyjit.core.ir import Node
 from polyjit.core.runtime import Context
@@ -49,39 +48,6 @@ def enqueue_to_host(ctx: Context, node: Node, array: Array) -> None:
     """
     if not ctx.to_host(node, array, blocking=False):
         raise NodeNotInContextError(f"{node.label} has no buffer in {ctx!r}")
-
-
-def _position(flat: int, shape: tuple[int, ...], row0: int = 0) -> tuple[int, ...]:
-    """The index of a flat position, its first axis shifted by ``row0`` (a shard's offset)."""
-    pos = [int(k) for k in np.unravel_index(flat, shape)] if shape else []
-    if pos:
-        pos[0] += row0
-    return tuple(pos)
-
-
-def _first(mask: Array) -> int:
-    """The flat position of the first True cell (only on the error path)."""
-    return int(np.flatnonzero(mask)[0]) if mask.ndim else 0
-
-
-def _check_fits(arr: Array, dst: np.dtype[Any], what: str, row0: int) -> None:
-    """Every value of ``arr`` (integers or floats) is an integer that the integer dtype ``dst`` holds."""
-    if not arr.size:
-        return
-    info = np.iinfo(dst)
-    lo, hi = arr.min(), arr.max()
-    if arr.dtype.kind == "f":
-        if np.isnan(lo) or np.isnan(hi):
-            at = _first(np.isnan(arr))
-            raise ValueRangeError(f"{what}: NaN at index {_position(at, arr.shape, row0)} does not fit {dst}")
-        # exact: Python compares a float with an int exactly (2.0**63 > 2**63 - 1)
-        too_low, too_high = float(lo) < info.min, float(hi) > info.max
-    else:
-        too_low, too_high = int(lo) < info.min, int(hi) > info.max
-    if too_low or too_high:
-        at = int(np.argmin(arr)) if too_low else int(np.argmax(arr))
-        raise ValueRangeError(f"{what}: value {arr.flat[at].item()!r} at index "
-                              f"{_position(at, arr.shape, row0)} does not fit {dst} ({info.min}..{info.max})")
 
 
 def convert_into(target: Array, value: Any, what: str, row0: int = 0) -> None:
@@ -114,15 +80,8 @@ def convert_into(target: Array, value: Any, what: str, row0: int = 0) -> None:
         raise DTypeMismatchError(f"{desc}: got {src} values; a bool tensor takes bool values "
                                  "(compare first: values != 0)")
     if dst.kind in "iu" and src.kind != "b" and not np.can_cast(src, dst, "safe"):
-        _check_fits(arr, dst, desc, row0)
+        dtypes.check_integers(arr, dst, desc, row0)
         np.copyto(target, arr, casting="unsafe")
-        if src.kind == "f":
-            bad = target != arr
-            if bad.any():
-                at = _first(bad)
-                raise ValueRangeError(f"{desc}: value {arr.flat[at].item()!r} at index "
-                                      f"{_position(at, arr.shape, row0)} is not an integer "
-                                      "(an integer tensor takes integral values)")
         return
     if dst in (dtypes.float16.np, dtypes.bfloat16.np):  # rounded once, as kernels round
         np.copyto(target, dtypes.to_half(arr, dtypes.as_dtype(dst)))
@@ -177,7 +136,7 @@ class Feed:
         bound = self.bounds[0] if lo < 0 else next(b for b in self.bounds if hi >= b.depth)
         raise IndexOutOfRangeError(
             f"{what} ({arr.dtype}, shape {arr.shape}): value {arr.flat[at].item()} at index "
-            f"{_position(at, arr.shape, row0)} is out of range for {bound.what} "
+            f"{dtypes.position(at, arr.shape, row0)} is out of range for {bound.what} "
             f"(valid: 0..{bound.depth - 1})"
         )
 

@@ -142,6 +142,10 @@ def misuse_table(backend: Backend) -> list[tuple[str, type[PolyjitError], Callab
         ("a node of 2**62 x 8 elements", ShapeMismatchError, lambda: Node("huge", (1 << 62, 8))),
         ("an integer literal beyond every float", ValueRangeError, lambda: ir.apply(Op.ADD, a, 10**400, into=out)),
         ("a constant of strings", DTypeMismatchError, lambda: ir.constant(out, ["a"] * 16)),
+        ("a NaN in an integer constant", ValueRangeError, lambda: ir.constant(ints, [float("nan")] + [1.0] * 15)),
+        ("1e12 in an int32 constant", ValueRangeError, lambda: ir.constant(ints, [1e12] + [1.0] * 15)),
+        ("2.7 in an int32 constant", ValueRangeError, lambda: ir.constant(ints, [2.7] + [1.0] * 15)),
+        ("2**40 in an int32 constant", ValueRangeError, lambda: ir.constant(ints, np.full(16, 2**40))),
         ("lowering with fewer names than computations", InvalidProgramError, lambda: lower.lower([comp], [])),
         ("lowering an assignment, not a computation", InvalidProgramError,
          lambda: lower.lower([ir.apply(Op.ADD, a, 1.0, into=out)], ["k"])),  # type: ignore[list-item]
