@@ -683,8 +683,14 @@ def constant(node: Node, values: Any) -> Fetch:
     _check_target(node, None, "constant")
     dt = node.dtype
     try:
+        given = np.asarray(values)
+        if given.dtype == object:  # Python numbers: as numpy reads a list of them
+            given = np.asarray(given.tolist())
+        if given.dtype.kind in "US":  # numpy would parse "3" (a plan's inputs refuse strings too)
+            raise TypeError(f"{given.dtype} values are text")
         if dt.np.kind in "iu":  # nothing wraps or truncates (np.asarray would, with a warning at most)
-            given = np.asarray(values)
+            if given.dtype == dtypes.bfloat16.np:  # not of numpy's kind "f": its float32 values, exactly
+                given = given.astype(np.float32)
             if given.dtype.kind in "biuf":
                 dtypes.check_integers(given, dt.np, f"constant of {node.label}")
         arr = dtypes.to_half(values, dt) if dt.is_half else np.asarray(values, dtype=dt.np)  # half: rounded once

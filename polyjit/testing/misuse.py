@@ -146,6 +146,11 @@ def misuse_table(backend: Backend) -> list[tuple[str, type[PolyjitError], Callab
         ("1e12 in an int32 constant", ValueRangeError, lambda: ir.constant(ints, [1e12] + [1.0] * 15)),
         ("2.7 in an int32 constant", ValueRangeError, lambda: ir.constant(ints, [2.7] + [1.0] * 15)),
         ("2**40 in an int32 constant", ValueRangeError, lambda: ir.constant(ints, np.full(16, 2**40))),
+        ("a bfloat16 NaN in an int32 constant", ValueRangeError,
+         lambda: ir.constant(ints, np.full(16, np.nan, dtypes.bfloat16.np))),
+        ("an int32 constant of digits", DTypeMismatchError, lambda: ir.constant(ints, ["3"] * 16)),
+        ("an object array of 1.5 in an int32 constant", ValueRangeError,
+         lambda: ir.constant(ints, np.full(16, 1.5, dtype=object))),
         ("lowering with fewer names than computations", InvalidProgramError, lambda: lower.lower([comp], [])),
         ("lowering an assignment, not a computation", InvalidProgramError,
          lambda: lower.lower([ir.apply(Op.ADD, a, 1.0, into=out)], ["k"])),  # type: ignore[list-item]
