@@ -116,13 +116,13 @@ class DataParallel:
         if len(sizes) != 1:
             raise ShapeMismatchError(f"every input needs the same batch size (axis 0), got {sorted(sizes)}")
         self.batch_size = sizes.pop()
-        if self.batch_size == 0:
-            raise ShapeMismatchError(f"a batch of 0 rows (inputs {', '.join(sorted(inputs))}): each device needs "
-                                     "a shard of at least one row")
         total = n * self.ranks
         if self.comm is not None:
             # every rank must build the same thing: a refusal on one rank is one on all
             self.comm.check_same("data_parallel set-up (devices per rank, global batch)", [n, self.batch_size])
+        if self.batch_size == 0:
+            raise ShapeMismatchError(f"a batch of 0 rows (inputs {', '.join(sorted(inputs))}): each device needs "
+                                     "a shard of at least one row")
         if self.batch_size % total:
             over = f"{n} devices" + (f" x {self.ranks} ranks" if self.comm is not None else "")
             raise ShapeMismatchError(f"a batch of {self.batch_size} does not split evenly over {over}")
@@ -386,11 +386,10 @@ class DataParallel:
             nan = nan or bool(np.isnan(flat).any())
             hi = self.comm.all_reduce_array(flat, "max")
             lo = self.comm.all_reduce_array(flat, "min")
-            if flat.size:
-                diffs.append(float(np.max(hi - lo)))
+            diffs.append(_gap(hi, lo))
         if self.comm.all_reduce_array(np.array(nan), "max").any():
             return math.nan
-        return float(np.max(diffs))  # NaN (inf - inf) shows: builtin max() would drop it
+        return float(np.max(diffs))
 
     @serialized
     def replica_spread(self) -> float:
@@ -399,11 +398,8 @@ class DataParallel:
         :meth:`rank_spread` compares the ranks."""
         ref = self.parameters(0)
         diffs = [0.0]
-        for k in range(len(self.replicas)):
-            for name, value in self.parameters(k).items():
-                if value.size:
-                    diffs.append(float(np.max(np.abs(value - ref[name]))) if k else
-                                 (math.nan if np.isnan(value).any() else 0.0))
+        for k in range(len(self.replicas)):  # replica 0 against itself: NaN where it holds one
+            diffs += [_gap(value, ref[name]) for name, value in self.parameters(k).items()]
         return float(np.max(diffs))
 
     @serialized
@@ -447,6 +443,13 @@ def _rank_reduce(comm: Any) -> RankReduce | None:
     from polyjit.distributed.data_parallel import RankReduce
 
     return RankReduce(comm)
+
+
+def _gap(a: Array, b: Array) -> float:
+    """The largest ``|a - b|``: 0 where the values are equal (infinities too: inf - inf is
+    NaN), NaN where either is NaN (numpy's max keeps it; builtin max() would drop it)."""
+    with np.errstate(invalid="ignore"):
+        return float(np.max(np.where(a == b, 0.0, np.abs(a - b)))) if a.size else 0.0
 
 
 def _batch_inputs(inputs: Mapping[str, InputSpec]) -> dict[str, tuple[tuple[int, ...], DType]]:

@@ -701,6 +701,11 @@ def spread_nan() -> None:
                           optimizer=pt.SGD(0.1), devices=cpu2().devices(), comm=comm)
     assert dp.rank_spread() == 0.0 and dp.replica_spread() == 0.0
     state = dp.state_dict()
+    name = sorted(state)[0]
+    state[name] = state[name].copy()
+    state[name].reshape(-1)[0] = np.inf  # the same inf everywhere: equal (inf - inf is NaN)
+    dp.load_state_dict(state)
+    assert dp.rank_spread() == 0.0 and dp.replica_spread() == 0.0, (dp.rank_spread(), dp.replica_spread())
     if me == ranks - 1:
         name = sorted(state)[-1]
         state[name] = state[name].copy()

@@ -143,6 +143,21 @@ def test_an_empty_batch_or_nothing_to_train_is_refused(three_devices: Backend) -
                              params=params)
 
 
+def test_replicas_equal_at_inf_have_no_spread(three_devices: Backend) -> None:
+    """Found by review: replica_spread() gave NaN for replicas holding the same inf (inf - inf)."""
+    w = pt.param("w", (4, 2), init="ones")
+    dp = pt.data_parallel(lambda x: pt.mean((x @ w) ** 2), {"x": ((3, 4), "float32")},
+                          optimizer=pt.SGD(0.1), devices=three_devices)
+    v = np.ones((4, 2), np.float32)
+    v[0, 0] = np.inf
+    dp.load_state_dict({"w": v})
+    assert dp.replica_spread() == 0.0
+    v[1, 1] = np.nan
+    dp.load_state_dict({"w": v})
+    assert np.isnan(dp.replica_spread())
+    dp.close()
+
+
 def test_a_declared_input_the_model_does_not_read_is_taken(three_devices: Backend) -> None:
     """An input of the spec that model_step ignores is taken by step() (it was refused as
     "unknown"), its shape still checked; leaving it out is refused, as for any input."""
