@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from polyjit.core.errors import InvalidArgumentError, PolyjitError
 
 ENV = "POLYJIT_MPIEXEC"
@@ -111,19 +113,31 @@ def bind_to_cores(cores_per_rank: int | None = None, comm: Any = None,
     first used: a cpu device is the set of cores the process may use when it starts
     (``POLYJIT_CPU_DEVICES`` then splits that set).
     """
-    if cores_per_rank is not None and (isinstance(cores_per_rank, bool) or not isinstance(cores_per_rank, int)
-                                       or cores_per_rank < 1):
+    if cores_per_rank is not None and (isinstance(cores_per_rank, (bool, np.bool_))
+                                       or not isinstance(cores_per_rank, (int, np.integer)) or cores_per_rank < 1):
         raise InvalidArgumentError(f"bind_to_cores: cores_per_rank is a positive int, got {cores_per_rank!r}")
-    if cores is not None and not list(cores):
+    allowed = sorted(_core_numbers(cores)) if cores is not None else sorted(os.sched_getaffinity(0))
+    if not allowed:
         raise InvalidArgumentError("bind_to_cores: cores=[] leaves no core to bind to")
     here, count = local_rank(comm)
-    allowed = sorted(cores if cores is not None else os.sched_getaffinity(0))
     per = cores_per_rank or max(len(allowed) // count, 1)
     start = (here * per) % len(allowed)
     mine = [allowed[(start + k) % len(allowed)] for k in range(min(per, len(allowed)))]
     try:
         os.sched_setaffinity(0, mine)
-    except OSError as e:
+    except (OSError, ValueError) as e:  # ValueError: a negative core number
         raise InvalidArgumentError(f"bind_to_cores: cannot bind rank {here} of this machine to cores {mine}: "
-                                   f"{e.strerror or e}") from None
+                                   f"{getattr(e, 'strerror', None) or e}") from None
     return mine
+
+
+def _core_numbers(cores: Any) -> list[int]:
+    """``cores=`` as a list of ints (any iterable of them, read once), refused by name else."""
+    try:
+        out = list(cores)
+    except TypeError:
+        raise InvalidArgumentError(f"bind_to_cores: cores is a list of core numbers, got {cores!r}") from None
+    for c in out:
+        if isinstance(c, (bool, np.bool_)) or not isinstance(c, (int, np.integer)):
+            raise InvalidArgumentError(f"bind_to_cores: cores holds {c!r}, not a core number")
+    return [int(c) for c in out]

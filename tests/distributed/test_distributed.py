@@ -330,10 +330,13 @@ def test_bind_to_cores_refuses_what_binds_nothing() -> None:
     out = _python(
         "from polyjit.core.errors import InvalidArgumentError\n"
         "from polyjit.distributed import bind_to_cores\n"
-        "for kw in ({'cores': []}, {'cores_per_rank': -1}, {'cores_per_rank': 0}, {'cores': [99999]}):\n"
+        "for kw in ({'cores': []}, {'cores_per_rank': -1}, {'cores_per_rank': 0}, {'cores': [99999]},\n"
+        "           {'cores': [-1]}, {'cores': ['a']}, {'cores': 3}):\n"
         "    try: bind_to_cores(**kw)\n"
-        "    except InvalidArgumentError as e: print('refused')\n")
-    assert out.split() == ["refused"] * 4, out
+        "    except InvalidArgumentError as e: print('refused')\n"
+        "import numpy as np\n"
+        "print(bind_to_cores(np.int64(1), cores=(c for c in [0])))\n")  # any iterable, numpy ints
+    assert out.split() == ["refused"] * 7 + ["[0]"], out
 
 
 def test_nccl_host_side_without_a_gpu() -> None:
