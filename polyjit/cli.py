@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -36,6 +37,17 @@ def count(text: str) -> int:
 def natural(text: str) -> int:
     """A whole number of at least 0 (a seed)."""
     return _whole(text, 0)
+
+
+def duration(text: str) -> float:
+    """A duration: a finite number of seconds above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds above 0, got {text}")
+    return value
 
 
 def file_problem(path: str) -> str | None:

@@ -50,6 +50,9 @@ def test_bench_json_that_cannot_be_written_is_refused_before_the_run(
     (["bench", "peers", "--models", "bogus"], "--models: unknown models: bogus"),
     (["bench", "reliability", "--seeds", "0"], "--seeds: must be at least 1"),
     (["bench", "distributed", "--steps", "0"], "--steps: must be at least 1"),
+    (["bench", "peers", "--batch", "-1"], "--batch: must be at least 0"),
+    (["bench", "peers", "--seconds", "nan"], "--seconds: must be a finite number of seconds above 0"),
+    (["bench", "tensor", "--seconds", "0"], "--seconds: must be a finite number of seconds above 0"),
 ])
 def test_bench_options_out_of_range_are_refused_by_the_parser(
         argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -47,7 +47,7 @@ from polyjit.bench.steps import (
     finish,
     mnist_like,
 )
-from polyjit.cli import count, output_file
+from polyjit.cli import count, duration, natural, output_file
 
 __all__ = ["BATCH", "CONTENDERS", "MODELS", "PEERS", "Absent", "build_step", "mnist_like", "race"]
 
@@ -312,7 +312,7 @@ def add_race_arguments(p: argparse.ArgumentParser) -> None:
                    help="numbers of busy processes (one core spinning each) to time every contender "
                         "beside as well, e.g. 1 or 1,2; reports each contender's retained fraction")
     p.add_argument("--rounds", type=count, default=3, help="rounds of turns (the best block counts)")
-    p.add_argument("--seconds", type=float, default=1.0, help="seconds each contender is timed per turn")
+    p.add_argument("--seconds", type=duration, default=1.0, help="seconds each contender is timed per turn")
 
 
 def main(argv: Sequence[str] = ()) -> int:
@@ -320,7 +320,7 @@ def main(argv: Sequence[str] = ()) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", type=subset_of(MODELS, "models"), default=",".join(MODELS),
                    help="comma-separated: mlp,char_lm")
-    p.add_argument("--batch", type=int, default=0, help="batch (default: 256 for mlp, 128 for char_lm)")
+    p.add_argument("--batch", type=natural, default=0, help="batch (default: 256 for mlp, 128 for char_lm)")
     p.add_argument("--json", type=output_file, help="write the results to this file")
     p.add_argument("--serve", nargs=2, metavar=("MODEL", "CONTENDER"), help=argparse.SUPPRESS)
     add_race_arguments(p)
