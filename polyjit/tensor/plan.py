@@ -14,6 +14,7 @@ stored (readable with ``plan.read``); ``"auto"`` runs dynamic for the first
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import threading
 import weakref
@@ -152,26 +153,59 @@ class _Slot:
         self.result_arrays = list(self.results.values())
 
 
-def _unaliased(arrays: list[Array], staging: list[Array], written: dict[int, Array]) -> list[Array]:
-    """A pipelined run's input arrays, each one that overlaps a result array of an earlier run
-    of the same call (``written``: the previous call's results fed back) copied into the run's
-    own staging array, before the call enqueues anything: its copy to the device would come
-    behind the earlier run's copy out, which overwrites it. The common case, an array the
-    caller owns (or a view of one), is one identity test; other arrays are compared with
-    ``np.may_share_memory``."""
-    out = arrays
-    for k, arr in enumerate(arrays):
-        owner = arr if arr.base is None else arr.base
-        if isinstance(owner, np.ndarray) and owner.base is None and owner.flags.owndata:
-            clash = id(owner) in written  # results own their memory (_Slot), as this array does
+class _Written:
+    """The result arrays of a pipelined call's earlier runs, which a later run's input may be
+    (the previous call's results fed back): by identity, and as byte ranges sorted by start
+    (the results own their memory, so the ranges are disjoint: one bisection finds the only
+    range an input can overlap)."""
+
+    def __init__(self) -> None:
+        self.ids: set[int] = set()
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+
+    def add(self, arrays: list[Array]) -> None:
+        for r in arrays:
+            self.ids.add(id(r))
+            if r.size:
+                lo, hi = _byte_range(r)
+                at = bisect.bisect(self.starts, lo)
+                self.starts.insert(at, lo)
+                self.ends.insert(at, hi)
+
+    def overlaps(self, arr: Array) -> bool:
+        if not arr.size:
+            return False
+        lo, hi = _byte_range(arr)
+        at = bisect.bisect_left(self.starts, hi) - 1  # the last range that starts before arr ends
+        return at >= 0 and self.ends[at] > lo
+
+    def unaliased(self, arrays: list[Array], staging: list[Array]) -> list[Array]:
+        """A run's input arrays, each one that overlaps an earlier run's result copied into the
+        run's own staging array before the call enqueues anything: its copy to the device
+        would come behind the earlier run's copy out, which overwrites it. An array the caller
+        owns (or a view of one) costs one identity test."""
+        out = arrays
+        for k, arr in enumerate(arrays):
+            owner = arr if arr.base is None else arr.base
+            owned = isinstance(owner, np.ndarray) and owner.base is None and owner.flags.owndata
+            if (id(owner) in self.ids) if owned else self.overlaps(arr):
+                if out is arrays:
+                    out = list(arrays)
+                np.copyto(staging[k], arr)
+                out[k] = staging[k]
+        return out
+
+
+def _byte_range(a: Array) -> tuple[int, int]:
+    """The addresses ``[lo, hi)`` that the array's elements span (numpy's byte_bounds)."""
+    lo = hi = int(a.__array_interface__["data"][0])
+    for n, stride in zip(a.shape, a.strides):
+        if stride < 0:
+            lo += (n - 1) * stride
         else:
-            clash = any(np.may_share_memory(arr, r) for r in written.values())
-        if clash:
-            if out is arrays:
-                out = list(arrays)
-            np.copyto(staging[k], arr)
-            out[k] = staging[k]
-    return out
+            hi += (n - 1) * stride
+    return lo, hi + a.itemsize
 
 
 def trainable_params(loss: Tensor) -> list[Tensor]:
@@ -386,11 +420,11 @@ class Plan:
         while len(slots) < len(runs):
             slots.append(_Slot(self._feeds, self._outputs))
         prepared = [self._prepare(inputs, slot) for inputs, slot in zip(runs, slots)]
-        written: dict[int, Array] = {}  # the result arrays of the earlier runs, by id
+        written = _Written()  # the result arrays of the earlier runs
         for k, slot in enumerate(slots[: len(runs)]):  # all before the first run is enqueued
-            if written:
-                prepared[k] = _unaliased(prepared[k], slot.inputs, written)
-            written.update((id(r), r) for r in slot.result_arrays)
+            if k:
+                prepared[k] = written.unaliased(prepared[k], slot.inputs)
+            written.add(slot.result_arrays)
         for arrays, slot in zip(prepared, slots):
             self._run(arrays, slot.result_arrays)
         self.context.stream.synchronize()
