@@ -51,7 +51,7 @@ from polyjit.tensor.autograd import grad
 from polyjit.tensor.devices import DeviceLike, resolve_devices
 from polyjit.tensor.hostio import Feed, check_names
 from polyjit.tensor.optim import Optimizer, checked_params
-from polyjit.tensor.plan import trainable_params
+from polyjit.tensor.plan import reset_shared, trainable_params
 from polyjit.tensor.program import Program
 from polyjit.tensor.state import StateContext, serialized, stage_state
 from polyjit.tensor.tensor import DTypeLike, Tensor, input
@@ -404,8 +404,13 @@ class DataParallel:
 
     @serialized
     def reset(self) -> None:
-        for rep in self.replicas:
-            rep.state.reset(self.persistent)
+        """Put the parameters and optimizer state back to their initial values on every
+        replica, and the state of every plan compiled with ``share=`` this (their own
+        parameters and optimizer state)."""
+        def replicas() -> None:
+            for rep in self.replicas:
+                rep.state.reset(self.persistent)
+        reset_shared(self, replicas)
 
     @serialized
     def close(self) -> None:

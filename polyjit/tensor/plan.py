@@ -18,7 +18,7 @@ import bisect
 import contextlib
 import threading
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -208,6 +208,34 @@ def _byte_range(a: Array) -> tuple[int, int]:
     return lo, hi + a.itemsize
 
 
+# Who shares whose state (share=): the owner (a plan or a data_parallel) -> the plans made
+# with share=owner. Weak both ways: sharing keeps nothing alive.
+_SHARING = threading.Lock()
+_SHARERS: weakref.WeakKeyDictionary[Any, weakref.WeakSet[Plan]] = weakref.WeakKeyDictionary()
+
+
+def reset_shared(owner: Any, reset_owner: Callable[[], None] | None = None) -> None:
+    """Reset the state of ``owner`` (a plan, or a data_parallel: ``reset_owner`` resets its
+    replicas) and of every plan sharing it, directly or through another sharer. The plans'
+    locks are taken in one order (after the data_parallel's, which its reset holds), so no
+    step of theirs is half enqueued meanwhile."""
+    plans, todo = [], [owner]
+    with _SHARING:  # the sharing tree below the owner
+        while todo:
+            sharer = todo.pop()
+            if isinstance(sharer, Plan):
+                plans.append(sharer)
+            todo.extend(list(_SHARERS.get(sharer, ())))
+    with contextlib.ExitStack() as locks:
+        for plan in sorted(plans, key=id):
+            locks.enter_context(plan._lock)
+        if reset_owner is not None:
+            reset_owner()
+        for plan in plans:
+            if not plan._state.context.finalized:  # a closed sharer's buffers are gone
+                plan._state.reset(plan.program.persistent)
+
+
 def trainable_params(loss: Tensor) -> list[Tensor]:
     """The parameters a tensor depends on, in the order the graph reaches them."""
     return [t for t in topo_order([loss]) if t.kind is Kind.PARAM]
@@ -256,11 +284,7 @@ class Plan:
         self.backend = device.backend
         self.mode: Mode = mode
         self._state = StateContext(device, share.state_context if share is not None else None)
-        # The plans that share one state (share=): reset() of any resets the state of all.
-        self._share = share
-        self._sharers: weakref.WeakSet[Plan] = weakref.WeakSet()
-        if isinstance(share, Plan):
-            share._sharers.add(self)
+        self._share = share  # reset() of any plan sharing one state resets the state of all
         for t in program.persistent:
             assert t.init is not None
             self._state.add(t.node, t.init)
@@ -277,6 +301,9 @@ class Plan:
         self._lock = threading.RLock()
         self._closed = False
         self.runs = 0
+        if share is not None:  # last: a plan whose construction failed shares nothing
+            with _SHARING:
+                _SHARERS.setdefault(share, weakref.WeakSet()).add(self)
 
     # -- contexts --------------------------------------------------------------------
 
@@ -439,23 +466,13 @@ class Plan:
         the ``data_parallel`` they share, on all its replicas. It takes the locks of all those
         plans (in one order), so no step of any of them is half enqueued meanwhile."""
         self._check_open("reset()")
-        root = self
-        while isinstance(root._share, Plan):
-            root = root._share
-        plans, todo = [], [root]
-        while todo:  # the sharing tree below the root
-            plan = todo.pop()
-            plans.append(plan)
-            todo.extend(list(plan._sharers))
-        with contextlib.ExitStack() as locks:
-            for plan in sorted(plans, key=id):
-                locks.enter_context(plan._lock)
-            owner_reset = getattr(root._share, "reset", None)  # a data_parallel's: every replica
-            if callable(owner_reset):
-                owner_reset()
-            for plan in plans:
-                if not plan._state.context.finalized:  # a closed sharer's buffers are gone
-                    plan._state.reset(plan.program.persistent)
+        owner: Any = self  # the state's owner: the first plan, or a data_parallel
+        while isinstance(owner, Plan) and owner._share is not None:
+            owner = owner._share
+        if isinstance(owner, Plan):
+            reset_shared(owner)
+        else:
+            owner.reset()  # a data_parallel's: every replica, then reset_shared
 
     @serialized
     def state_dict(self) -> dict[str, Array]:

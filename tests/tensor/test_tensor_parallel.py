@@ -158,6 +158,26 @@ def test_replicas_equal_at_inf_have_no_spread(three_devices: Backend) -> None:
     dp.close()
 
 
+def test_reset_reaches_every_plan_sharing_a_data_parallel(three_devices: Backend) -> None:
+    """Found by review: two plans compiled with share=dp; A.reset() left B's own parameter,
+    and dp.reset() left both plans' own parameters."""
+    w = pt.param("w", (4, 2), init="ones")
+    dp = pt.data_parallel(lambda x: pt.mean((x @ w) ** 2), {"x": ((3, 4), "float32")},
+                          optimizer=pt.SGD(0.1), devices=three_devices)
+    xe = pt.input("xe", (2, 4))
+    own = [pt.param(f"own{k}", (), init="ones") for k in range(2)]
+    plans = [pt.compile({"y": pt.sum(xe @ w) * s}, share=dp) for s in own]
+    for reset in (plans[0].reset, plans[1].reset, dp.reset):
+        dp.step(x=np.ones((3, 4), np.float32))
+        for plan, s in zip(plans, own):
+            plan.load_state_dict({s.name: np.float32(3.0)}, strict=False)
+        reset()
+        for plan, s in zip(plans, own):
+            assert plan.state_dict()[s.name] == 1.0, (reset, s.name)
+        assert all(np.array_equal(dp.parameters(k)["w"], np.ones((4, 2))) for k in range(3)), reset
+    dp.close()
+
+
 def test_a_declared_input_the_model_does_not_read_is_taken(three_devices: Backend) -> None:
     """An input of the spec that model_step ignores is taken by step() (it was refused as
     "unknown"), its shape still checked; leaving it out is refused, as for any input."""
