@@ -13,6 +13,7 @@ is an error rather than a change that would silently not happen.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterable, Sequence
 from numbers import Real
 from typing import Any
@@ -83,6 +84,7 @@ class Optimizer:
         self._state: dict[tuple[Tensor, str], Tensor] = {}
         self._counter: Tensor | None = None
         self._built = False
+        self._lock = threading.RLock()  # a setting and a compile building the updates take turns
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name.startswith("_") or not self.hyperparameters:
@@ -92,6 +94,10 @@ class Optimizer:
         if name not in self.hyperparameters:
             raise InvalidProgramError(f"{owner} has no hyperparameter {name!r} "
                                       f"(its hyperparameters: {', '.join(self.hyperparameters)})")
+        with self._lock:
+            self._set(owner, name, value)
+
+    def _set(self, owner: str, name: str, value: Any) -> None:
         if self._built:
             raise InvalidProgramError(
                 f"{owner}.{name} = {value!r}: this optimizer's updates are already built into a plan "
@@ -137,9 +143,10 @@ class Optimizer:
         params = checked_params(params)
         if len(params) != len(grads):
             raise InvalidProgramError(f"{len(params)} parameters but {len(grads)} gradients")
-        writes = self._updates(params, [g if grad_scale == 1.0 else g * grad_scale for g in grads])
-        self._built = True
-        return writes
+        with self._lock:
+            writes = self._updates(params, [g if grad_scale == 1.0 else g * grad_scale for g in grads])
+            self._built = True
+            return writes
 
     def _updates(self, params: list[Tensor], grads: list[Tensor]) -> list[Write]:
         raise NotImplementedError

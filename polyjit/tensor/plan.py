@@ -586,9 +586,6 @@ def compile(
     if mode not in MODES:  # checked before an optimizer builds its updates (and locks its settings)
         raise InvalidProgramError(f"mode must be one of {MODES}, got {mode!r}")
     dev = share.device if device is None and share is not None else resolve_device(device)
-    writes = []
-    grads: list[Tensor] = []
-    was_built = False
     if loss is not None:
         _check_tensor(loss, "loss")
         if loss.shape != ():
@@ -597,28 +594,30 @@ def compile(
         if named.get("loss", loss) is not loss:
             raise InvalidProgramError("an output is named 'loss' but is not the loss")
         named["loss"] = loss
-    if optimizer is not None:
-        if loss is None:
-            raise InvalidProgramError("an optimizer needs a loss")
-        wrt = checked_params(params) if params is not None else trainable_params(loss)
-        scale = _loss_scale(loss_scale)
-        seed = None if scale == 1.0 else full((), scale, loss.dtype, name="loss_scale")
-        grads = grad(loss, wrt, seed=seed)
+    if optimizer is None:
+        if loss_scale != 1.0:
+            raise InvalidProgramError("loss_scale scales the gradients of an optimizer step: it needs an optimizer")
+        return Plan(Program(named, [], name=name), dev, mode=mode, share=share)
+    if loss is None:
+        raise InvalidProgramError("an optimizer needs a loss")
+    wrt = checked_params(params) if params is not None else trainable_params(loss)
+    scale = _loss_scale(loss_scale)
+    seed = None if scale == 1.0 else full((), scale, loss.dtype, name="loss_scale")
+    grads = grad(loss, wrt, seed=seed)
+    # The optimizer's settings are locked once its updates are in a plan. Under its lock, so
+    # that another thread's compile or setting does not land between the build and the plan.
+    with optimizer._lock:
         was_built = optimizer._built
         writes = optimizer.updates(wrt, grads, grad_scale=1.0 / scale)
-    elif loss_scale != 1.0:
-        raise InvalidProgramError("loss_scale scales the gradients of an optimizer step: it needs an optimizer")
-    # Every gradient is of the parameters before the step: computed before the first write
-    # (computed lazily instead, a gradient that reads a parameter updated earlier in the list
-    # read its new value: ``z = (y @ v) @ w1 + x @ w0`` stepped wrong for half of the orders
-    # of ``params``). Last parameter first, the order backprop finishes them in: the last
-    # layers' small kernels run while the host thread is back in Python after the loss, and
-    # the first layer's large weight gradient, which that thread helps with on the CPU, comes
-    # last (the MLP step: 0.977 of its time; docs/benchmarks.md, session 15).
-    try:
-        program = Program(named, writes, name=name, computed_first=grads[::-1])
-        return Plan(program, dev, mode=mode, share=share)
-    except BaseException:  # no plan was made: the optimizer's settings are still free to change
-        if optimizer is not None:
+        # Every gradient is of the parameters before the step: computed before the first write
+        # (computed lazily instead, a gradient that reads a parameter updated earlier in the list
+        # read its new value: ``z = (y @ v) @ w1 + x @ w0`` stepped wrong for half of the orders
+        # of ``params``). Last parameter first, the order backprop finishes them in: the last
+        # layers' small kernels run while the host thread is back in Python after the loss, and
+        # the first layer's large weight gradient, which that thread helps with on the CPU, comes
+        # last (the MLP step: 0.977 of its time; docs/benchmarks.md, session 15).
+        try:
+            return Plan(Program(named, writes, name=name, computed_first=grads[::-1]), dev, mode=mode, share=share)
+        except BaseException:  # no plan was made: the settings are as free as they were
             optimizer._built = was_built
-        raise
+            raise

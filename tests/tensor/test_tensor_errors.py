@@ -321,6 +321,45 @@ def test_compile_and_optimizer_misuse(two_devices: Backend) -> None:
     plan.close()
 
 
+def test_a_setting_made_while_a_compile_builds_the_updates_waits_for_it() -> None:
+    """Found by review: a hyperparameter set on another thread while compile() built the
+    updates was accepted, and the plan kept the old value (the kernels hold it as a constant).
+    The setting now waits for the compile and is refused, as after any compile; a compile that
+    fails meanwhile does not unlock what another one built."""
+    import threading
+
+    building, go = threading.Event(), threading.Event()
+
+    class Slow(pt.SGD):
+        def _updates(self, params: list[pt.Tensor], grads: list[pt.Tensor]) -> Any:
+            building.set()
+            go.wait(10)
+            return super()._updates(params, grads)
+
+    x = pt.input("x", (4,))
+    w = pt.param("w", (4,), init="ones")
+    opt = Slow(0.5)
+    outcome: list[str] = []
+
+    def set_lr() -> None:
+        building.wait(10)
+        threading.Timer(0.3, go.set).start()  # the compile goes on while this thread is waiting
+        try:
+            opt.lr = 0.1
+            outcome.append("set")
+        except InvalidProgramError:
+            outcome.append("refused")
+
+    setter = threading.Thread(target=set_lr)
+    setter.start()
+    plan = pt.compile(loss=pt.sum(x * w), optimizer=opt)
+    setter.join(10)
+    assert outcome == ["refused"] and opt.lr == 0.5
+    plan.step(x=np.ones(4, np.float32))
+    np.testing.assert_allclose(plan.state_dict()["w"], 0.5)  # the plan's lr is the optimizer's
+    plan.close()
+
+
 def test_plan_arguments_of_the_wrong_kind_are_typed_errors_and_the_plan_still_runs() -> None:
     """Found by review: each of these was a bare AttributeError or TypeError."""
     x = pt.input("x", (2, 3))
