@@ -11,7 +11,7 @@ import importlib.util
 import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import polyjit
@@ -48,6 +48,18 @@ def duration(text: str) -> float:
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a finite number of seconds above 0, got {text}")
     return value
+
+
+def subset_of(allowed: Sequence[str], what: str) -> Callable[[str], list[str]]:
+    """An argparse type: a comma-separated subset of ``allowed`` (``none`` or empty: nothing);
+    anything else is argparse's error (exit status 2)."""
+    def parse(text: str) -> list[str]:
+        items = [s.strip() for s in text.split(",") if s.strip() and s.strip() != "none"]
+        bad = [s for s in items if s not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {what}: {', '.join(bad)} (choose from {', '.join(allowed)})")
+        return list(dict.fromkeys(items))
+    return parse
 
 
 def file_problem(path: str) -> str | None:

@@ -30,8 +30,7 @@ from typing import Any
 import numpy as np
 
 from polyjit.bench.common import Target, print_results, print_targets
-from polyjit.bench.peers import subset_of
-from polyjit.cli import count, output_file
+from polyjit.cli import count, output_file, subset_of
 from polyjit.distributed import MPI, Comm, bind_to_cores, mpiexec_command
 
 Array = np.ndarray[Any, Any]

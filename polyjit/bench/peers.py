@@ -31,7 +31,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import IO, Any
 
@@ -47,7 +47,7 @@ from polyjit.bench.steps import (
     finish,
     mnist_like,
 )
-from polyjit.cli import count, duration, natural, output_file
+from polyjit.cli import count, duration, natural, output_file, subset_of
 
 __all__ = ["BATCH", "CONTENDERS", "MODELS", "PEERS", "Absent", "build_step", "mnist_like", "race"]
 
@@ -278,18 +278,6 @@ def contention_targets(group: str, contention: Sequence[int]) -> list[tuple[str,
     if 1 in contention:
         out.append((group, "polyjit_vs_best_peer_busy1", ">=", 1.0))
     return out
-
-
-def subset_of(allowed: Sequence[str], what: str) -> Callable[[str], list[str]]:
-    """An argparse type: a comma-separated subset of ``allowed`` (``none`` or empty: nothing);
-    anything else is argparse's error (exit status 2)."""
-    def parse(text: str) -> list[str]:
-        items = [s.strip() for s in text.split(",") if s.strip() and s.strip() != "none"]
-        bad = [s for s in items if s not in allowed]
-        if bad:
-            raise argparse.ArgumentTypeError(f"unknown {what}: {', '.join(bad)} (choose from {', '.join(allowed)})")
-        return list(dict.fromkeys(items))
-    return parse
 
 
 def contention_list(text: str) -> list[int]:

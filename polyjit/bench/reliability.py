@@ -24,8 +24,7 @@ from typing import Any
 import numpy as np
 
 from polyjit import get_backend, ir
-from polyjit.bench.peers import subset_of
-from polyjit.cli import count, output_file
+from polyjit.cli import count, output_file, subset_of
 from polyjit.core.ir import Node, Op
 from polyjit.core.runtime import Backend
 from polyjit.testing.concurrency import thread_stress

@@ -50,11 +50,10 @@ from polyjit.bench.peers import (
     machine_info,
     mnist_like,
     race,
-    subset_of,
 )
 from polyjit.bench.steps import PlanStep, finish
 from polyjit.bench.timing import best_of, best_of_blocks
-from polyjit.cli import count, output_file
+from polyjit.cli import count, output_file, subset_of
 from polyjit.core.errors import UnsupportedError
 from polyjit.demo.datasets import context_windows, encode_text
 from polyjit.tensor.plan import Mode
