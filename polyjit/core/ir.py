@@ -693,7 +693,7 @@ def constant(node: Node, values: Any) -> Fetch:
                 given = given.astype(np.float32)
             if given.dtype.kind in "biuf":
                 dtypes.check_integers(given, dt.np, f"constant of {node.label}")
-        arr = dtypes.to_half(values, dt) if dt.is_half else np.asarray(values, dtype=dt.np)  # half: rounded once
+        arr = dtypes.to_half(given, dt) if dt.is_half else np.asarray(given, dtype=dt.np)  # half: rounded once
     except (TypeError, ValueError, OverflowError) as e:
         if isinstance(e, ValueRangeError):
             raise
