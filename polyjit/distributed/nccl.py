@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import numpy as np
 
 from polyjit.core.errors import (
@@ -253,47 +254,43 @@ class NcclComm:
     # -- calls ----------------------------------------------------------------------------
 
     def all_reduce(self, ctx: Context, node: Node, op: str = "sum", *, timeout: float | None = None) -> None:
-        deadline = self._join("all_reduce", ctx, node, op=op, timeout=timeout)
-        dt, nop = _nccl_types(node, op)
-        self._enqueue(ctx, "all_reduce", node, (), (node,), deadline,
-                      lambda p: self.lib.ncclAllReduce(p[0], p[0], node.size, dt, nop, self.handle, p[-1]))
+        call = self._join("all_reduce", ctx, node, (), (node,), op=op, timeout=timeout)
+        nop = _nccl_op(node, op)
+        self._enqueue(call, lambda p: self.lib.ncclAllReduce(p[0], p[0], node.size, call.dt, nop, self.handle, p[-1]))
 
     def broadcast(self, ctx: Context, node: Node, root: int = 0, *, timeout: float | None = None) -> None:
-        deadline = self._join("broadcast", ctx, node, root=root, timeout=timeout)
-        dt, _ = _nccl_types(node, None)
-        self._enqueue(ctx, "broadcast", node, (), (node,), deadline,
-                      lambda p: self.lib.ncclBroadcast(p[0], p[0], node.size, dt, root, self.handle, p[-1]))
+        call = self._join("broadcast", ctx, node, (), (node,), root=root, timeout=timeout)
+        self._enqueue(call, lambda p: self.lib.ncclBroadcast(p[0], p[0], node.size, call.dt, root, self.handle, p[-1]))
 
     def all_gather(self, ctx: Context, node: Node, out_node: Node, *, timeout: float | None = None) -> None:
-        deadline = self._join("all_gather", ctx, node, out_node=out_node, timeout=timeout)
-        dt, _ = _nccl_types(node, None)
-        self._enqueue(ctx, "all_gather", node, (node,), (out_node,), deadline,
-                      lambda p: self.lib.ncclAllGather(p[0], p[1], node.size, dt, self.handle, p[-1]))
+        call = self._join("all_gather", ctx, node, (node,), (out_node,), out_node=out_node, timeout=timeout)
+        self._enqueue(call, lambda p: self.lib.ncclAllGather(p[0], p[1], node.size, call.dt, self.handle, p[-1]))
 
     def reduce_scatter(self, ctx: Context, node: Node, out_node: Node, op: str = "sum", *,
                        timeout: float | None = None) -> None:
-        deadline = self._join("reduce_scatter", ctx, node, out_node=out_node, op=op, timeout=timeout)
-        dt, nop = _nccl_types(node, op)
-        self._enqueue(ctx, "reduce_scatter", node, (node,), (out_node,), deadline,
-                      lambda p: self.lib.ncclReduceScatter(p[0], p[1], out_node.size, dt, nop, self.handle, p[-1]))
+        call = self._join("reduce_scatter", ctx, node, (node,), (out_node,), out_node=out_node, op=op,
+                          timeout=timeout)
+        nop = _nccl_op(node, op)
+        self._enqueue(call, lambda p: self.lib.ncclReduceScatter(p[0], p[1], out_node.size, call.dt, nop,
+                                                                 self.handle, p[-1]))
 
     def send(self, ctx: Context, node: Node, dest: int, tag: int = 0, *, timeout: float | None = None) -> None:
         deadline, problem = self._start(timeout)
         self.comm._check_peer(dest, tag, "send")  # else there is no one to tell, or no channel
         problem = problem or self._node_problem(ctx, node, "send", write=False)
+        call, problem = self._prepare(problem, ctx, "send", node, (node,), (), deadline)
         self.comm._handshake("send", node, dest, tag, deadline, problem)  # raises the problem after it
-        dt, _ = _nccl_types(node, None)
-        self._enqueue(ctx, "send", node, (node,), (), deadline,
-                      lambda p: self.lib.ncclSend(p[0], node.size, dt, dest, self.handle, p[-1]))
+        assert call is not None
+        self._enqueue(call, lambda p: self.lib.ncclSend(p[0], node.size, call.dt, dest, self.handle, p[-1]))
 
     def recv(self, ctx: Context, node: Node, source: int, tag: int = 0, *, timeout: float | None = None) -> None:
         deadline, problem = self._start(timeout)
         self.comm._check_peer(source, tag, "recv")  # else there is no one to tell, or no channel
         problem = problem or self._node_problem(ctx, node, "recv", write=True)
+        call, problem = self._prepare(problem, ctx, "recv", node, (), (node,), deadline)
         self.comm._handshake("recv", node, source, tag, deadline, problem)  # raises the problem after it
-        dt, _ = _nccl_types(node, None)
-        self._enqueue(ctx, "recv", node, (), (node,), deadline,
-                      lambda p: self.lib.ncclRecv(p[0], node.size, dt, source, self.handle, p[-1]))
+        assert call is not None
+        self._enqueue(call, lambda p: self.lib.ncclRecv(p[0], node.size, call.dt, source, self.handle, p[-1]))
 
     # -- machinery ------------------------------------------------------------------------
 
@@ -308,13 +305,15 @@ class NcclComm:
                                            f"device {self.device.device_id}")
         return problem
 
-    def _join(self, kind: str, ctx: Context, node: Node, *, out_node: Node | None = None, op: str | None = None,
-              root: int = -1, timeout: float | None) -> float:
-        """The MPI join of a collective; a rank whose own arguments are wrong refuses it
-        there (Comm._refuse_on), so no rank is left waiting."""
+    def _join(self, kind: str, ctx: Context, node: Node, reads: tuple[Node, ...], writes: tuple[Node, ...], *,
+              out_node: Node | None = None, op: str | None = None, root: int = -1,
+              timeout: float | None) -> _Call:
+        """The MPI join of a collective; a rank whose own arguments are wrong, or whose
+        preparation of the call fails, refuses it there (Comm._refuse_on), so no rank is left
+        waiting, and no rank's NCCL kernel waits for a peer that will not launch its own."""
         deadline, problem = self._start(timeout)
-        writes = kind == "all_reduce" or (kind == "broadcast" and root != self.comm.rank)
-        problem = problem or self._node_problem(ctx, node, kind, write=writes)
+        writes_node = kind == "all_reduce" or (kind == "broadcast" and root != self.comm.rank)
+        problem = problem or self._node_problem(ctx, node, kind, write=writes_node)
         if out_node is not None:
             gather = kind == "all_gather"
             problem = problem or self._node_problem(ctx, out_node, f"{kind} (out_node)", write=True) or \
@@ -324,28 +323,41 @@ class NcclComm:
             problem = problem or _op_problem(op, node)
         if kind == "broadcast":
             problem = problem or self.comm._rank_problem(root, "broadcast root")
+        call, problem = self._prepare(problem, ctx, kind, node, reads, writes, deadline)
         self.comm._refuse_on(problem, kind, node, deadline)
         self.comm._join(self.comm._header(kind, op=op, node=node, root=root), kind, node, deadline)
-        return deadline
+        assert call is not None
+        return call
 
-    def _enqueue(self, ctx: Context, kind: str, node: Node, reads: tuple[Node, ...], writes: tuple[Node, ...],
-                 deadline: float, call: Any) -> None:
+    def _prepare(self, problem: Exception | None, ctx: Context, kind: str, node: Node, reads: tuple[Node, ...],
+                 writes: tuple[Node, ...], deadline: float) -> tuple[_Call | None, Exception | None]:
+        """Everything a call needs from this rank before it joins: the exports that pin the
+        nodes' pools, the event records, the stream. A failure here becomes the call's problem
+        (after the join, the other ranks would have enqueued kernels that wait for this one)."""
+        if problem is not None:
+            return None, problem
+        try:
+            dt = _nccl_dtype(node)
+            exports = tuple(ctx.export(n) for n in (*reads, *writes))  # pins the pools until the event is done
+            stream = ctypes.c_void_p(int(ctx.device.driver.foreign_stream(ctx.stream.handle)))  # type: ignore[attr-defined]
+            events = tuple(node_events(ctx, n, f"nccl {kind}") for n in (*reads, *writes))
+        except Exception as e:  # refused on every rank, raised here after the join
+            return None, e
+        return _Call(ctx, kind, node, dt, exports, stream, events[:len(reads)], events[len(reads):], deadline), None
+
+    def _enqueue(self, call: _Call, fn: Any) -> None:
         from polyjit.core.streams import enqueue
 
-        exports = [ctx.export(n) for n in (*reads, *writes)]  # pins the pools until the event is done
-        pointers = [ctypes.c_void_p(e.address) for e in exports]
-        stream = ctypes.c_void_p(int(ctx.device.driver.foreign_stream(ctx.stream.handle)))  # type: ignore[attr-defined]
-        r = tuple(node_events(ctx, n, f"nccl {kind}") for n in reads)
-        w = tuple(node_events(ctx, n, f"nccl {kind}") for n in writes)
-        lib = self.lib
+        pointers = [ctypes.c_void_p(e.address) for e in call.exports]
+        lib, what = self.lib, f"nccl {call.kind}{_of(call.node)}"
 
         def launch() -> None:
             _make_current(self.device)
-            _check(lib, call([*pointers, stream]), f"nccl {kind}{_of(node)}")
+            _check(lib, fn([*pointers, call.stream]), what)
 
-        event = enqueue(ctx.stream, r, w, f"nccl {kind}", launch, (), tuple(exports))
+        event = enqueue(call.ctx.stream, call.reads, call.writes, f"nccl {call.kind}", launch, (), call.exports)
         # tracked whatever the deadline (inf never passes): the watchdog polls asynchronous errors too
-        self._watch.track(event, deadline, f"nccl {kind}{_of(node)}")
+        self._watch.track(event, call.deadline, what)
 
     def async_error(self) -> str | None:
         err = ctypes.c_int(0)
@@ -380,16 +392,32 @@ class NcclComm:
             self._broken = "the communicator was closed"
 
 
-def _nccl_types(node: Node, op: str | None) -> tuple[int, int]:
-    """(ncclDataType_t, ncclRedOp_t) of a call on ``node``."""
+def _nccl_dtype(node: Node) -> int:
+    """The ncclDataType_t of ``node``."""
     dt = _DTYPES.get(node.dtype.name)
     if dt is None:
         raise DTypeMismatchError(f"nccl: {node.label} is {node.dtype}, which has no NCCL datatype")
-    if op is None:
-        return dt, 0
-    if node.dtype.name == "bool":
-        return dt, _BOOL_OPS[op]
-    return dt, _OPS[op]
+    return dt
+
+
+def _nccl_op(node: Node, op: str) -> int:
+    """The ncclRedOp_t of ``op`` on ``node`` (an op _op_problem accepted)."""
+    return _BOOL_OPS[op] if node.dtype.name == "bool" else _OPS[op]
+
+
+@attrs.frozen
+class _Call:
+    """One call, prepared before its join: what its launch needs and what it keeps alive."""
+
+    ctx: Context
+    kind: str
+    node: Node
+    dt: int
+    exports: tuple[Any, ...]
+    stream: ctypes.c_void_p
+    reads: tuple[Any, ...]
+    writes: tuple[Any, ...]
+    deadline: float
 
 
 def _make_current(device: Device) -> None:

@@ -838,6 +838,72 @@ def nccl() -> None:
     say("nccl")
 
 
+def nccl_refusal() -> None:
+    """Without a GPU (a fake NCCL library, the cpu backend's stream): a call whose preparation
+    failed on one rank (an export, an event record, the stream) failed there after the MPI
+    join, so the other ranks' NCCL kernels would have waited for one that never launched,
+    until the watchdog's deadline. Now the preparation comes first, a failure refuses the
+    join, and no rank launches anything; the communicator stays usable."""
+
+    from polyjit.core.errors import DriverError
+    from polyjit.distributed import nccl
+
+    launched: list[str] = []
+
+    class Lib:
+        def ncclAllReduce(self, *a: Any) -> int:
+            launched.append("all_reduce")
+            return 0
+
+        def ncclSend(self, *a: Any) -> int:
+            launched.append("send")
+            return 0
+
+        def ncclRecv(self, *a: Any) -> int:
+            launched.append("recv")
+            return 0
+
+        def ncclCommGetAsyncError(self, handle: Any, err: Any) -> int:
+            return 0
+
+        def ncclCommDestroy(self, handle: Any) -> int:
+            return 0
+
+    dev = create_backend(num_devices=1).get_device(0)
+    broken = {"on": me == ranks - 1}
+
+    def foreign_stream(handle: Any) -> int:
+        if broken["on"]:
+            raise DriverError(f"rank {me}: the stream is gone")
+        return 0
+
+    nccl._make_current = lambda device: None  # type: ignore[assignment]  # no CUDA here
+    dev.driver.foreign_stream = foreign_stream  # type: ignore[attr-defined]
+    nc = object.__new__(nccl.NcclComm)
+    nc.lib, nc.handle, nc._broken, nc._timeout = Lib(), None, None, TIMEOUT
+    nc.comm, nc.device = Comm(timeout=TIMEOUT), dev
+    nc._watch = nccl._Watchdog(nc)
+    node = Node("nr", (4,), "float32")
+    ctx = dev.make_context().init_from_host(node, np.ones(4, np.float32))
+    if me == ranks - 1:
+        _expect(DriverError, lambda: nc.all_reduce(ctx, node), "the stream is gone")
+    else:
+        _refused(lambda: nc.all_reduce(ctx, node), ranks - 1, "all_reduce")
+    assert launched == [], launched
+    if ranks >= 2 and me in (0, 1):  # send from 0 to 1, refused by the receiver
+        broken["on"] = me == 1
+        if me == 0:
+            _expect(CollectiveMismatchError, lambda: nc.send(ctx, node, 1))
+        else:
+            _expect(DriverError, lambda: nc.recv(ctx, node, 0), "the stream is gone")
+        assert launched == [], launched
+    broken["on"] = False
+    nc.all_reduce(ctx, node)  # in step: every rank launches this one
+    assert launched == ["all_reduce"], launched
+    nc.close()
+    say("nccl_refusal")
+
+
 def nccl_id() -> None:
     """Without a GPU: the NCCL library loads and rank 0's unique id reaches every rank."""
     from polyjit.distributed.nccl import nccl_unavailable_reason, nccl_version, shared_unique_id
@@ -899,7 +965,8 @@ def _export_path() -> None:
 SCENARIOS: dict[str, Callable[[], None]] = {
     "collectives": collectives, "ordering": ordering, "mismatch": mismatch, "timeout": timeout,
     "abort": abort, "staged": staged, "cuda_staged": cuda_staged, "cuda_aware": cuda_aware,
-    "nccl": nccl, "nccl_id": nccl_id, "export_path": export_path, "cuda_data_parallel": cuda_data_parallel,
+    "nccl": nccl, "nccl_id": nccl_id, "nccl_refusal": nccl_refusal, "export_path": export_path,
+    "cuda_data_parallel": cuda_data_parallel,
     "local_failure": local_failure, "dp_local_failure": dp_local_failure, "bfloat16": bfloat16,
     "spread_nan": spread_nan, "sysexit": sysexit,
     "world_threads": world_threads,

@@ -96,7 +96,7 @@ def mpiexec() -> str:
 
 
 JOB2 = ("collectives", "bfloat16", "ordering", "mismatch", "local_failure", "export_path", "staged", "data_parallel:2",
-        "dp_local_failure", "spread_nan", "world_threads", "nccl_id", "timeout")
+        "dp_local_failure", "spread_nan", "world_threads", "nccl_id", "nccl_refusal", "timeout")
 JOB3 = ("collectives", "bfloat16", "mismatch", "local_failure", "data_parallel:2", "dp_local_failure", "spread_nan",
         "timeout")
 
@@ -184,6 +184,10 @@ def test_staged_path_through_a_backend_with_its_own_memory(job2: Job) -> None:
 
 def test_nccl_unique_id_reaches_every_rank(job2: Job) -> None:
     job2.passed("nccl_id")
+
+
+def test_nccl_call_refused_where_its_preparation_failed(job2: Job) -> None:
+    job2.passed("nccl_refusal")
 
 
 def test_an_exception_on_one_rank_aborts_the_job_with_its_traceback(mpiexec: str) -> None:
@@ -349,7 +353,7 @@ def test_nccl_host_side_without_a_gpu() -> None:
         "import polyjit.core.streams as streams\n"
         "from polyjit.core.ir import Node\n"
         "from polyjit.distributed import nccl\n"
-        "print(*(nccl._nccl_types(Node('t', (2,), d), 'max') for d in ('float16', 'bfloat16', 'bool')))\n"
+        "print(*((nccl._nccl_dtype(n), nccl._nccl_op(n, 'max')) for n in (Node('t', (2,), d) for d in ('float16', 'bfloat16', 'bool'))))\n"
         "class Lib:\n"
         "    def ncclCommGetAsyncError(self, handle, err): return 0\n"
         "    def ncclCommDestroy(self, handle):\n"
@@ -363,7 +367,7 @@ def test_nccl_host_side_without_a_gpu() -> None:
         "nc._watch = nccl._Watchdog(nc)\n"
         "ctx = types.SimpleNamespace(device=types.SimpleNamespace(driver=types.SimpleNamespace(\n"
         "    foreign_stream=lambda h: 0)), stream=types.SimpleNamespace(handle=0))\n"
-        "nc._enqueue(ctx, 'all_reduce', Node('g', (2,)), (), (), math.inf, None)\n"
+        "nc._enqueue(nccl._Call(ctx, 'all_reduce', Node('g', (2,)), 7, (), None, (), (), math.inf), None)\n"
         "print('watchdog', 'started' if nc._watch.thread is not None else 'not started')\n"
         "nc._watch.track(Pending(), math.inf, 'another call')  # a running watchdog, either way\n"
         "nc.close()\n")
