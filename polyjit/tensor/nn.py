@@ -79,7 +79,7 @@ def cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
     n = logits.shape[-1]
     hot = _one_hot(labels, n, logits.dtype, f"cross_entropy labels over {n} classes")  # for the gradient
     rows = math.prod(labels.shape)
-    scale = 1.0 / max(rows, 1)
+    scale = 1.0 / rows if rows else math.nan  # the mean of no rows is NaN, as pt.mean's, numpy's and torch's
     # z at each label, picked by a gather from z's flat view (one logit a row): rows terms to
     # sum, not rows * n products with a one-hot
     at_dtype = dtypes.int32 if rows * n < 2**31 else dtypes.int64

@@ -291,11 +291,15 @@ def test_the_mean_of_nothing_is_nan_as_numpys(mode: str) -> None:
 
 
 def test_cross_entropy_of_an_empty_batch_and_of_one_row() -> None:
-    """The loss picks each row's logit by a gather: an empty batch (nothing to pick) sums to
-    zero, and one row of logits with a 0-d label is -log softmax at the label."""
+    """The loss picks each row's logit by a gather: an empty batch (nothing to pick) is the
+    mean of no rows, NaN, as pt.mean's and torch's (it was 0.0), with an empty gradient; one
+    row of logits with a 0-d label is -log softmax at the label."""
     x, y = pt.input("x", (0, 4)), pt.input("y", (0,), "int32")
-    plan = pt.compile({"l": pt.cross_entropy(x, y)})
-    assert plan.run(x=np.zeros((0, 4), np.float32), y=np.zeros((0,), np.int32))["l"] == 0.0
+    w = pt.param("w", (0, 4), init=np.zeros((0, 4), np.float32))
+    loss = pt.cross_entropy(x + w, y)
+    plan = pt.compile({"l": loss, "g": pt.grad(loss, [w])[0]})
+    out = plan.run(x=np.zeros((0, 4), np.float32), y=np.zeros((0,), np.int32))
+    assert np.isnan(out["l"]) and out["g"].shape == (0, 4), out
     x1, y1 = pt.input("x1", (4,)), pt.input("y1", (), "int32")
     plan = pt.compile({"l": pt.cross_entropy(x1, y1)})
     xv = np.array([1.0, 2.0, 0.5, -1.0], np.float32)
