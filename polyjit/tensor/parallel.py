@@ -158,7 +158,8 @@ class DataParallel:
         self.persistent = _union(self.compute_program.persistent, self.update_program.persistent)
         # Declared inputs the model does not read are still taken (and their shapes checked).
         self._input_names = frozenset(inputs)
-        self._unread = {k: v for k, v in inputs.items() if k not in {t.name for t in self.compute_program.inputs}}
+        read = {t.name for t in self.compute_program.inputs}
+        self._unread = {k: v for k, v in inputs.items() if k not in read}
         g = self.grads_node
         self._reduce_comp = ir.Comp.of(ir.apply(ir.Op.ADD, g, ir.merge(g), into=g), embedded=[g])
         self._batches: dict[int, tuple[CodeBatch, CodeBatch]] = {}
