@@ -8,6 +8,7 @@ working. ``polyjit.testing.faults`` injects both at random.
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import numpy as np
@@ -106,3 +107,70 @@ def test_synchronous_driver_failures_are_typed_and_leave_the_context_usable() ->
     r.run()
     np.testing.assert_array_equal(r.context.read(out), np.ones(64, np.float32))
     ctx.finalize()
+
+
+class _SlowMarkers(CpuDriver):
+    """A driver whose events, like a stream worker's markers, are done one poll after the work
+    before them is: within the protocol (docs/writing-a-backend.md), unlike the cpu driver's."""
+
+    def record(self, stream: int) -> list[Any]:
+        return [super().record(stream), 0]
+
+    def event_done(self, event: list[Any]) -> bool:
+        event[1] += 1
+        return event[1] > 1 and super().event_done(event[0])
+
+    def event_sync(self, event: list[Any]) -> None:
+        super().event_sync(event[0])
+
+    def wait(self, stream: int, event: list[Any]) -> None:
+        super().wait(stream, event[0])
+
+
+def test_is_idle_asks_about_the_newest_event_and_records_none() -> None:
+    """Found by review: Device.is_idle() recorded a new event on every stream and polled it at
+    once, so on a driver whose fresh marker is not done at its first poll it was False right
+    after synchronize(), and every call added an event. It now polls each stream's newest."""
+    backend = Backend(_SlowMarkers(1))
+    dev = backend.get_device(0)
+    stream = dev.new_stream()
+    a, out = Node("idle_a", (64,)), Node("idle_out", (64,))
+    r = dev.make_context(stream).init_from_host(a, np.ones(64, np.float32)).link(
+        backend.compile(ir.Comp.of(ir.apply(Op.MUL, a, 2.0, into=out)), name="idle"))
+    for _ in range(5):
+        r.run()
+        dev.synchronize()
+        seq = stream.seq
+        assert dev.is_idle() and stream.seq == seq
+    r.run()
+    polls = 0
+    while not dev.is_idle():  # the newest event: done by its second poll
+        polls += 1
+        assert polls < 1000
+    assert stream.seq == seq + 1
+    np.testing.assert_array_equal(r.context.read(out), np.full(64, 2.0, np.float32))
+    dev.close()
+
+
+class _FailingUnload(CpuDriver):
+    def unload(self, ordinal: int, module: Any) -> None:
+        super().unload(ordinal, module)
+        raise RuntimeError("injected unload failure")
+
+
+def test_a_failed_unload_is_a_driver_error() -> None:
+    """Found by review: a module collected with no routine left queued the driver's own unload,
+    whose failure reached the next safe point as the driver's bare RuntimeError."""
+    backend = Backend(_FailingUnload(1))
+    dev = backend.get_device(0)
+    a, out = Node("unload_a", (8,)), Node("unload_out", (8,))
+    r = dev.make_context().init_from_host(a, np.ones(8, np.float32)).link(
+        backend.compile(ir.Comp.of(ir.apply(Op.MUL, a, 3.0, into=out)), name="unload"))
+    r.run()
+    r.context.read(out)
+    del r
+    gc.collect()
+    with pytest.raises(DriverError, match=r"cpu:0.*unload.*injected unload failure"):
+        dev.synchronize()
+    dev.synchronize()  # reported once; the device goes on
+    dev.close()

@@ -65,9 +65,8 @@ class LoadedModule:
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown
-            unload = getattr(self.device.driver, "unload", None)
-            if unload is not None:
-                self.device.released.append(functools.partial(unload, self.device.ordinal, self.handle))
+            if getattr(self.device.driver, "unload", None) is not None:  # its failure: a DriverError
+                self.device.released.append(functools.partial(self.device.unload, self.handle))
 
 
 def driver_call(where: str, what: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -119,7 +118,8 @@ class Device:
         self.lock = threading.RLock()
         self.tracker = Tracker()
         self.merge = MergeState()
-        self._pools: dict[int, tuple[Any, int]] = {}  # live pools: (driver handle, bytes)
+        self._pools: dict[int, tuple[Any, int]] = {}  # live pools: (driver handle, bytes counted as used)
+        self._extent: dict[int, int] = {}  # live pools' bytes, adopted ones too (what memset_zero may reach)
         # (events, pool id, handle, bytes): freed once those events are done and it is unpinned
         self.freeing: list[tuple[list[Event], int, Any, int]] = []
         self._pins: dict[int, int] = {}  # pool id -> exported views alive
@@ -244,7 +244,8 @@ class Device:
             raise faults[0]
 
     def is_idle(self) -> bool:
-        return self.all_work().is_done()
+        """Whether every stream's work is done (records no event: Stream.is_idle)."""
+        return all(s.is_idle() for s in self.streams())
 
     # -- safe points -------------------------------------------------------------
 
@@ -337,6 +338,12 @@ class Device:
             return sum(entry[3] for entry in self.freeing)
 
     def alloc_pool(self, pool_id: int, nbytes: int, alignment: int) -> None:
+        pool_id = _whole(pool_id, "alloc_pool: pool_id", self.device_id)
+        nbytes = _whole(nbytes, f"alloc_pool of pool {pool_id}: nbytes", self.device_id)
+        alignment = _whole(alignment, f"alloc_pool of pool {pool_id}: alignment", self.device_id)
+        if alignment < 1 or alignment & (alignment - 1):
+            raise InvalidArgumentError(f"alloc_pool of pool {pool_id} on {self.device_id}: the alignment is a "
+                                       f"power of two, got {alignment}")
         with self.lock:
             self.reap(poll=True)
             if pool_id in self._pools:
@@ -353,6 +360,7 @@ class Device:
             handle = driver_call(self.label, f"alloc of pool {pool_id} ({nbytes} bytes, {used} in use)",
                            self.driver.alloc, self.ordinal, max(nbytes, 1), alignment)
             self._pools[pool_id] = (handle, nbytes)
+            self._extent[pool_id] = nbytes
             self._peak = max(self._peak, used + nbytes)
             logger.debug("%s: pool %d of %d bytes (%d in use)", self.device_id, pool_id, nbytes, used + nbytes)
 
@@ -363,6 +371,7 @@ class Device:
                 handle, nbytes = self._pools.pop(pool_id)
             except KeyError:
                 raise InvalidProgramError(f"{self.device_id} has no pool {pool_id}") from None
+            self._extent.pop(pool_id, None)
             events = self.tracker.take_pool(pool_id, keep=pool_id == MERGE_POOL)
             self.freeing.append((events, pool_id, handle, nbytes))
             self._free_finished(poll=False, wait=False)
@@ -387,6 +396,7 @@ class Device:
         with self.lock:
             pid = self._pool_ids.take()
             self._pools[pid] = (handle, 0)
+            self._extent[pid] = nbytes
             self._external[pid] = release
             return pid
 
@@ -409,6 +419,14 @@ class Device:
         stream); ``what`` names it in an error."""
         stream = stream or self.default_stream
         with self.lock:
+            size = self._extent.get(pool_id)
+            if size is None:
+                raise InvalidProgramError(f"{self.device_id} has no pool {pool_id} (freed?)")
+            offset = _whole(offset, f"{what} in pool {pool_id}: offset", self.device_id)
+            nbytes = _whole(nbytes, f"{what} in pool {pool_id}: nbytes", self.device_id)
+            if offset + nbytes > size:
+                raise InvalidArgumentError(f"{what} on {self.device_id}: bytes {offset}..{offset + nbytes} are "
+                                           f"outside pool {pool_id} of {size} bytes")
             states = (self.tracker.state(BufferLoc(pool_id, offset)),)
             enqueue(stream, (), states, what, self.driver.memset_zero,
                     (stream.handle, self.pool_handle(pool_id), offset, nbytes), None)
@@ -488,3 +506,14 @@ class Device:
     def loaded_modules(self) -> int:
         with self.lock:
             return len(self._modules)
+
+
+def _whole(value: Any, what: str, device_id: str) -> int:
+    """``value`` as a whole number of at least 0 (a size, an offset, an id), else
+    InvalidArgumentError naming ``what``: the driver would take anything."""
+    if isinstance(value, bool | float) or not hasattr(value, "__index__"):
+        raise InvalidArgumentError(f"{what} on {device_id} is a whole number, got {value!r}")
+    number = int(value.__index__())
+    if number < 0:
+        raise InvalidArgumentError(f"{what} on {device_id} is at least 0, got {number}")
+    return number

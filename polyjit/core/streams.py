@@ -152,6 +152,7 @@ class Stream:
         self.index = index
         self.seq = 0  # events recorded so far
         self.done_seq = 0  # the newest event known complete
+        self.newest: Any = None  # the driver handle of event ``seq`` (None: its record failed)
         self.closed = False
         self.forked = False  # made in the parent of this (forked) process: see Device.after_fork_in_child
         # The last failure the driver reported, and the events it covers (all recorded by then).
@@ -184,6 +185,7 @@ class Stream:
             except Exception as e:
                 raise DriverError(f"{self.device.label}: recording a timed event failed: {e}") from e
             self.seq += 1
+            self.newest = handle
             ev = Event(self, handle, self.seq, timed=True)
             self.retain(ev, handle)  # what the device writes the time into
             return ev
@@ -197,7 +199,20 @@ class Stream:
         except Exception as e:
             raise DriverError(f"{self.device.device_id}: recording an event on {self!r} failed: {e}") from e
         self.seq += 1
+        self.newest = handle
         return Event(self, handle, self.seq)
+
+    def is_idle(self) -> bool:
+        """Whether the work enqueued so far is done. Asks the driver about the newest event and
+        records none: a marker recorded on an idle stream need not be done the moment it is made
+        (a stream worker, a CUDA event), so a new one could keep an idle stream looking busy."""
+        with self.device.lock:
+            seq, handle = self.seq, self.newest
+        if seq <= self.done_seq:
+            return True
+        if handle is None:  # the newest work's event could not be recorded: record one now
+            return self.record().is_done()
+        return Event(self, handle, seq).is_done()
 
     def driver_done(self, handle: Any, *, block: bool) -> bool:
         """Ask the driver whether an event of this stream is done (``block``: wait for it). A
@@ -524,6 +539,7 @@ def enqueue(stream: Stream, reads: Sequence[NodeEvents], writes: Sequence[NodeEv
             raise DriverError(f"{device.device_id} ({device.name}): recording the event behind {what} "
                               f"failed: {type(e).__name__}: {e}") from e
         stream.seq = seq = stream.seq + 1
+        stream.newest = handle
         ev = Event(stream, handle, seq)
         for st in reads:
             st.readers[stream] = ev
@@ -580,6 +596,7 @@ def _track_issued(stream: Stream, reads: Sequence[NodeEvents], writes: Sequence[
     except BaseException:
         handle = None
     stream.seq = seq = stream.seq + 1
+    stream.newest = handle
     stream._open.append((seq, keep))
     if handle is None:
         return

@@ -59,6 +59,7 @@ def misuse_table(backend: Backend) -> list[tuple[str, type[PolyjitError], Callab
     closed = dev.new_stream()
     closed.close()
     ints, ints_out = Node("mis_ints", (16,), dtypes.int32), Node("mis_ints_out", (16,), dtypes.int32)
+    pool = ctx.loc(a, "misuse").pool_id
 
     def bind(value: Any) -> Callable[[], None]:
         def run() -> None:
@@ -95,6 +96,14 @@ def misuse_table(backend: Backend) -> list[tuple[str, type[PolyjitError], Callab
         ("device_to_device into a constant", ReadOnlyNodeError,
          lambda: polyjit.device_to_device(k, dst=const_ctx, src=plain_k)),
         ("read of a finalized context", FinalizedError, lambda: dead.read(a)),
+        # the device's own pool calls: a driver would take any range (the cpu one wrote past the pool)
+        ("memset_zero past the end of a pool", InvalidArgumentError, lambda: dev.memset_zero(pool, 0, 1 << 40)),
+        ("memset_zero at a negative offset", InvalidArgumentError, lambda: dev.memset_zero(pool, -64, 32)),
+        ("memset_zero of a negative length", InvalidArgumentError, lambda: dev.memset_zero(pool, 0, -1)),
+        ("memset_zero of a float length", InvalidArgumentError, lambda: dev.memset_zero(pool, 0, 8.0)),  # type: ignore[arg-type]
+        ("memset_zero of a pool that does not exist", InvalidProgramError, lambda: dev.memset_zero(1 << 40, 0, 8)),
+        ("alloc_pool of a negative size", InvalidArgumentError, lambda: dev.alloc_pool(1 << 41, -100, 64)),
+        ("alloc_pool aligned to 3 bytes", InvalidArgumentError, lambda: dev.alloc_pool(1 << 41, 64, 3)),
         ("get_device of a string", UnknownDeviceError, lambda: backend.get_device("0")),  # type: ignore[arg-type]
         ("get_device of a bool", UnknownDeviceError, lambda: backend.get_device(True)),
         ("get_device of a float", UnknownDeviceError, lambda: backend.get_device(0.0)),  # type: ignore[arg-type]
