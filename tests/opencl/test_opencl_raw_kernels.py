@@ -222,6 +222,12 @@ def test_compile_errors_and_missing_kernels(backend: Backend, tmp_path: Path) ->
     with pytest.raises(InvalidArgumentError, match="present;"):
         backend.raw_kernel("__kernel void present(__global float* x) {}", "present;", [raw.write(f32("x", (4,)))],
                            global_size=4)
+    # Found by review: a text compiled before under another kernel's name reused that batch,
+    # whose check had passed, and the missing kernel failed at link as a DriverError.
+    text = "__kernel void here(__global float* x) { x[0] = 2; }"
+    backend.raw_kernel(text, "here", [raw.write(f32("x", (4,)))], global_size=4)
+    with pytest.raises(CompileError, match="without kernels elsewhere"):
+        backend.raw_kernel(text, "elsewhere", [raw.write(f32("x", (4,)))], global_size=4)
 
 
 def test_nodes_read_must_be_in_the_context(backend: Backend) -> None:

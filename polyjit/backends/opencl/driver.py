@@ -44,7 +44,7 @@ from polyjit.backends.opencl.platforms import (
 )
 from polyjit.backends.opencl.programs import ClBinary, OpenCLCompiler
 from polyjit.core.codegen import KernelSpec, Source
-from polyjit.core.errors import UnknownDeviceError, UnsupportedError
+from polyjit.core.errors import BackendUnavailableError, UnknownDeviceError, UnsupportedError
 from polyjit.core.protocol import DeviceInfo
 from polyjit.core.raw import RAW
 from polyjit.core.runtime import Backend
@@ -111,12 +111,13 @@ class OpenCLDriver:
         ``group_reductions``: "auto" (a work-group per cell of few, long reductions unless
         every device is a CPU), "on" or "off"."""
         if group_reductions not in ("auto", "on", "off"):
-            raise ValueError(f"group_reductions must be auto, on or off, not {group_reductions!r}")
+            raise BackendUnavailableError(f"opencl: group_reductions must be auto, on or off, not {group_reductions!r}")
         if matmul_variant not in ("auto", "local", "off"):
-            raise ValueError(f"matmul_variant must be auto, local or off, not {matmul_variant!r}")
+            raise BackendUnavailableError(f"opencl: matmul_variant must be auto, local or off, not {matmul_variant!r}")
         binary_cache = binary_cache or os.environ.get(BINARY_CACHE_ENV) or "auto"
         if binary_cache not in ("auto", "always", "never"):
-            raise ValueError(f"binary_cache must be auto, always or never, not {binary_cache!r}")
+            raise BackendUnavailableError(f"opencl: binary_cache (or ${BINARY_CACHE_ENV}) must be auto, always or never, "
+                                          f"not {binary_cache!r}")
         self.binary_cache = binary_cache
         self._dialect = OpenCLDialect(matmul=matmul_variant != "off", group_reductions=group_reductions != "off")
         self._group_reductions = group_reductions

@@ -83,8 +83,10 @@ class OpenCLCompiler(CachingCompiler):
         self._fresh[self.key(text, target)] = program  # no need to load what was just built
 
     def binary(self, text: str, names: tuple[str, ...], options: str = "") -> ClBinary:
-        """The batch of this source: a live (or recent) one, else a new one."""
-        key = self.key(text, (options,))
+        """The batch of this source and kernel names: a live (or recent) one, else a new one
+        (the names are in the key: a batch checks its own names when its program is built, and
+        a user's kernel named in no batch of this text must raise CompileError, not reuse one)."""
+        key = self.key(text, (options, *names))
         with self._build_lock:
             hit = self._live.get(key)
             if hit is None:
