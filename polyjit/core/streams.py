@@ -217,38 +217,44 @@ class Stream:
     def driver_done(self, handle: Any, *, block: bool) -> bool:
         """Ask the driver whether an event of this stream is done (``block``: wait for it). A
         closed stream has done all its work; close() waits for the calls in progress here."""
-        with self._lock:  # _in_use(), inlined: a sync or a poll is on every step's path
-            if self.closed:
-                return True
-            self._users += 1
+        counted = False  # set with the count, where no interrupt can come between them
         try:
+            with self._lock:  # _in_use(), inlined: a sync or a poll is on every step's path
+                if self.closed:
+                    return True
+                self._users += 1
+                counted = True
             if block:
                 self.driver.event_sync(handle)
                 return True
             return bool(self.driver.event_done(handle))
         finally:
-            self._leave()
+            if counted:  # inlined: an interrupt (Ctrl-C) comes at a function's entry, and a count
+                with self._lock:  # left behind would make close() wait for ever
+                    self._users -= 1
+                    if not self._users and self.closed:  # close() waits for the last one
+                        self._idle.notify_all()
 
     @contextlib.contextmanager
     def _in_use(self) -> Iterator[bool]:
         """A host thread's call into the driver that names this stream (its events): close()
         waits for it to return before the driver frees the stream. Yields False, and counts
         nothing, when the stream is closed already (all its work is done)."""
-        with self._lock:
-            if self.closed:
-                yield False
-                return
-            self._users += 1
+        counted = False
         try:
+            with self._lock:
+                if self.closed:
+                    yield False
+                    return
+                self._users += 1
+                counted = True
             yield True
         finally:
-            self._leave()
-
-    def _leave(self) -> None:
-        with self._lock:
-            self._users -= 1
-            if not self._users and self.closed:  # close() waits for the last one
-                self._idle.notify_all()
+            if counted:  # as in driver_done
+                with self._lock:
+                    self._users -= 1
+                    if not self._users and self.closed:
+                        self._idle.notify_all()
 
     def _close_when_idle(self) -> None:
         """Mark the stream closed, then wait for the host threads still inside a driver call
@@ -530,27 +536,36 @@ def enqueue(stream: Stream, reads: Sequence[NodeEvents], writes: Sequence[NodeEv
         except Exception as e:
             raise DriverError(f"{device.device_id} ({device.name}): {what} failed: "
                               f"{type(e).__name__}: {e}") from e
+        except BaseException:  # an interrupt (Ctrl-C): Python raises it once a call returns, so
+            _track_issued(stream, reads, writes, keep)  # the driver may have queued the work
+            raise
+        kept = keep if token is None else (keep, token)
         try:
             handle = stream.driver.record(stream.handle)
         except BaseException as e:  # the work is on the stream: keep what it uses
-            _track_issued(stream, reads, writes, keep if token is None else (keep, token))
+            _track_issued(stream, reads, writes, kept)
             if isinstance(e, PolyjitError) or not isinstance(e, Exception):
                 raise
             raise DriverError(f"{device.device_id} ({device.name}): recording the event behind {what} "
                               f"failed: {type(e).__name__}: {e}") from e
-        stream.seq = seq = stream.seq + 1
-        stream.newest = handle
-        ev = Event(stream, handle, seq)
-        for st in reads:
-            st.readers[stream] = ev
-        for st in writes:
-            st.writer = ev
-            if st.readers:
-                st.readers = {}
-        entries = stream._open  # stream.retain(ev, ...), inlined
-        entries.append((seq, keep if token is None else (keep, token)))
-        if len(entries) >= POLL_EVERY:
-            stream.close_batch(handle)
+        seq = stream.seq + 1
+        try:
+            stream.seq = seq
+            stream.newest = handle
+            ev = Event(stream, handle, seq)
+            for st in reads:
+                st.readers[stream] = ev
+            for st in writes:
+                st.writer = ev
+                if st.readers:
+                    st.readers = {}
+            entries = stream._open  # stream.retain(ev, ...), inlined
+            entries.append((seq, kept))
+            if len(entries) >= POLL_EVERY:
+                stream.close_batch(handle)
+        except BaseException:  # an interrupt between two steps: do them all (again: each is idempotent)
+            _settle(stream, reads, writes, kept, handle, seq)
+            raise
     return ev
 
 
@@ -582,6 +597,22 @@ def issue(ops: Sequence[Operation]) -> list[Any] | None:
         if token is not None:
             tokens.append(token)
     return tokens or None
+
+
+def _settle(stream: Stream, reads: Sequence[NodeEvents], writes: Sequence[NodeEvents], keep: Any, handle: Any,
+            seq: int) -> None:
+    """The records of work that reached the stream, made whole after an interrupt came in the
+    middle of making them (:func:`enqueue`): the event, the readers and writers, and what it
+    keeps (kept twice, at worst, until the same event)."""
+    if stream.seq < seq:
+        stream.seq, stream.newest = seq, handle
+    ev = Event(stream, handle, seq)
+    for st in reads:
+        st.readers[stream] = ev
+    for st in writes:
+        st.writer = ev
+        st.readers = {}
+    stream._open.append((seq, keep))
 
 
 def _track_issued(stream: Stream, reads: Sequence[NodeEvents], writes: Sequence[NodeEvents], keep: Any) -> None:
