@@ -71,6 +71,9 @@ class Context:
             handles = tuple(device.pool_handle(pid) for pid in self._own_pools)
             self._release = weakref.finalize(self, _context_dropped, weakref.ref(device), device.driver,
                                              device.ordinal, self._own_pools, handles, self._own_constants)
+            # Not at exit: a context still referenced keeps its pools until its device closes (an
+            # exit hook or a daemon thread that uses it gets StreamClosedError, not freed pools).
+            self._release.atexit = False
         if parent is not None:
             with device.lock:
                 parent._children.add(self)
