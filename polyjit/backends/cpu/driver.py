@@ -12,10 +12,8 @@ from __future__ import annotations
 import _ctypes
 import contextlib
 import ctypes
-import functools
 import os
 import threading
-import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -102,7 +100,9 @@ class CpuDriver:
     def rt(self) -> NativeRuntime:
         if self._rt is None:
             rt = load_runtime()
-            rt.before_shutdown.append(functools.partial(_close_devices, weakref.ref(self)))
+            with _hook_lock:  # one hook for every driver (one each grew the list for ever)
+                if _close_devices not in rt.before_shutdown:
+                    rt.before_shutdown.append(_close_devices)
             self._rt = rt
         return self._rt
 
@@ -256,13 +256,16 @@ class CpuDriver:
             self.rt.launch_seq(stream, prepared.descs, prepared.count, None, 0)
 
 
-def _close_devices(driver: weakref.ref[CpuDriver]) -> None:
-    """At exit, before the runtime destroys its streams: close this driver's devices, so that
-    a thread or an exit hook still holding one of their streams gets StreamClosedError."""
+_hook_lock = threading.Lock()
+
+
+def _close_devices() -> None:
+    """At exit, before the runtime destroys its streams: close the cpu drivers' devices, so
+    that a thread or an exit hook still holding one of their streams gets StreamClosedError."""
     from polyjit.core.device import live_devices
 
     for dev in live_devices():
-        if dev.driver is driver():
+        if isinstance(dev.driver, CpuDriver):
             with contextlib.suppress(Exception):
                 dev.close()
 

@@ -413,11 +413,13 @@ def _load_with_bounded_spin(path: Path) -> NativeRuntime:
 CONTENTION_MODES: dict[str, tuple[float, float]] = {"auto": (0.25, 0.12), "on": (-1.0, -1.0), "off": (2.0, 2.0)}
 
 
-def _apply_contention_mode(rt: NativeRuntime) -> None:
+def _contention_mode() -> tuple[float, float]:
+    """The thresholds ``POLYJIT_CPU_CONTENTION`` names (BackendUnavailableError for a bad value)."""
     mode = os.environ.get("POLYJIT_CPU_CONTENTION", "auto").strip().lower() or "auto"
     if mode not in CONTENTION_MODES:
-        raise ValueError(f"POLYJIT_CPU_CONTENTION must be one of {', '.join(CONTENTION_MODES)}, not {mode!r}")
-    rt.set_contention(*CONTENTION_MODES[mode])
+        raise BackendUnavailableError(f"POLYJIT_CPU_CONTENTION must be one of {', '.join(CONTENTION_MODES)}, "
+                                      f"not {mode!r}")
+    return CONTENTION_MODES[mode]
 
 
 def load_runtime() -> NativeRuntime:
@@ -428,12 +430,14 @@ def load_runtime() -> NativeRuntime:
         return rt
     with _lock:
         if _runtime is None:
+            contention = _contention_mode()  # checked first: every try refuses a bad value
             path = build_shared(_source(), flags=RUNTIME_FLAGS)
-            _runtime = _load_with_bounded_spin(path)
-            _apply_contention_mode(_runtime)
-            atexit.register(_runtime.shutdown)
+            rt = _load_with_bounded_spin(path)
+            rt.set_contention(*contention)
+            atexit.register(rt.shutdown)
             if hasattr(os, "register_at_fork"):
                 # The parent's streams are dead in a child (no workers there): the exit
                 # hook must not sync or join them.
-                os.register_at_fork(after_in_child=_runtime.forget_streams)
+                os.register_at_fork(after_in_child=rt.forget_streams)
+            _runtime = rt  # only once whole: a failed load leaves nothing half made
         return _runtime
