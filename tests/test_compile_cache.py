@@ -165,3 +165,28 @@ def test_cache_commands_say_a_refused_directory_is_refused(tmp_path: Path, actio
         f"others (mode 0777); nothing {'cleared' if action == 'clear' else 'to show'} (polyjit compiles "
         "into a private temporary directory while it is refused)"]
     assert (shared / "keep").exists()
+
+
+def test_a_program_built_again_is_the_same_source() -> None:
+    """Found by review: kernel comments carried node ids from a process-wide counter, so a plan
+    compiled again (autodiff and the optimizer make fresh nodes) was a new source: a C compile
+    (0.7 s) and a new cache entry each time. Comments now number nodes in the batch's order."""
+    import numpy as np
+
+    from polyjit import get_backend
+    from polyjit import tensor as pt
+
+    def source() -> str:
+        x, y = pt.input("x", (16, 8)), pt.input("y", (16,), "int32")
+        mlp = pt.MLP("m", [8, 12, 3], seed=1)
+        plan = pt.compile(loss=pt.cross_entropy(mlp(x), y), optimizer=pt.Adam(0.01))
+        plan.step(x=np.ones((16, 8), np.float32), y=np.zeros(16, np.int32))
+        text = plan.source
+        plan.close()
+        return text
+
+    compiler = get_backend("cpu").driver.compiler  # type: ignore[attr-defined]
+    first = source()
+    runs = compiler.compiles
+    assert source() == first and "#1 " in first
+    assert compiler.compiles == runs

@@ -913,6 +913,16 @@ class Source:
         return [k for comp in self.kernels for k in comp]
 
 
+_NODE_ID = re.compile(r"#(\d+)")
+
+
+def _renumbered(text: str, ids: dict[str, str]) -> str:
+    """A comment's node labels (``name#id``) numbered in the batch's order: ids come from a
+    process-wide counter, and the same program built again (a plan compiled twice, autodiff's
+    fresh nodes) must be the same source, one compile and one cache entry."""
+    return _NODE_ID.sub(lambda m: "#" + ids.setdefault(m.group(1), str(len(ids) + 1)), text)
+
+
 def generate(batch: LoweredBatch, dialect: Dialect) -> Source:
     kernels = batch.kernels
     used = _dtypes_of(kernels)
@@ -922,6 +932,7 @@ def generate(batch: LoweredBatch, dialect: Dialect) -> Source:
     body: list[str] = []
     specs: list[tuple[KernelSpec, ...]] = []
     taken: set[str] = set()
+    ids: dict[str, str] = {}
     for comp in batch.comps:
         comp_specs = []
         for kernel in comp.kernels:
@@ -930,7 +941,7 @@ def generate(batch: LoweredBatch, dialect: Dialect) -> Source:
             names = Names(spec)
             em = Emitter(dialect, names)
             if kernel.comment:
-                body.append(comment(kernel.comment))
+                body.append(comment(_renumbered(kernel.comment, ids)))
             body += dialect.ordered_float_prefix if spec.plan.ordered_float else ()
             body += dialect.emit_kernel(em, kernel, spec, names)
             body.append("")
