@@ -14,6 +14,7 @@ import sys
 import textwrap
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -824,3 +825,28 @@ def test_closed_backends_leave_no_exit_hooks_behind() -> None:
         be.get_device(0).make_context().init_from_host(Node("h", (4,)), np.ones(4, np.float32)).finalize()
         be.close()
     assert len(hooks) == before <= 1
+
+
+def test_streams_dropped_with_work_in_flight_end_once_it_is_done(backend: Backend) -> None:
+    """Found by review: the device's records of a dropped stream's work (its events, the pools
+    of its contexts) held the stream, so the garbage collector never took it: each one kept
+    its worker thread and its contexts' pools for ever (303 threads and 490 MiB after 300).
+    The device's safe points now ask each stream's newest event, and the cycle opens."""
+    dev = backend.get_device(0)
+    a, _out, code = _exp_code(backend, 1 << 12)
+    ones = np.ones(1 << 12, np.float32)
+    base = dev.used_memory()
+
+    def drop_one() -> weakref.ref[object]:
+        s = dev.new_stream()
+        dev.make_context(s).init_from_host(a, ones).link(code).run()  # in flight; nothing waits
+        return weakref.ref(s)
+
+    refs = [drop_one() for _ in range(20)]
+    deadline = time.monotonic() + 30
+    while any(r() is not None for r in refs) and time.monotonic() < deadline:
+        dev.new_stream().close()  # a safe point
+        gc.collect()
+        time.sleep(0.01)
+    assert sum(r() is not None for r in refs) == 0
+    assert dev.used_memory() == base

@@ -162,6 +162,7 @@ class Device:
     def new_stream(self) -> Stream:
         """A new in-order queue on this device; ``close()`` it (or use ``with``) when done."""
         with self.lock:
+            self.reap(poll=True)  # streams dropped with work in flight end once it is done
             handle = driver_call(self.label, "new_stream", self.driver.new_stream, self.ordinal)
             s = Stream(self, handle, next(self._stream_index))
             self._streams.add(s)
@@ -251,7 +252,8 @@ class Device:
 
     def reap(self, poll: bool = False, wait: bool = False, blocking: bool = True) -> None:
         """Run the releases the garbage collector queued, and free the pools whose work is done
-        (``poll``: ask the driver about events not yet known complete; ``wait``: block for them).
+        (``poll``: ask the driver about events not yet known complete, each stream's newest too;
+        ``wait``: block for them).
         ``blocking=False`` skips it when another thread holds the device: a thread that learns
         of a completed event while it holds another device's lock must not wait for this one."""
         if self.forked:  # nothing here reaches the driver (after_fork_in_child)
@@ -265,6 +267,8 @@ class Device:
                 return
             self._reaping = True
             try:
+                if poll:
+                    self._poll_streams()
                 while self.released:
                     self.released.popleft()()
                 if self.freeing:
@@ -273,6 +277,16 @@ class Device:
                 self._reaping = False
         finally:
             self.lock.release()
+
+    def _poll_streams(self) -> None:
+        """Ask about each stream's newest event. A stream dropped with work in flight is held by
+        the device's own records of that work (its events, the pools its contexts used), so the
+        garbage collector cannot take it: once its work is known done, what it kept goes, its
+        contexts' pools follow, and then the stream itself (its finalizer ends it in the driver)."""
+        for s in list(self._streams):
+            handle = s.newest
+            if not s.closed and s.seq > s.done_seq and handle is not None:
+                Event(s, handle, s.seq).is_done()
 
     def _free_finished(self, poll: bool, wait: bool) -> None:
         if self.forked:
