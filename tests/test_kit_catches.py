@@ -59,6 +59,21 @@ class _IgnoresDestinationOffset(CpuDriver):
         super().copy_device(stream, (dst[0], dst[1], 0), src, nbytes)
 
 
+class _MemsetStopsShort(CpuDriver):
+    """memset_zero leaves the last byte of the range as it was."""
+
+    def memset_zero(self, stream: int, pool: int, offset: int, nbytes: int) -> None:
+        super().memset_zero(stream, pool, offset, max(0, nbytes - 1))
+
+
+class _MemsetWholeWords(CpuDriver):
+    """memset_zero rounds its offset down and its length up to whole 4-byte words."""
+
+    def memset_zero(self, stream: int, pool: int, offset: int, nbytes: int) -> None:
+        start, end = offset // 4 * 4, (offset + nbytes + 3) // 4 * 4
+        super().memset_zero(stream, pool, start, end - start)
+
+
 class _FreeDoesNothing(CpuDriver):
     """free() keeps every pool."""
 
@@ -125,6 +140,25 @@ def test_the_existing_transfer_checks_miss_what_the_offset_checks_catch() -> Non
     """Why the offset checks exist: nodes that start their pools hide an ignored offset."""
     _run(_IgnoresSourceOffset, suite_mod.check_device_to_device_one_device)
     _run(_IgnoresDestinationOffset, suite_mod.check_device_to_device_two_devices)
+
+
+# -- memset_zero ------------------------------------------------------------------------
+
+
+def test_memset_check_passes_on_the_cpu_driver() -> None:
+    _run(CpuDriver, suite_mod.check_alloc_and_memset)
+
+
+def test_a_memset_that_stops_one_byte_short_fails() -> None:
+    """Found by review: the check zeroed int32 cells of small values, whose last byte (little
+    endian) was already 0, so a memset one to three bytes short passed."""
+    with pytest.raises(AssertionError, match=r"after memset_zero of 32 bytes at offset 64 .* 1 of 256 values differ"):
+        _run(_MemsetStopsShort, suite_mod.check_alloc_and_memset)
+
+
+def test_a_memset_of_whole_words_fails_at_an_odd_offset() -> None:
+    with pytest.raises(AssertionError, match=r"after memset_zero of 37 bytes at offset 131 "):
+        _run(_MemsetWholeWords, suite_mod.check_alloc_and_memset)
 
 
 # -- memory comes back -------------------------------------------------------------------

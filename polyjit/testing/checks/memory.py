@@ -45,19 +45,23 @@ def check_alloc_and_memset(backend: Backend) -> None:
         dev.free_pool(pid)
         if dev.used_memory() != base:
             raise AssertionError(f"used_memory after free_pool is {dev.used_memory()}, expected {base}")
-    # memset_zero over a node's buffer, whole and in part
+    # memset_zero over a node's buffer, in part (aligned, and at odd offsets and lengths), not at
+    # all (zero bytes), then whole. Every byte starts nonzero, so a memset that stops short by
+    # even one byte, or starts late, leaves a byte that shows.
     rng = np.random.default_rng(1)
-    node = Node("memset_target", (64,), dtypes.int32)
-    values = rng.integers(1, 100, node.shape).astype(np.int32)
+    node = Node("memset_target", (256,), dtypes.uint8)
+    values = rng.integers(1, 256, node.shape).astype(np.uint8)
     ctx = dev.make_context().init_from_host(node, values)
     with finalizing(ctx):
         if dev.used_memory() < base + node.nbytes:
             raise AssertionError(f"used_memory did not grow by the {node.nbytes} bytes of a new buffer")
         loc = ctx.buffers[node]
-        dev.memset_zero(loc.pool_id, loc.offset + 16 * 4, 8 * 4)  # cells 16..23
         want = values.copy()
-        want[16:24] = 0
-        assert_equal("after memset_zero of cells 16..23", ctx.read(node), want)
+        for start, length in ((64, 32), (131, 37), (201, 3), (170, 0), (250, 1)):
+            dev.memset_zero(loc.pool_id, loc.offset + start, length)
+            want[start:start + length] = 0
+            assert_equal(f"after memset_zero of {length} bytes at offset {start} of a {node.nbytes}-byte "
+                         f"buffer (bytes not zeroed before were all nonzero)", ctx.read(node), want)
         dev.memset_zero(loc.pool_id, loc.offset, node.nbytes)
         assert_equal("after memset_zero of the whole buffer", ctx.read(node), np.zeros_like(values))
     if dev.used_memory() != base:
