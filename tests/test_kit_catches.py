@@ -59,6 +59,13 @@ class _IgnoresDestinationOffset(CpuDriver):
         super().copy_device(stream, (dst[0], dst[1], 0), src, nbytes)
 
 
+class _CopiesPastTheEnd(CpuDriver):
+    """copy_device copies 4 bytes more than asked: past the end of the destination node."""
+
+    def copy_device(self, stream: int, dst: tuple[int, int, int], src: tuple[int, int, int], nbytes: int) -> None:
+        super().copy_device(stream, dst, src, nbytes + 4 if nbytes else 0)
+
+
 class _MemsetStopsShort(CpuDriver):
     """memset_zero leaves the last byte of the range as it was."""
 
@@ -134,6 +141,17 @@ def test_a_copy_device_that_ignores_an_offset_fails(cls: type[CpuDriver], check:
     assert "device_to_device of off_x" in message, message
     assert re.search(r"from offset [1-9]\d* of pool \d+ on cpu:\d to offset [1-9]\d* of pool", message), message
     assert "values differ" in message, message
+
+
+@pytest.mark.parametrize("check", COPY_CHECKS, ids=suite_mod.check_name)
+def test_a_copy_device_that_writes_past_the_node_fails(check: CheckFn) -> None:
+    """Found by review: the copied nodes ended inside the alignment padding of their pool, so
+    an overrun of up to 44 bytes wrote only padding that no check read."""
+    with pytest.raises(AssertionError) as info:
+        _run(_CopiesPastTheEnd, check)
+    message = str(info.value)
+    assert re.match(r"off_g#\d+ \(offset (\d+) .*\) after device_to_device of off_w#\d+ .* to offset \d+ .*"
+                    r"a neighbour of the copied node must stay untouched", message), message
 
 
 def test_the_existing_transfer_checks_miss_what_the_offset_checks_catch() -> None:
@@ -260,11 +278,16 @@ def _opencl_classes() -> dict[str, type[Any]]:
         def copy_device(self, stream: Any, dst: tuple[int, Any, int], src: tuple[int, Any, int], nbytes: int) -> Any:
             return super().copy_device(stream, (dst[0], dst[1], 0), src, nbytes)
 
+    class PastTheEnd(OpenCLDriver):
+        def copy_device(self, stream: Any, dst: tuple[int, Any, int], src: tuple[int, Any, int], nbytes: int) -> Any:
+            return super().copy_device(stream, dst, src, nbytes + 4 if nbytes else 0)
+
     class NoFree(OpenCLDriver):
         def free(self, ordinal: int, pool: Any) -> None:
             return None
 
-    return {"good": OpenCLDriver, "source": SourceOffset, "destination": DestinationOffset, "free": NoFree}
+    return {"good": OpenCLDriver, "source": SourceOffset, "destination": DestinationOffset, "long": PastTheEnd,
+            "free": NoFree}
 
 
 def _opencl(kind: str) -> Backend:
@@ -274,13 +297,14 @@ def _opencl(kind: str) -> Backend:
     return Backend(driver)
 
 
-@pytest.mark.parametrize("kind", ["good", "source", "destination"])
+@pytest.mark.parametrize("kind", ["good", "source", "destination", "long"])
 def test_opencl_copy_offsets(kind: str) -> None:
     backend = _opencl(kind)
     if kind == "good":
         run_check(suite_mod.check_copy_offsets_one_device, backend)
         return
-    with pytest.raises(AssertionError, match=r"device_to_device of off_x.* from offset [1-9]"):
+    copied = "off_w" if kind == "long" else "off_x"  # an overrun shows on the node behind off_w
+    with pytest.raises(AssertionError, match=rf"device_to_device of {copied}.* from offset [1-9]"):
         run_check(suite_mod.check_copy_offsets_one_device, backend)
 
 

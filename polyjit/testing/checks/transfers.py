@@ -231,16 +231,26 @@ def check_merge_buffer_all_reduce(backend: Backend) -> None:
 # Device-side copies between nodes that do not start their pools
 
 
-def _offset_nodes() -> tuple[Node, Node, Node, Node]:
-    """A float32 node and a uint8 node of odd size to copy, and two guards around them."""
-    return (f32("off_lo", (64,)), f32("off_x", (37,)), f32("off_hi", (16,)),
-            Node("off_y", (13,), dtypes.uint8))
+_OffsetNodes = tuple[Node, Node, Node, Node, Node, Node]
 
 
-def _offset_layout(dev: Device, code: Any, nodes: tuple[Node, Node, Node, Node], rng: np.random.Generator
+def _offset_nodes(alignment: int) -> _OffsetNodes:
+    """Nodes to copy and guards around them, for devices whose base alignment is ``alignment``:
+    a float32 node and a uint8 node of odd sizes (the planner pads them to the alignment), and a
+    float32 node ``off_w`` of exactly ``alignment`` bytes with the guard ``off_g`` of the same
+    size right behind it, so that a copy_device that writes past the end of its destination
+    lands in a node the check reads, not in padding. ``off_lo`` is the largest: it starts the
+    pool, so every copied node is at a non-zero offset."""
+    words = alignment // 4
+    return (f32("off_lo", (max(64, 2 * words),)), f32("off_x", (37,)), f32("off_hi", (16,)),
+            Node("off_y", (13,), dtypes.uint8), f32("off_w", (words,)), f32("off_g", (words,)))
+
+
+def _offset_layout(dev: Device, code: Any, nodes: _OffsetNodes, rng: np.random.Generator
                    ) -> tuple[Context, dict[Node, Array]]:
-    """A context on ``dev`` whose four nodes share one pool (one link of a batch that creates
-    them; the planner puts the largest, a guard, first), filled with random values."""
+    """A context on ``dev`` whose nodes share one pool (one link of a batch that creates them;
+    the planner puts the largest, a guard, first, and ``off_g`` right behind ``off_w``), filled
+    with random values."""
     routine = dev.make_context().link(code)
     routine.run()
     ctx = routine.context
@@ -251,11 +261,14 @@ def _offset_layout(dev: Device, code: Any, nodes: tuple[Node, Node, Node, Node],
         values[node] = (rng.integers(0, 256, node.shape).astype(np.uint8) if node.dtype is dtypes.uint8
                         else small_ints(rng, node.shape, -99, 99))
         ctx.from_host(node, values[node])
-    _, x, _, y = nodes
+    _, x, _, y, w, g = nodes
     pools = {ctx.buffers[n].pool_id for n in values}
-    if len(pools) != 1 or ctx.buffers[x].offset == 0 or ctx.buffers[y].offset == 0:
+    if len(pools) != 1 or any(ctx.buffers[n].offset == 0 for n in (x, y, w)):
         raise AssertionError(f"the kit's layout batch must place its nodes in one pool, the copied ones "
                              f"past the first: {dict(ctx.buffers)}")
+    if ctx.buffers[g].offset != ctx.buffers[w].offset + w.nbytes:
+        raise AssertionError(f"the kit's layout batch must place {g.label} right behind {w.label} "
+                             f"({w.nbytes} bytes, the base alignment of {dev.device_id}): {dict(ctx.buffers)}")
     for node, want in values.items():
         assert_equal(f"{node.label} at offset {ctx.buffers[node].offset} after from_host", ctx.read(node), want)
     return ctx, values
@@ -270,9 +283,9 @@ def _copies_at_offsets(backend: Backend, d0: int, d1: int) -> None:
     """device_to_device (NO, then COPY and a merge reader) from nodes at non-zero offsets to
     nodes at non-zero offsets; the neighbouring bytes on both sides must stay as they were."""
     src_dev, dst_dev = backend.get_device(d0), backend.get_device(d1)
-    nodes = _offset_nodes()
-    lo, x, hi, y = nodes
-    layout = backend.compile(ir.Comp.of(ir.fill(lo, 0.0), ir.fill(x, 0.0), ir.fill(hi, 0.0), ir.fill(y, 0)),
+    nodes = _offset_nodes(max(src_dev.info.base_alignment, dst_dev.info.base_alignment))
+    lo, x, hi, y, w, g = nodes
+    layout = backend.compile(ir.Comp.of(*(ir.fill(n, 0 if n.dtype is dtypes.uint8 else 0.0) for n in nodes)),
                              name="offset_layout")
     reader = backend.compile(_merge_reader(x), name="offset_merge_sum")
     rng = np.random.default_rng(11 + 2 * d0 + d1)
@@ -287,7 +300,7 @@ def _copies_at_offsets(backend: Backend, d0: int, d1: int) -> None:
                 assert_equal(f"{n.label} ({_where(ctx, n)}) after {what}: a neighbour of the copied "
                               f"node must stay untouched", ctx.read(n), want[n])
 
-        for node in (x, y):
+        for node in (x, y, w):
             what = (f"device_to_device of {node.label} from {_where(src, node)} to {_where(dst, node)}, "
                     f"{node.nbytes} bytes")
             if device_to_device(node, dst=dst, src=src, into_merge_buffer=MergeBuffer.NO) is None:
@@ -295,8 +308,8 @@ def _copies_at_offsets(backend: Backend, d0: int, d1: int) -> None:
             assert_equal(f"{node.label} after {what} (copy_device must read nbytes at the source "
                           f"offset and write them at the destination offset)", dst.read(node), sv[node])
             dv[node] = sv[node]
-            untouched(what, dst, dv, (lo, hi, x, y))
-            untouched(what, src, sv, (lo, hi, x, y))
+            untouched(what, dst, dv, nodes)
+            untouched(what, src, sv, nodes)
         # into the merge buffer, then a routine adds it to the destination's own node
         fresh = small_ints(rng, x.shape, -99, 99)
         dst.from_host(x, fresh)
@@ -312,8 +325,8 @@ def _copies_at_offsets(backend: Backend, d0: int, d1: int) -> None:
         assert_equal(f"{x.label} ({_where(dst, x)}) + merge({x.label}) after {what} (copy_device must read "
                       f"the source at its offset)", merged.context.read(x), want)
         dv[x] = want
-        untouched(f"{what} and the merge reader", merged.context, dv, (lo, hi, y))
-        untouched(f"{what} and the merge reader", src, sv, (lo, hi, x, y))
+        untouched(f"{what} and the merge reader", merged.context, dv, (lo, hi, y, w, g))
+        untouched(f"{what} and the merge reader", src, sv, nodes)
 
 
 def check_copy_offsets_one_device(backend: Backend) -> None:
