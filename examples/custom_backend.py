@@ -10,7 +10,8 @@ synchronously in the calling thread. Memory is host memory; a stream is just a
 counter, and an event is a marker of work that is already complete, so
 ``wait``/``sync`` have nothing to do. ``polyjit.core.runtime.Backend`` raises
 the driver into the full backend: contexts, linking, per-node events, merge
-buffers, device_to_device.
+buffers, device_to_device, users' own C functions (``Backend.raw_kernel``, bound
+by ``raw_source`` through ``core.raw.c_trampoline``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from polyjit.core.cache import BinaryCache, content_key
 from polyjit.core.codegen import Dialect, KernelSpec, Source
 from polyjit.core.errors import BackendUnavailableError, CompileError
 from polyjit.core.protocol import DeviceInfo, Driver
+from polyjit.core.raw import c_trampoline
 from polyjit.core.runtime import Backend
 
 FLAGS = ("-O2", "-fPIC", "-shared", "-std=gnu11")
@@ -135,6 +137,12 @@ class SyncDriver:
                 raise CompileError(f"{cc} failed:\n{proc.stderr}", source=source.text, log=proc.stderr)
 
         return CACHE.get_or_build(content_key(source.text, cc, *FLAGS), build)
+
+    def raw_source(self, text: str, spec: KernelSpec) -> tuple[str, str]:
+        """A user's own C function (``Backend.raw_kernel``): ``launch`` calls every kernel as
+        ``name(bufs, statics)``, so it is called through the C convention's trampoline, which
+        passes ``bufs[k]`` and ``statics[k]`` as the function's parameters."""
+        return c_trampoline(text, spec)
 
     def load(self, ordinal: int, binary: Path) -> ctypes.CDLL:
         return ctypes.CDLL(str(binary))
