@@ -20,7 +20,8 @@ import attrs
 import pytest
 
 from polyjit.backends.cpu import CpuDriver
-from polyjit.core.codegen import Source
+from polyjit.core import raw
+from polyjit.core.codegen import KernelSpec, Source
 from polyjit.core.errors import UnsupportedError
 from polyjit.core.protocol import DeviceInfo
 from polyjit.core.runtime import Backend
@@ -35,6 +36,7 @@ from polyjit.testing import (
 from polyjit.testing import suite as suite_mod
 from polyjit.testing.checks import common as checks_common
 from polyjit.testing.checks import compute as checks_compute
+from polyjit.testing.checks import kernels as checks_kernels
 
 CheckFn = Callable[[Backend], None]
 
@@ -79,6 +81,40 @@ class _MemsetWholeWords(CpuDriver):
     def memset_zero(self, stream: int, pool: int, offset: int, nbytes: int) -> None:
         start, end = offset // 4 * 4, (offset + nbytes + 3) // 4 * 4
         super().memset_zero(stream, pool, start, end - start)
+
+
+class _RawUnbound(CpuDriver):
+    """No parameter binding for users' kernels: the C function is called as name(bufs, statics, lo, hi)."""
+
+    def raw_source(self, text: str, spec: KernelSpec) -> tuple[str, str]:
+        return text, spec.name
+
+
+class _RawAtPoolStart(CpuDriver):
+    """prepare binds a user's kernel's buffers at the start of their pools."""
+
+    def prepare(self, ordinal: int, module: Any, kernels: Any) -> Any:
+        return super().prepare(ordinal, module, [
+            (spec, [(pool, 0) for pool, _ in args] if spec.plan.kind == raw.RAW else args) for spec, args in kernels])
+
+
+class _RawUnsupported(CpuDriver):
+    """A driver that takes no users' kernels, and says so."""
+
+    def raw_source(self, text: str, spec: KernelSpec) -> tuple[str, str]:
+        raise UnsupportedError("this device runs only generated kernels")
+
+
+class _MineDialect(type(CpuDriver().dialect)):  # type: ignore[misc]
+    """The cpu dialect under a name the kit has no raw kernel for."""
+
+    name = "mine"
+
+
+class _UnknownDialect(CpuDriver):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.dialect = _MineDialect()
 
 
 class _FreeDoesNothing(CpuDriver):
@@ -177,6 +213,40 @@ def test_a_memset_that_stops_one_byte_short_fails() -> None:
 def test_a_memset_of_whole_words_fails_at_an_odd_offset() -> None:
     with pytest.raises(AssertionError, match=r"after memset_zero of 37 bytes at offset 131 "):
         _run(_MemsetWholeWords, suite_mod.check_alloc_and_memset)
+
+
+# -- users' own kernels ------------------------------------------------------------------
+
+
+def test_raw_kernel_check_passes_on_the_cpu_driver() -> None:
+    _run(CpuDriver, suite_mod.check_raw_kernels)
+
+
+def test_a_c_driver_that_does_not_bind_raw_kernels_fails() -> None:
+    """Found by review: the sync example had no raw_source, so users' C functions were called
+    as name(bufs, statics) and computed garbage, and no check ran a raw kernel."""
+    with pytest.raises(AssertionError, match=r"raw_first#\d+ after the raw kernel pj_kit_raw_first.*"
+                                             r"raw_source = core.raw.c_trampoline"):
+        _run(_RawUnbound, suite_mod.check_raw_kernels)
+
+
+def test_a_driver_that_binds_raw_buffers_at_offset_zero_fails() -> None:
+    with pytest.raises(AssertionError, match=r"raw_out#\d+ \(offset [1-9]\d* of pool \d+\) after the raw kernel "
+                                             r"pj_kit_raw_each read raw_x#\d+ at offset [1-9]"):
+        _run(_RawAtPoolStart, suite_mod.check_raw_kernels)
+
+
+def test_a_driver_without_raw_kernels_skips_with_its_reason() -> None:
+    with pytest.raises(CheckSkipped, match=r"does not take users' own kernels: this device runs only generated"):
+        _run(_RawUnsupported, suite_mod.check_raw_kernels)
+
+
+def test_a_dialect_the_kit_does_not_know_fails_until_its_spelling_is_added(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(AssertionError, match=r"no raw kernel in the dialect 'mine' .*"
+                                             r"RAW_KERNELS\['mine'\] = RawSpelling\(first=\.\.\., each=\.\.\.\)"):
+        _run(_UnknownDialect, suite_mod.check_raw_kernels)
+    monkeypatch.setitem(checks_kernels.RAW_KERNELS, "mine", checks_kernels.C_KERNELS)
+    _run(_UnknownDialect, suite_mod.check_raw_kernels)
 
 
 # -- memory comes back -------------------------------------------------------------------

@@ -43,6 +43,7 @@ from polyjit.testing.checks.compute import (
     check_routines_and_batches,
     check_static_bindings,
 )
+from polyjit.testing.checks.kernels import check_raw_kernels
 from polyjit.testing.checks.memory import (
     check_alloc_and_memset,
     check_dropped_work,
@@ -100,6 +101,7 @@ CHECKS: list[CheckFn] = [
     check_random_gather_programs,
     check_routines_and_batches,
     check_static_bindings,
+    check_raw_kernels,
     check_events_and_device_sync,
     check_cross_stream_ordering,
     check_device_to_device_one_device,

@@ -7,6 +7,8 @@
   at offsets;
 - :mod:`~polyjit.testing.checks.compute`: the catalog and random programs against the reference,
   routines and batches, static bindings;
+- :mod:`~polyjit.testing.checks.kernels`: users' own kernels (``Backend.raw_kernel``), spelled per
+  dialect in ``RAW_KERNELS``;
 - :mod:`~polyjit.testing.checks.streams`: events, ordering across streams and devices, closing;
 - :mod:`~polyjit.testing.checks.robustness`: threads, injected faults, misuse.
 """
