@@ -29,15 +29,48 @@ from typing import Any
 
 import numpy as np
 
-from polyjit.core.cache import BinaryCache, content_key
 from polyjit.core.codegen import Dialect, KernelSpec, Source
+from polyjit.core.compile_cache import CachingCompiler, Target
 from polyjit.core.errors import BackendUnavailableError, CompileError
 from polyjit.core.protocol import DeviceInfo, Driver
 from polyjit.core.raw import c_trampoline
 from polyjit.core.runtime import Backend
 
 FLAGS = ("-O2", "-fPIC", "-shared", "-std=gnu11")
-CACHE = BinaryCache("syncdriver", ".so")
+
+
+class SyncCompiler(CachingCompiler):
+    """The system C compiler ($CC, else cc). Only the uncached compile is ours: the base class
+    keys, verifies, keeps and logs the binaries (docs/writing-a-backend.md, "The compile cache")."""
+
+    namespace = "syncdriver"
+    suffix = ".so"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cc = os.environ.get("CC", "cc")
+        self._identity: tuple[str, ...] | None = None
+
+    def identity(self) -> tuple[str, ...]:
+        """The compiler's path and version, and the flags."""
+        if self._identity is None:
+            path = shutil.which(self.cc)
+            if path is None:
+                raise BackendUnavailableError(f"no C compiler {self.cc!r}")
+            version = subprocess.run([path, "--version"], capture_output=True, text=True).stdout
+            self._identity = (path, version.partition("\n")[0], *FLAGS)
+        return self._identity
+
+    def build(self, text: str, target: Target, out: Path) -> None:
+        c_file = out.with_suffix(".c")
+        c_file.write_text(text)
+        try:
+            proc = subprocess.run([self.cc, *FLAGS, "-o", str(out), str(c_file), "-lm"],
+                                  capture_output=True, text=True)
+        finally:
+            c_file.unlink(missing_ok=True)
+        if proc.returncode != 0:
+            raise CompileError(f"{self.cc} failed:\n{proc.stderr}", source=text, log=proc.stderr)
 
 
 class Pool:
@@ -68,6 +101,7 @@ class SyncDriver:
         self.devices = devices
         self.memory_bytes = memory_bytes
         self._streams = 0
+        self.compiler = SyncCompiler()
 
     # devices
     def device_count(self) -> int:
@@ -120,23 +154,9 @@ class SyncDriver:
 
     # code
     def compile(self, source: Source) -> Path:
-        """The C compiler, through polyjit's verified, content-addressed compile cache."""
-        cc = os.environ.get("CC", "cc")
-        if shutil.which(cc) is None:
-            raise BackendUnavailableError(f"no C compiler {cc!r}")
-
-        def build(so_file: Path) -> None:
-            c_file = so_file.with_suffix(".c")
-            c_file.write_text(source.text)
-            try:
-                proc = subprocess.run([cc, *FLAGS, "-o", str(so_file), str(c_file), "-lm"],
-                                      capture_output=True, text=True)
-            finally:
-                c_file.unlink(missing_ok=True)
-            if proc.returncode != 0:
-                raise CompileError(f"{cc} failed:\n{proc.stderr}", source=source.text, log=proc.stderr)
-
-        return CACHE.get_or_build(content_key(source.text, cc, *FLAGS), build)
+        """The C compiler, through polyjit's verified, content-addressed compile cache: a
+        file, since ctypes loads a path."""
+        return self.compiler.path(source.text)
 
     def raw_source(self, text: str, spec: KernelSpec) -> tuple[str, str]:
         """A user's own C function (``Backend.raw_kernel``): ``launch`` calls every kernel as
