@@ -471,3 +471,18 @@ def test_plan_outputs_can_stay_on_the_device() -> None:
     y = torch.from_dlpack(out["y"])
     torch.testing.assert_close(y, torch.full((8, 3), 4.0))
     plan.close()
+
+
+def test_a_loop_that_only_exports_keeps_no_queue_of_unpins() -> None:
+    """Found by review: each dropped export queued its unpin for the device's next safe point,
+    and a process that only read through exports (no enqueue, link or sync) never reached one:
+    245 bytes an export, for ever. An export is a safe point now."""
+    dev = get_backend("cpu").get_device(0)
+    node = Node("exported_in_a_loop", (64,))
+    ctx = dev.make_context().init_from_host(node, np.arange(64, dtype=np.float32))
+    for k in range(2000):
+        view = np.from_dlpack(ctx.export(node))
+        assert view[k % 64] == k % 64
+        del view
+    assert len(dev.released) <= 2, len(dev.released)
+    ctx.finalize()

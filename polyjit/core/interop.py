@@ -66,6 +66,8 @@ class Exported:
         self.device_type, self.device_id = _dlpack_device(ctx)
         device = ctx.device
         with device.lock:
+            if device.released:  # a safe point: dropped exports' unpins (a loop that only exports grew them)
+                device.reap()
             self.address = int(device.driver.address(device.pool_handle(loc.pool_id), loc.offset))  # type: ignore[attr-defined]
             st = device.tracker.locs.get(loc)
             self._writer: Event | None = st.writer if st is not None else None
