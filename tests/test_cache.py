@@ -671,3 +671,17 @@ def test_concurrent_threads_and_processes_get_identical_verified_bytes(
     assert _assert_verified(cache.path_for("samekey")) == payload
     leftovers = [p.name for p in (cache_root / "conc").iterdir() if p.name.startswith(".")]
     assert leftovers == []
+
+
+def test_what_a_cache_remembers_in_memory_is_bounded(cache_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review: a cache kept a verified record (700 bytes) and a lock for every key it
+    ever built, for the life of the process. It keeps the newest MEMORY_RECORDS records, a key's
+    lock only while a thread uses it, and a key whose record went is verified again, not rebuilt."""
+    monkeypatch.setattr(cache_mod, "MEMORY_RECORDS", 8)
+    cache = BinaryCache("bounded", ".bin")
+    calls: list[int] = []
+    for k in range(40):
+        cache.get_or_build(f"key{k}", _writer(f"entry {k}".encode(), calls))
+    assert len(calls) == 40 and len(cache._memory) == 8 and not cache._key_locks
+    assert cache.get_or_build_bytes("key0", _writer(b"rebuilt", calls)) == b"entry 0"
+    assert len(calls) == 40

@@ -27,6 +27,7 @@ Trust rules (see docs/reliability.md, "The compile cache"):
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import errno
 import hashlib
@@ -38,9 +39,9 @@ import stat
 import tempfile
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from polyjit.core.errors import CompileError, PolyjitError
 from polyjit.core.log import logger
@@ -59,6 +60,9 @@ __all__ = [
 ]
 
 HASH_SUFFIX = ".sha256"
+# Entries each BinaryCache remembers as verified by this process (700 bytes each): a long-running
+# process that builds many distinct sources keeps the newest.
+MEMORY_RECORDS = 4096
 
 # Namespaces handed whole to another program, which fills them its own way: PoCL's kernel
 # cache (backends/opencl/platforms.py). The cache checks their directory like its own;
@@ -479,10 +483,12 @@ class BinaryCache:
             raise ValueError(f"cache suffix must look like '.so', not {suffix!r}")
         self.namespace = namespace
         self.suffix = suffix
-        self._memory: dict[str, _Seen] = {}  # key -> the file verified here, and its identity
+        # key -> the file verified here, and its identity: the newest MEMORY_RECORDS (one that
+        # went is verified again when next used)
+        self._memory: collections.OrderedDict[str, _Seen] = collections.OrderedDict()
         self.compiles = 0  # how many times build() really ran the compiler, for tests
         self._lock = threading.Lock()
-        self._key_locks: dict[str, threading.Lock] = {}
+        self._key_locks: dict[str, list[Any]] = {}  # key -> [its lock, threads using it]: only keys in use
 
     # -- places -----------------------------------------------------------------------
 
@@ -531,12 +537,30 @@ class BinaryCache:
         with self._key_lock(key):
             return self._publish(self.directory(), name, key, lambda tmp: tmp.write_bytes(data))[0]
 
-    def _key_lock(self, key: str) -> threading.Lock:
+    @contextlib.contextmanager
+    def _key_lock(self, key: str) -> Iterator[None]:
+        """Hold the key's lock: threads of one process build a key once. A key's lock lives
+        while a thread uses it (one per key ever built grew for the life of the process)."""
         with self._lock:
-            lock = self._key_locks.get(key)
-            if lock is None:
-                lock = self._key_locks[key] = threading.Lock()
-            return lock
+            entry = self._key_locks.get(key)
+            if entry is None:
+                entry = self._key_locks[key] = [threading.Lock(), 0]
+            entry[1] += 1
+        try:
+            with entry[0]:
+                yield
+        finally:
+            with self._lock:
+                entry[1] -= 1
+                if not entry[1]:
+                    del self._key_locks[key]
+
+    def _remember(self, key: str, seen: _Seen) -> None:
+        with self._lock:
+            self._memory[key] = seen
+            self._memory.move_to_end(key)
+            while len(self._memory) > MEMORY_RECORDS:
+                self._memory.popitem(last=False)
 
     def _hit(self, key: str, path: Path, want_bytes: bool) -> tuple[Path, bytes | None] | None:
         seen = self._memory.get(key)
@@ -548,7 +572,7 @@ class BinaryCache:
         if got is None:
             return None
         data, ident = got
-        self._memory[key] = _Seen(path, ident)
+        self._remember(key, _Seen(path, ident))
         return path, data
 
     def _get(self, key: str, build: Callable[[Path], None], want_bytes: bool) -> tuple[Path, bytes | None]:
@@ -627,7 +651,7 @@ class BinaryCache:
             if os.path.lexists(tmp):
                 os.unlink(tmp)
         path = directory / name
-        self._memory[key] = _Seen(path, ident)
+        self._remember(key, _Seen(path, ident))
         return path, data
 
     def _write_new(self, directory: Path, name: str, data: bytes) -> _Ident:
