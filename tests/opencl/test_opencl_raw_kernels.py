@@ -228,6 +228,13 @@ def test_compile_errors_and_missing_kernels(backend: Backend, tmp_path: Path) ->
     backend.raw_kernel(text, "here", [raw.write(f32("x", (4,)))], global_size=4)
     with pytest.raises(CompileError, match="without kernels elsewhere"):
         backend.raw_kernel(text, "elsewhere", [raw.write(f32("x", (4,)))], global_size=4)
+    # ... while kernels the text does define share its one build
+    two = ("__kernel void k_one(__global float* x) { x[0] = 1; }\n"
+           "__kernel void k_two(__global float* x) { x[0] = 2; }\n")
+    before = backend.driver.cache.compiles  # type: ignore[attr-defined]
+    for name in ("k_one", "k_two"):
+        backend.raw_kernel(two, name, [raw.write(f32("x", (4,)))], global_size=4)
+    assert backend.driver.cache.compiles - before <= 1  # type: ignore[attr-defined]
 
 
 def test_nodes_read_must_be_in_the_context(backend: Backend) -> None:

@@ -308,13 +308,14 @@ class OpenCLDriver:
                 f"the batch uses float64, but no OpenCL device here supports it "
                 f"(no cl_khr_fp64 on {names}); cast to float32"
             )
+        names = tuple(k.name for k in kernels)
         for group in sorted({d.group for d in usable}):
-            self._program(binary, group)
+            self._program(binary, group, names)
         return binary
 
-    def _program(self, binary: ClBinary, group: int) -> Any:
+    def _program(self, binary: ClBinary, group: int, names: tuple[str, ...] = ()) -> Any:
         devs = [d for d in self.devices if d.group == group and (d.fp64 or not binary.fp64)]
-        return self.cache.program(binary, group, devs)
+        return self.cache.program(binary, group, devs, names)
 
     def _on_disk(self, devs: Sequence[ClDevice]) -> bool:
         if self.binary_cache == "auto":

@@ -83,10 +83,9 @@ class OpenCLCompiler(CachingCompiler):
         self._fresh[self.key(text, target)] = program  # no need to load what was just built
 
     def binary(self, text: str, names: tuple[str, ...], options: str = "") -> ClBinary:
-        """The batch of this source and kernel names: a live (or recent) one, else a new one
-        (the names are in the key: a batch checks its own names when its program is built, and
-        a user's kernel named in no batch of this text must raise CompileError, not reuse one)."""
-        key = self.key(text, (options, *names))
+        """The batch of this source: a live (or recent) one, else a new one. (A user's kernels
+        from one text share it: :meth:`program` checks each one's name.)"""
+        key = self.key(text, (options,))
         with self._build_lock:
             hit = self._live.get(key)
             if hit is None:
@@ -97,12 +96,20 @@ class OpenCLCompiler(CachingCompiler):
                 self._recent.popitem(last=False)
         return hit
 
-    def program(self, binary: ClBinary, group: int, devs: Sequence[ClDevice]) -> Any:
+    def program(self, binary: ClBinary, group: int, devs: Sequence[ClDevice],
+                names: tuple[str, ...] = ()) -> Any:
         """The batch's program for one device group: already built, from the disk cache, or
-        built now."""
+        built now. ``names``: kernels the caller needs, checked even when the program was built
+        for another compile of the same text (a user's kernel it does not define is a
+        CompileError here, not a failure at link)."""
         hit = binary.programs.get(group)
-        if hit is not None:
-            return hit
+        if hit is None:
+            hit = self._built(binary, group, devs)
+        if names and not set(names) <= set(binary.names):
+            _check_kernels(hit, binary, devs, names)
+        return hit
+
+    def _built(self, binary: ClBinary, group: int, devs: Sequence[ClDevice]) -> Any:
         with self._build_lock:
             hit = binary.programs.get(group)
             if hit is not None:
@@ -169,14 +176,15 @@ def _unpack(data: bytes, count: int) -> list[bytes]:
     return out
 
 
-def _check_kernels(program: Any, binary: ClBinary, devs: Sequence[ClDevice]) -> None:
+def _check_kernels(program: Any, binary: ClBinary, devs: Sequence[ClDevice], names: Sequence[str] = ()) -> None:
     """A build can succeed yet drop kernels (PoCL does, after some ABI warnings), and a user's
     source may not define the kernel named: say so now, with the log, rather than fail later
-    in clCreateKernel."""
-    if not binary.names:
+    in clCreateKernel. ``names``: those to look for (default: the batch's)."""
+    names = names or binary.names
+    if not names:
         return
     found = set(str(program.get_info(cl.program_info.KERNEL_NAMES)).split(";"))
-    missing = [k for k in binary.names if k not in found]
+    missing = [k for k in names if k not in found]
     if missing:
         err = _compile_error(program, binary.text, devs, RuntimeError("no build log"))
         raise CompileError(f"the OpenCL program was built without kernels {', '.join(missing)}\n{err}",
