@@ -308,9 +308,9 @@ class OpenCLDriver:
                 f"the batch uses float64, but no OpenCL device here supports it "
                 f"(no cl_khr_fp64 on {names}); cast to float32"
             )
-        names = tuple(k.name for k in kernels)
+        wanted = tuple(k.name for k in kernels)
         for group in sorted({d.group for d in usable}):
-            self._program(binary, group, names)
+            self._program(binary, group, wanted)
         return binary
 
     def _program(self, binary: ClBinary, group: int, names: tuple[str, ...] = ()) -> Any:
