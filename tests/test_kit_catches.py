@@ -190,6 +190,19 @@ def test_a_copy_device_that_writes_past_the_node_fails(check: CheckFn) -> None:
                     r"a neighbour of the copied node must stay untouched", message), message
 
 
+@pytest.mark.parametrize("alignment", [1, 2, 8, 4096])
+def test_copy_offsets_pass_whatever_the_base_alignment(alignment: int) -> None:
+    """Found by the review of the guard node: it was alignment // 4 float32 cells, none for a
+    driver aligned to 1 or 2 bytes, whose correct copies then failed the check."""
+
+    class Aligned(CpuDriver):
+        def device_info(self, ordinal: int) -> DeviceInfo:
+            return attrs.evolve(super().device_info(ordinal), base_alignment=alignment)
+
+    for check in COPY_CHECKS:
+        _run(Aligned, check)
+
+
 def test_the_existing_transfer_checks_miss_what_the_offset_checks_catch() -> None:
     """Why the offset checks exist: nodes that start their pools hide an ignored offset."""
     _run(_IgnoresSourceOffset, suite_mod.check_device_to_device_one_device)

@@ -237,13 +237,14 @@ _OffsetNodes = tuple[Node, Node, Node, Node, Node, Node]
 def _offset_nodes(alignment: int) -> _OffsetNodes:
     """Nodes to copy and guards around them, for devices whose base alignment is ``alignment``:
     a float32 node and a uint8 node of odd sizes (the planner pads them to the alignment), and a
-    float32 node ``off_w`` of exactly ``alignment`` bytes with the guard ``off_g`` of the same
-    size right behind it, so that a copy_device that writes past the end of its destination
-    lands in a node the check reads, not in padding. ``off_lo`` is the largest: it starts the
-    pool, so every copied node is at a non-zero offset."""
-    words = alignment // 4
-    return (f32("off_lo", (max(64, 2 * words),)), f32("off_x", (37,)), f32("off_hi", (16,)),
-            Node("off_y", (13,), dtypes.uint8), f32("off_w", (words,)), f32("off_g", (words,)))
+    uint8 node ``off_w`` of a multiple of ``alignment`` bytes (the smallest of at least 16) with
+    the guard ``off_g`` of the same size right behind it, so that a copy_device that writes past
+    the end of its destination lands in a node the check reads, not in padding. ``off_lo`` is
+    the largest: it starts the pool, so every copied node is at a non-zero offset."""
+    size = -(-16 // alignment) * alignment
+    return (f32("off_lo", (max(64, size // 2),)), f32("off_x", (37,)), f32("off_hi", (16,)),
+            Node("off_y", (13,), dtypes.uint8), Node("off_w", (size,), dtypes.uint8),
+            Node("off_g", (size,), dtypes.uint8))
 
 
 def _offset_layout(dev: Device, code: Any, nodes: _OffsetNodes, rng: np.random.Generator
