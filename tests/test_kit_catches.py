@@ -199,6 +199,7 @@ def test_copy_offsets_pass_whatever_the_base_alignment(alignment: int) -> None:
         def device_info(self, ordinal: int) -> DeviceInfo:
             return attrs.evolve(super().device_info(ordinal), base_alignment=alignment)
 
+    Aligned.__name__ = f"Aligned{alignment}"  # _backends keeps one backend per class name
     for check in COPY_CHECKS:
         _run(Aligned, check)
 
