@@ -842,11 +842,20 @@ def test_streams_dropped_with_work_in_flight_end_once_it_is_done(backend: Backen
         dev.make_context(s).init_from_host(a, ones).link(code).run()  # in flight; nothing waits
         return weakref.ref(s)
 
-    refs = [drop_one() for _ in range(20)]
+    weights = dev.make_context().init_from_host(a, ones)  # read by every stream below, never written
+
+    def drop_a_reader() -> weakref.ref[object]:
+        s = dev.new_stream()
+        weights.with_stream(s).link(code).run()  # the weight's record names the stream as a reader
+        return weakref.ref(s)
+
+    refs = [drop_one() for _ in range(20)] + [drop_a_reader() for _ in range(20)]
     deadline = time.monotonic() + 30
     while any(r() is not None for r in refs) and time.monotonic() < deadline:
         dev.new_stream().close()  # a safe point
         gc.collect()
         time.sleep(0.01)
     assert sum(r() is not None for r in refs) == 0
+    weights.finalize()
+    dev.synchronize()
     assert dev.used_memory() == base

@@ -287,6 +287,7 @@ class Device:
             handle = s.newest
             if not s.closed and s.seq > s.done_seq and handle is not None:
                 Event(s, handle, s.seq).is_done()
+        self.tracker.forget_done()  # and the records of a buffer only read (a weight) let it go
 
     def _free_finished(self, poll: bool, wait: bool) -> None:
         if self.forked:

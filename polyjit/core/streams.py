@@ -488,6 +488,22 @@ class Tracker:
             st.writer, st.readers = (None if keep else FREED), {}
         return events
 
+    def forget_done(self) -> None:
+        """Drop the records of work known complete (ordering never waits for it): a dropped
+        stream that read a buffer nobody writes again (a weight) was held by its record for
+        ever, and with it its worker. A writer whose work failed stays: a sync on the node
+        raises that failure."""
+        for st in self.locs.values():
+            w = st.writer
+            if w is not None and w.stream is not None:  # FREED (a freed pool's) has none
+                s = w.stream
+                if w.seq <= s.done_seq and not (w.seq <= s.fault_seq and s.fault_error is not None):
+                    st.writer = None
+            if st.readers:
+                done = [s for s, ev in st.readers.items() if ev.seq <= s.done_seq]
+                for s in done:
+                    del st.readers[s]
+
     def forget_reader(self, stream: Stream) -> None:
         """A closed stream reads nothing any more: drop its entries (a buffer only read, a
         weight or a constant, would keep every stream that ever read it)."""
