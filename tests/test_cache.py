@@ -18,6 +18,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -685,3 +686,13 @@ def test_what_a_cache_remembers_in_memory_is_bounded(cache_root: Path, monkeypat
     assert len(calls) == 40 and len(cache._memory) == 8 and not cache._key_locks
     assert cache.get_or_build_bytes("key0", _writer(b"rebuilt", calls)) == b"entry 0"
     assert len(calls) == 40
+    # An entry the shared directory could not take lives in the private fallback, which only
+    # its record leads to: that record stays (evicted, the entry was built again).
+    (cache.directory() / "taken.bin").mkdir()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CacheDirWarning)
+        cache.get_or_build("taken", _writer(b"private", calls))
+    for k in range(40, 60):
+        cache.get_or_build(f"key{k}", _writer(f"entry {k}".encode(), calls))
+    assert cache.get_or_build_bytes("taken", _writer(b"rebuilt", calls)) == b"private"
+    assert len(calls) == 61 and len(cache._memory) == 8

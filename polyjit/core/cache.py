@@ -541,26 +541,35 @@ class BinaryCache:
     def _key_lock(self, key: str) -> Iterator[None]:
         """Hold the key's lock: threads of one process build a key once. A key's lock lives
         while a thread uses it (one per key ever built grew for the life of the process)."""
-        with self._lock:
-            entry = self._key_locks.get(key)
-            if entry is None:
-                entry = self._key_locks[key] = [threading.Lock(), 0]
-            entry[1] += 1
+        entry: list[Any] | None = None  # set with the count, where no interrupt comes between
         try:
+            with self._lock:
+                taken = self._key_locks.get(key)
+                if taken is None:
+                    taken = self._key_locks[key] = [threading.Lock(), 0]
+                taken[1] += 1
+                entry = taken
             with entry[0]:
                 yield
         finally:
-            with self._lock:
-                entry[1] -= 1
-                if not entry[1]:
-                    del self._key_locks[key]
+            if entry is not None:
+                with self._lock:
+                    entry[1] -= 1
+                    if not entry[1]:
+                        del self._key_locks[key]
 
     def _remember(self, key: str, seen: _Seen) -> None:
         with self._lock:
-            self._memory[key] = seen
-            self._memory.move_to_end(key)
-            while len(self._memory) > MEMORY_RECORDS:
-                self._memory.popitem(last=False)
+            memory = self._memory
+            memory[key] = seen
+            memory.move_to_end(key)
+            while len(memory) > MEMORY_RECORDS:
+                # the oldest record of an entry in the shared directory (verified again when used);
+                # one in the private fallback stays: nothing else leads there
+                old = next((k for k, v in memory.items() if not _in_fallback(v.path.parent)), None)
+                if old is None:
+                    break
+                del memory[old]
 
     def _hit(self, key: str, path: Path, want_bytes: bool) -> tuple[Path, bytes | None] | None:
         seen = self._memory.get(key)
