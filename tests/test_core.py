@@ -229,3 +229,24 @@ def test_gather_and_scatter_add_refuse_bad_programs_naming_the_nodes() -> None:
     with pytest.raises(InvalidProgramError, match=r"scatter_add into v#\d+ reads v#\d+"):
         ir.scatter_add(i, v, v)
     ir.gather(ir.Node("empty", (0, 3)), ir.Node("none", (0,), "int32"), ir.Node("out", (0, 3)))  # nothing to pick
+
+
+def test_a_base_alignment_that_is_not_a_power_of_two_is_the_drivers_to_say() -> None:
+    """Found by the review of alloc_pool's new checks: they refused a driver's own
+    base_alignment of 48 on every allocation; only an alignment below 1 is refused."""
+    import attrs
+
+    from polyjit.backends.cpu import CpuDriver
+    from polyjit.core.protocol import DeviceInfo
+    from polyjit.core.runtime import Backend
+
+    class Aligned48(CpuDriver):
+        def device_info(self, ordinal: int) -> DeviceInfo:
+            return attrs.evolve(super().device_info(ordinal), base_alignment=48)
+
+    be = Backend(Aligned48(1))
+    a, b = ir.Node("a48", (5,)), ir.Node("b48", (7,))
+    ctx = be.get_device(0).make_context().init_from_host(a, np.arange(5, dtype=np.float32))
+    ctx = ctx.init_from_host(b, np.ones(7, np.float32))
+    assert ctx.read(a).tolist() == [0, 1, 2, 3, 4] and ctx.read(b).tolist() == [1] * 7
+    be.close()

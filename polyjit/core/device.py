@@ -356,9 +356,9 @@ class Device:
         pool_id = _whole(pool_id, "alloc_pool: pool_id", self.device_id)
         nbytes = _whole(nbytes, f"alloc_pool of pool {pool_id}: nbytes", self.device_id)
         alignment = _whole(alignment, f"alloc_pool of pool {pool_id}: alignment", self.device_id)
-        if alignment < 1 or alignment & (alignment - 1):
-            raise InvalidArgumentError(f"alloc_pool of pool {pool_id} on {self.device_id}: the alignment is a "
-                                       f"power of two, got {alignment}")
+        if alignment < 1:  # a power of two or not is the driver's to say (its base_alignment is one)
+            raise InvalidArgumentError(f"alloc_pool of pool {pool_id} on {self.device_id}: the alignment is at "
+                                       f"least 1, got {alignment}")
         with self.lock:
             self.reap(poll=True)
             if pool_id in self._pools:

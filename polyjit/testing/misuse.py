@@ -103,7 +103,7 @@ def misuse_table(backend: Backend) -> list[tuple[str, type[PolyjitError], Callab
         ("memset_zero of a float length", InvalidArgumentError, lambda: dev.memset_zero(pool, 0, 8.0)),  # type: ignore[arg-type]
         ("memset_zero of a pool that does not exist", InvalidProgramError, lambda: dev.memset_zero(1 << 40, 0, 8)),
         ("alloc_pool of a negative size", InvalidArgumentError, lambda: dev.alloc_pool(1 << 41, -100, 64)),
-        ("alloc_pool aligned to 3 bytes", InvalidArgumentError, lambda: dev.alloc_pool(1 << 41, 64, 3)),
+        ("alloc_pool aligned to 0 bytes", InvalidArgumentError, lambda: dev.alloc_pool(1 << 41, 64, 0)),
         ("get_device of a string", UnknownDeviceError, lambda: backend.get_device("0")),  # type: ignore[arg-type]
         ("get_device of a bool", UnknownDeviceError, lambda: backend.get_device(True)),
         ("get_device of a float", UnknownDeviceError, lambda: backend.get_device(0.0)),  # type: ignore[arg-type]
