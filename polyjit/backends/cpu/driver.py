@@ -30,6 +30,7 @@ from polyjit.backends.cpu.native import (
     TEAM_ADAPT,
     TEAM_OPTIONAL,
     NativeRuntime,
+    _contention_mode,
     load_runtime,
 )
 from polyjit.core.codegen import KernelSpec, Source
@@ -84,6 +85,7 @@ class CpuDriver:
         if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
             raise BackendUnavailableError(f"the cpu backend needs at least 1 device (num_devices, or "
                                           f"POLYJIT_CPU_DEVICES), got {num_devices!r}")
+        _contention_mode()  # a bad POLYJIT_CPU_CONTENTION is refused here, as a bad device count
         self.dialect = CpuDialect()
         self.compiler = CCompiler()
         self._cores = split_cores(sorted(os.sched_getaffinity(0)), num_devices)
