@@ -338,6 +338,8 @@ class NcclComm:
             return None, problem
         try:
             dt = _nccl_dtype(node)
+            ctx.stream.check_usable()
+            _make_current(self.device)  # again at the launch, on this thread: a failure shows here first
             exports = tuple(ctx.export(n) for n in (*reads, *writes))  # pins the pools until the event is done
             stream = ctypes.c_void_p(int(ctx.device.driver.foreign_stream(ctx.stream.handle)))  # type: ignore[attr-defined]
             events = tuple(node_events(ctx, n, f"nccl {kind}") for n in (*reads, *writes))
