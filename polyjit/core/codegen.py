@@ -439,8 +439,19 @@ class Emitter:
         row's start is a pointer of its own: GCC then copies a row as whole vectors."""
         if r is None:
             return f"{base}[{self.index(index)}]"
-        v = self.d.index_value.format(self.expr(r.value))
-        return f"({base} + ({v} < 0 ? 0 : {v} > {r.rows - 1} ? {r.rows - 1} : {v}) * {r.size})[{self.index(index)}]"
+        # int64 before the row's offset is made (GPU dialects index in 32 bits: a table of more
+        # than 2**31 elements overflowed); a clamp the index type cannot need is left out (the
+        # compilers warn of a pointless comparison of an unsigned index with 0, or with a row
+        # beyond its range)
+        dt, top = r.value.dtype, r.rows - 1
+        v = f"(({self.d.type_name(dtypes.int64)})({self.expr(r.value)}))"
+        if dt.is_signed:
+            row = f"({v} < 0 ? 0 : {v} > {top} ? {top} : {v})"
+        elif top < int(np.iinfo(dt.np).max):
+            row = f"({v} > {top} ? {top} : {v})"
+        else:
+            row = v
+        return f"({base} + {row} * {r.size})[{self.index(index)}]"
 
     def ctype(self, dt: DType) -> str:
         """The type kernels compute values of ``dt`` in (float for the half types)."""

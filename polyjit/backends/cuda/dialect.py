@@ -17,6 +17,8 @@ tests' host builds) they are core/half.py's portable ones, which give the same b
 
 from __future__ import annotations
 
+import math
+
 from polyjit.core import dtypes, half, patterns
 from polyjit.core.codegen import Dialect, KernelSpec, Names
 from polyjit.core.dtypes import DType
@@ -106,6 +108,15 @@ class CudaDialect(Dialect):
             "#endif",
             "",
         ]
+
+    def float_literal(self, value: float, dt: DType) -> str:
+        # a zero as its bits: NVRTC warns of a division by a literal zero (IEEE: inf or NaN)
+        if value == 0.0 and dt in (dtypes.float32, dtypes.float64):
+            negative = math.copysign(1.0, value) < 0
+            if dt is dtypes.float32:
+                return f"__int_as_float({'0x80000000' if negative else '0'})"
+            return f"__longlong_as_double({'(long long)0x8000000000000000ULL' if negative else '0LL'})"
+        return super().float_literal(value, dt)
 
     def special_float(self, dt: DType, which: str) -> str:
         # the bits: NVRTC has no math.h macros without a toolkit's headers

@@ -75,6 +75,11 @@ class OpenCLDialect(Dialect):
         # driver turns them off on platforms of CPU devices only.
         self.group_reductions = group_reductions
 
+    def special_float(self, dt: DType, which: str) -> str:
+        # NAN and INFINITY are float constants in OpenCL C: pow(double, NAN) was ambiguous
+        spelled = super().special_float(dt, which)
+        return f"((double){spelled})" if dt is dtypes.float64 else spelled
+
     def type_name(self, dt: DType) -> str:
         return dt.opencl
 

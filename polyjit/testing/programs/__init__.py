@@ -49,7 +49,7 @@ __all__ = [
 def catalog() -> tuple[CatalogProgram, ...]:
     """Every program of the catalog (names are unique)."""
     progs = [
-        *elementwise.elementwise(), *elementwise.guarded_division(), *elementwise.integer_edges(), *elementwise.casts(), *shapes.broadcasting(), *shapes.transposes(),
+        *elementwise.elementwise(), *elementwise.guarded_division(), *elementwise.special_scalars(), *elementwise.integer_edges(), *elementwise.casts(), *shapes.broadcasting(), *shapes.transposes(),
         *reductions.reductions(), *reductions.matmuls(), *writes.accumulate_onto_context(), *writes.writes(),
         *writes.fusion(), *writes.own_target(), *writes.epilogues(), *writes.rows(), *writes.rows_past_independent(), *writes.folding(), *writes.batches(), *structure.fetches(), *structure.rows_by_data(), *shapes.reshapes(), *structure.structure(), *structure.large(),
         *half.half_programs(),

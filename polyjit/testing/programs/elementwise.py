@@ -164,6 +164,24 @@ def guarded_division() -> list[CatalogProgram]:
     return out
 
 
+def special_scalars() -> list[CatalogProgram]:
+    """Scalar operands IEEE gives meaning to (session 32): a float64 pow of NaN or an infinity
+    was ambiguous in OpenCL C (its NAN and INFINITY are floats), and NVRTC warned of a division
+    by a literal zero."""
+    out = []
+    for dt in (dtypes.float32, dtypes.float64):
+        for name, scalar in (("nan", float("nan")), ("inf", float("inf")), ("minus_inf", float("-inf"))):
+            x, y, z = Node("x", (16,), dt), Node("y", (16,), dt), Node("z", (16,), dt)
+            out.append(program(
+                f"elementwise.pow_special_scalar.{name}.{dt}", ir.apply(Op.POW, x, scalar, into=y),
+                ir.apply(Op.POW, scalar, x, into=z), inputs=[(x, values(dt, (16,), "few"))], outputs=[y, z]))
+        for name, zero in (("zero", 0.0), ("minus_zero", -0.0)):
+            x, y = Node("x", (16,), dt), Node("y", (16,), dt)
+            out.append(program(f"elementwise.divide_by_{name}.{dt}", ir.apply(Op.DIV, x, zero, into=y),
+                               inputs=[(x, values(dt, (16,)))], outputs=[y]))
+    return out
+
+
 def _edge_values(dt: DType, n: int) -> Gen:
     """Integers at their type's ends (the minimum, the maximum, -1, 0, 1) among random ones of
     the whole range, where C's arithmetic overflows or traps."""

@@ -84,6 +84,17 @@ def rows_by_data() -> list[CatalogProgram]:
             comps=[ir.Comp.of(ir.gather(table, idx, picked)), ir.Comp.of(ir.scatter_add(idx, picked, summed))],
             inputs=[(table, values(dt, table.shape, kind)), (idx, _hostile_indices(7, idx.shape))],
             outputs=[picked, summed]))
+    # uint8 indices (session 32: the clamps compared them with 0, and with rows beyond their range,
+    # and the compilers warned): a table they cannot pass the end of, and one they can
+    for rows in (7, 300):
+        table, idx = f32(f"u8table{rows}", (rows, 3)), Node("u8idx", (6, 5), dtypes.uint8)
+        picked, summed = f32("u8picked", (6, 5, 3)), f32(f"u8summed{rows}", (rows, 3))
+        out.append(program(
+            f"rows.gather_scatter_add.uint8_indices.{rows}_rows",
+            comps=[ir.Comp.of(ir.gather(table, idx, picked)), ir.Comp.of(ir.scatter_add(idx, picked, summed))],
+            inputs=[(table, values(dtypes.float32, table.shape, "quarter")),
+                    (idx, lambda rng: rng.integers(0, 256, (6, 5)).astype(np.uint8))],
+            outputs=[picked, summed]))
     # a gather read by a contraction (the embedding of a language model), and an int64 index
     # into a table of vectors, its result reshaped
     emb, tok = f32("emb", (27, 16)), Node("tok", (12, 8), dtypes.int64)
