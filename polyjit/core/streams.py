@@ -622,13 +622,17 @@ def _settle(stream: Stream, reads: Sequence[NodeEvents], writes: Sequence[NodeEv
     keeps (kept twice, at worst, until the same event)."""
     if stream.seq < seq:
         stream.seq, stream.newest = seq, handle
-    ev = Event(stream, handle, seq)
+    _mark(Event(stream, handle, seq), reads, writes)
+    stream._open.append((seq, keep))
+
+
+def _mark(ev: Event, reads: Sequence[NodeEvents], writes: Sequence[NodeEvents]) -> None:
+    """``ev`` becomes the reader of ``reads`` and the writer of ``writes`` (enqueue inlines it)."""
     for st in reads:
-        st.readers[stream] = ev
+        st.readers[ev.stream] = ev
     for st in writes:
         st.writer = ev
         st.readers = {}
-    stream._open.append((seq, keep))
 
 
 def _track_issued(stream: Stream, reads: Sequence[NodeEvents], writes: Sequence[NodeEvents], keep: Any) -> None:
@@ -647,9 +651,4 @@ def _track_issued(stream: Stream, reads: Sequence[NodeEvents], writes: Sequence[
     stream._open.append((seq, keep))
     if handle is None:
         return
-    ev = Event(stream, handle, seq)
-    for st in reads:
-        st.readers[stream] = ev
-    for st in writes:
-        st.writer = ev
-        st.readers = {}
+    _mark(Event(stream, handle, seq), reads, writes)
