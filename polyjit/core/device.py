@@ -526,9 +526,9 @@ class Device:
 def _whole(value: Any, what: str, device_id: str) -> int:
     """``value`` as a whole number of at least 0 (a size, an offset, an id), else
     InvalidArgumentError naming ``what``: the driver would take anything."""
-    if isinstance(value, bool | float) or not hasattr(value, "__index__"):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):  # as Backend.get_device's ordinal
         raise InvalidArgumentError(f"{what} on {device_id} is a whole number, got {value!r}")
-    number = int(value.__index__())
+    number = int(value)
     if number < 0:
         raise InvalidArgumentError(f"{what} on {device_id} is at least 0, got {number}")
     return number
