@@ -269,7 +269,7 @@ def _offset_layout(dev: Device, code: Any, nodes: _OffsetNodes, rng: np.random.G
                              f"past the first: {dict(ctx.buffers)}")
     if ctx.buffers[g].offset != ctx.buffers[w].offset + w.nbytes:
         raise AssertionError(f"the kit's layout batch must place {g.label} right behind {w.label} "
-                             f"({w.nbytes} bytes, the base alignment of {dev.device_id}): {dict(ctx.buffers)}")
+                             f"({w.nbytes} bytes, a multiple of the base alignment of {dev.device_id}): {dict(ctx.buffers)}")
     for node, want in values.items():
         assert_equal(f"{node.label} at offset {ctx.buffers[node].offset} after from_host", ctx.read(node), want)
     return ctx, values

@@ -89,11 +89,15 @@ def rows_by_data() -> list[CatalogProgram]:
     for rows in (7, 300):
         table, idx = f32(f"u8table{rows}", (rows, 3)), Node("u8idx", (6, 5), dtypes.uint8)
         picked, summed = f32("u8picked", (6, 5, 3)), f32(f"u8summed{rows}", (rows, 3))
+
+        def every_uint8(rng: np.random.Generator, shape: tuple[int, ...] = idx.shape) -> Array:
+            return rng.integers(0, 256, shape).astype(np.uint8)
+
         out.append(program(
             f"rows.gather_scatter_add.uint8_indices.{rows}_rows",
             comps=[ir.Comp.of(ir.gather(table, idx, picked)), ir.Comp.of(ir.scatter_add(idx, picked, summed))],
             inputs=[(table, values(dtypes.float32, table.shape, "quarter")),
-                    (idx, lambda rng: rng.integers(0, 256, (6, 5)).astype(np.uint8))],
+                    (idx, every_uint8)],
             outputs=[picked, summed]))
     # a gather read by a contraction (the embedding of a language model), and an int64 index
     # into a table of vectors, its result reshaped
