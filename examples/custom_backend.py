@@ -11,7 +11,7 @@ counter, and an event is a marker of work that is already complete, so
 ``wait``/``sync`` have nothing to do. ``polyjit.core.runtime.Backend`` raises
 the driver into the full backend: contexts, linking, per-node events, merge
 buffers, device_to_device, users' own C functions (``Backend.raw_kernel``, bound
-by ``raw_source`` through ``core.raw.c_trampoline``).
+to the C dialect's calling convention by ``Dialect.raw_binding``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from polyjit.core.codegen import Dialect, KernelSpec, Source
 from polyjit.core.compile_cache import CachingCompiler, Target
 from polyjit.core.errors import BackendUnavailableError, CompileError
 from polyjit.core.protocol import DeviceInfo, Driver
-from polyjit.core.raw import c_trampoline
 from polyjit.core.runtime import Backend
 
 FLAGS = ("-O2", "-fPIC", "-shared", "-std=gnu11")
@@ -157,12 +156,6 @@ class SyncDriver:
         """The C compiler, through polyjit's verified, content-addressed compile cache: a
         file, since ctypes loads a path."""
         return self.compiler.path(source.text)
-
-    def raw_source(self, text: str, spec: KernelSpec) -> tuple[str, str]:
-        """A user's own C function (``Backend.raw_kernel``): ``launch`` calls every kernel as
-        ``name(bufs, statics)``, so it is called through the C convention's trampoline, which
-        passes ``bufs[k]`` and ``statics[k]`` as the function's parameters."""
-        return c_trampoline(text, spec)
 
     def load(self, ordinal: int, binary: Path) -> ctypes.CDLL:
         return ctypes.CDLL(str(binary))

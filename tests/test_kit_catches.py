@@ -23,7 +23,7 @@ from polyjit.backends.cpu import CpuDriver
 from polyjit.core import raw
 from polyjit.core.codegen import KernelSpec, Source
 from polyjit.core.errors import UnsupportedError
-from polyjit.core.protocol import DeviceInfo
+from polyjit.core.protocol import DeviceInfo, DriverDefaults
 from polyjit.core.runtime import Backend
 from polyjit.testing import (
     CheckSkipped,
@@ -236,11 +236,25 @@ def test_raw_kernel_check_passes_on_the_cpu_driver() -> None:
     _run(CpuDriver, suite_mod.check_raw_kernels)
 
 
+class _DefaultRawSource(CpuDriver):
+    """A C-convention driver that takes DriverDefaults' raw_source, as a new driver would."""
+
+    raw_source = DriverDefaults.raw_source
+
+
+def test_a_c_driver_binds_raw_kernels_by_its_dialect_without_a_raw_source_of_its_own() -> None:
+    """Found by review: the default raw_source compiled a user's C function as it was, so a
+    C-convention driver that kept the default called it as name(bufs, statics, lo, hi) and
+    computed garbage. The binding is the dialect's (Dialect.raw_binding) now."""
+    _run(_DefaultRawSource, suite_mod.check_raw_kernels)
+
+
 def test_a_c_driver_that_does_not_bind_raw_kernels_fails() -> None:
     """Found by review: the sync example had no raw_source, so users' C functions were called
-    as name(bufs, statics) and computed garbage, and no check ran a raw kernel."""
+    as name(bufs, statics) and computed garbage, and no check ran a raw kernel. (The C dialect
+    binds them now; this driver undoes that.)"""
     with pytest.raises(AssertionError, match=r"raw_first#\d+ after the raw kernel pj_kit_raw_first.*"
-                                             r"raw_source = core.raw.c_trampoline"):
+                                             r"dialect's raw_binding.*core.raw.c_trampoline"):
         _run(_RawUnbound, suite_mod.check_raw_kernels)
 
 

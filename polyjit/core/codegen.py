@@ -98,6 +98,31 @@ class VectorMath:
 # A shape only one dialect writes (Dialect.shape_emitters): the lines inside the signature.
 ShapeEmitter = Callable[["Emitter", Kernel, KernelPlan, "Names"], list[str]]
 
+def c_trampoline(text: str, spec: KernelSpec, ranged: bool = False) -> tuple[str, str]:
+    """The C calling convention's binding of a user's kernel (:meth:`Dialect.raw_binding`:
+    ``void k(void* const* bufs, const int64_t* statics)``, plus ``int64_t lo, int64_t hi`` when
+    ``ranged``, the CPU's, which it ignores: a user's kernel runs whole): a function that passes buffer k as the
+    user's parameter k, then the statics, appended to the user's source. Pointers convert
+    from ``void*`` as C does, so the user's function may take any pointer types."""
+    entry = f"pj_raw_{spec.name}"
+    args = [f"pj_bufs[{k}]" for k in range(len(spec.buffers))]
+    args += [f"pj_statics[{k}]" for k in range(len(spec.statics))]
+    lines = [text.rstrip("\n"), "",
+             f"/* polyjit: the parameter binding of {spec.name} */",
+             # The call must find the user's function and match its parameters' kinds.
+             '#pragma GCC diagnostic error "-Wimplicit-function-declaration"',
+             '#pragma GCC diagnostic error "-Wint-conversion"',
+             f"void {entry}(void* const* pj_bufs, const long long* pj_statics"
+             f"{', long long pj_lo, long long pj_hi' if ranged else ''}) {{",
+             "  (void)pj_bufs;",
+             "  (void)pj_statics;",
+             *(["  (void)pj_lo;", "  (void)pj_hi;"] if ranged else []),
+             f"  {spec.name}({', '.join(args)});",
+             "}", ""]
+    return "\n".join(lines), entry
+
+
+
 # ---------------------------------------------------------------------------
 # Dialect: spellings, and what the target is
 
@@ -342,6 +367,14 @@ class Dialect:
         for k, s in enumerate(spec.statics):
             lines.append(f"  const int64_t {names.var(s)} = pj_statics[{k}];")
         return lines
+
+    def raw_binding(self, text: str, spec: KernelSpec) -> tuple[str, str]:
+        """A user's kernel ``spec.name`` in ``text`` (``Backend.raw_kernel``) bound to the
+        calling convention :meth:`kernel_open` spells: the source to compile and its entry
+        point. C's passes argument arrays, so a trampoline calls the user's function with
+        them unpacked; a dialect whose kernels take their parameters as declared (OpenCL,
+        CUDA) returns the text as it is. A dialect that overrides one overrides both."""
+        return c_trampoline(text, spec, ranged=self.ranged)
 
     def emit_kernel(self, em: Emitter, kernel: Kernel, spec: KernelSpec, names: Names) -> list[str]:
         """The whole kernel, as its plan says (core's emitters; a dialect does not override

@@ -129,11 +129,12 @@ class DriverDefaults:
     def close_stream(self, stream: Any) -> None:
         """End a stream whose work is done (its worker thread, its driver queue)."""
 
-    def raw_source(self, text: str, spec: KernelSpec) -> tuple[str, str]:
+    def raw_source(self: Driver, text: str, spec: KernelSpec) -> tuple[str, str]:
         """A user's kernel ``spec.name`` in ``text`` (``Backend.raw_kernel``): the source to
-        compile and the name of its entry point. Add only the parameter binding your calling
-        convention needs (the C one's: ``core.raw.c_trampoline``); by default, none."""
-        return text, spec.name
+        compile and the name of its entry point. By default the dialect's binding
+        (``Dialect.raw_binding``, the calling convention its kernels use); a driver that takes
+        no users' kernels raises ``UnsupportedError`` here."""
+        return self.dialect.raw_binding(text, spec)
 
     def allocated_bytes(self, ordinal: int) -> int | None:
         """Bytes the driver really holds in pools on this device (None: cannot tell). The

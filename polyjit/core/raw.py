@@ -7,8 +7,8 @@ each read, written or both (:func:`read`, :func:`write`, :func:`read_write`, or
 ``routine.bindings``), and its launch shape. The source is compiled through the backend's
 compile cache, and a linked routine takes part in the per-node events like a generated one.
 
-polyjit adds nothing to the source but the parameter binding, which is the driver's
-(:meth:`raw_source`): on cpu a trampoline that unpacks the runtime's argument array into
+polyjit adds nothing to the source but the parameter binding, which is the dialect's
+(``Dialect.raw_binding``; a driver's ``raw_source`` may refuse): on cpu a trampoline that unpacks the runtime's argument array into
 the user's function's parameters; on OpenCL sub-buffers of the pools, on CUDA base +
 offset pointers, bound when the routine is linked. The kernel name is the one user string
 that can reach generated text: it must be a C identifier.
@@ -25,7 +25,14 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from polyjit.core import patterns
-from polyjit.core.codegen import IDENTIFIER_MAX, KernelPlan, KernelSpec, LaunchShape, Source
+from polyjit.core.codegen import (
+    IDENTIFIER_MAX,
+    KernelPlan,
+    KernelSpec,
+    LaunchShape,
+    Source,
+    c_trampoline,
+)
 from polyjit.core.device import driver_call
 from polyjit.core.errors import BindingError, CompileError, InvalidArgumentError
 from polyjit.core.ir import Node, StaticSymbol
@@ -74,36 +81,13 @@ def read_write(node: Node) -> Param:
 
 def raw_source(driver: Any, text: str, spec: KernelSpec) -> tuple[str, str]:
     """The source to compile and its entry point for the user's kernel ``spec.name``: the
-    driver's binding (``Driver.raw_source``), else the source as it is."""
+    driver's (``Driver.raw_source``, which may refuse), else its dialect's binding
+    (``Dialect.raw_binding``: the calling convention its ``kernel_open`` spells)."""
     hook = getattr(driver, "raw_source", None)
     if hook is None:
-        return text, spec.name
+        return driver.dialect.raw_binding(text, spec)
     out, entry = hook(text, spec)
     return str(out), str(entry)
-
-
-def c_trampoline(text: str, spec: KernelSpec, ranged: bool = False) -> tuple[str, str]:
-    """The C calling convention's binding (``codegen.Dialect``: ``void k(void* const* bufs,
-    const int64_t* statics)``, plus ``int64_t lo, int64_t hi`` when ``ranged``, the CPU's,
-    which it ignores: a user's kernel runs whole): a function that passes buffer k as the
-    user's parameter k, then the statics, appended to the user's source. Pointers convert
-    from ``void*`` as C does, so the user's function may take any pointer types."""
-    entry = f"pj_raw_{spec.name}"
-    args = [f"pj_bufs[{k}]" for k in range(len(spec.buffers))]
-    args += [f"pj_statics[{k}]" for k in range(len(spec.statics))]
-    lines = [text.rstrip("\n"), "",
-             f"/* polyjit: the parameter binding of {spec.name} */",
-             # The call must find the user's function and match its parameters' kinds.
-             '#pragma GCC diagnostic error "-Wimplicit-function-declaration"',
-             '#pragma GCC diagnostic error "-Wint-conversion"',
-             f"void {entry}(void* const* pj_bufs, const long long* pj_statics"
-             f"{', long long pj_lo, long long pj_hi' if ranged else ''}) {{",
-             "  (void)pj_bufs;",
-             "  (void)pj_statics;",
-             *(["  (void)pj_lo;", "  (void)pj_hi;"] if ranged else []),
-             f"  {spec.name}({', '.join(args)});",
-             "}", ""]
-    return "\n".join(lines), entry
 
 
 def _params(params: Any) -> tuple[Param, ...]:

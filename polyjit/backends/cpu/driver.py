@@ -36,7 +36,7 @@ from polyjit.backends.cpu.native import (
 from polyjit.core.codegen import KernelSpec, Source
 from polyjit.core.errors import BackendUnavailableError, UnsupportedError
 from polyjit.core.protocol import DeviceInfo
-from polyjit.core.raw import RAW, c_trampoline
+from polyjit.core.raw import RAW
 from polyjit.core.runtime import Backend
 
 BASE_ALIGNMENT = 64  # a cache line; also enough for AVX-512 loads
@@ -210,10 +210,6 @@ class CpuDriver:
             with self._lock:
                 self._takes_scratch.add(binary)
         return binary
-
-    def raw_source(self, text: str, spec: KernelSpec) -> tuple[str, str]:
-        """A user's C function, called through a trampoline that unpacks the argument arrays."""
-        return c_trampoline(text, spec, ranged=True)
 
     def load(self, ordinal: int, binary: Path) -> ctypes.CDLL:
         module = ctypes.CDLL(str(binary))  # dlopen counts references: one per load

@@ -127,6 +127,10 @@ class CudaDialect(Dialect):
                 "-inf": "(long long)0xfff0000000000000ULL"}[which]
         return f"__longlong_as_double({bits})"
 
+    def raw_binding(self, text: str, spec: KernelSpec) -> tuple[str, str]:
+        """A user's kernel takes its parameters as it declares them: its text, as it is."""
+        return text, spec.name
+
     def kernel_open(self, spec: KernelSpec, names: Names) -> list[str]:
         params = []
         for node in spec.buffers:

@@ -113,6 +113,10 @@ class OpenCLDialect(Dialect):
         name = "fabs" if fn == "abs" else fn
         return f"{name}({', '.join(args)})"
 
+    def raw_binding(self, text: str, spec: KernelSpec) -> tuple[str, str]:
+        """A user's kernel takes its parameters as it declares them: its text, as it is."""
+        return text, spec.name
+
     def kernel_open(self, spec: KernelSpec, names: Names) -> list[str]:
         """Each buffer is a pool (``__global char*``) plus a byte offset; statics are ``long``."""
         attributes = ""

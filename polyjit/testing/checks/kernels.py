@@ -117,8 +117,9 @@ def check_raw_kernels(backend: Backend) -> None:
     """Users' own kernels (Backend.raw_kernel, in the dialect's spelling from RAW_KERNELS): a
     kernel that reads a node, writes a node and takes statics is linked and run, and matches
     numpy; a new binding is read at run(); nodes at non-zero offsets of a shared pool are bound
-    there, their neighbours untouched (catches a driver that does not bind a user's parameters:
-    a C-convention driver without raw_source = core.raw.c_trampoline)."""
+    there, their neighbours untouched (catches a driver or dialect that does not bind a user's
+    parameters as its kernels take them: a raw_source or Dialect.raw_binding that does not
+    match the dialect's kernel_open)."""
     require_devices(backend, 1)
     spelling = _spelling(backend)
     dev = backend.get_device(0)
@@ -126,10 +127,10 @@ def check_raw_kernels(backend: Backend) -> None:
     x, out = Node("raw_x", (_N,), dtypes.int32), f32("raw_out", (_N,))
     a, n = StaticSymbol("raw_a", 16), StaticSymbol("raw_n", _N + 1)
     xv = small_ints(rng, x.shape, -99, 99).astype(np.int32)
-    hint = ("its parameters do not reach it as its source declares them: a driver whose dialect uses the "
-            "C calling convention (void k(void* const* bufs, const int64_t* statics)) binds a user's "
-            "function with raw_source = core.raw.c_trampoline; see docs/writing-a-backend.md, "
-            "'Users' own kernels'")
+    hint = ("its parameters do not reach it as its source declares them: the dialect's raw_binding (or the "
+            "driver's raw_source) must bind a user's kernel to the calling convention the dialect's "
+            "kernel_open spells (the C one, void k(void* const* bufs, const int64_t* statics): "
+            "core.raw.c_trampoline); see docs/writing-a-backend.md, 'Users' own kernels'")
     root = dev.make_context()
     with finalizing(root) as held:
         ctx = root.init_from_host(x, xv)
