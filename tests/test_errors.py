@@ -107,3 +107,27 @@ def test_get_device_without_devices_says_why() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert "opencl has no devices here" in out.stdout, out.stdout + out.stderr
     assert "0..-1" not in out.stdout
+
+
+def test_whole_numbers_are_ints_or_numpy_integers_never_bools() -> None:
+    """One rule for every count, size, offset, ordinal and bound (core.dtypes.is_int). It was
+    spelled a dozen ways: users' launch sizes and the cpu backend's device count refused numpy
+    integers, and an MPI rank or tag took True for 1."""
+    from polyjit.backends.cpu import CpuDriver
+    from polyjit.core import dtypes, raw
+    from polyjit.core.errors import BackendUnavailableError, InvalidArgumentError
+
+    assert all(dtypes.is_int(v) for v in (0, 7, -1, np.int64(2), np.uint8(1), np.int32(-3)))
+    assert not any(dtypes.is_int(v) for v in (True, False, np.bool_(True), 2.0, np.float32(1), "2", None))
+    assert CpuDriver(num_devices=np.int64(1)).device_count() == 1
+    with pytest.raises(BackendUnavailableError):
+        CpuDriver(num_devices=True)
+    backend = Backend(CpuDriver())
+    y = Node("whole_y", (4,))
+    src = "void k(float* y) { for (int i = 0; i < 4; i++) y[i] = (float)i; }\n"
+    code = backend.raw_kernel(src, "k", [raw.write(y)], global_size=np.int64(1))
+    r = backend.get_device(0).make_context().link(code)
+    r.run()
+    np.testing.assert_array_equal(r.context.read(y), np.arange(4, dtype=np.float32))
+    with pytest.raises(InvalidArgumentError, match="global_size"):
+        backend.raw_kernel(src, "k", [raw.write(y)], global_size=True)

@@ -24,6 +24,7 @@ import attrs
 import numpy as np
 
 from polyjit.core import slab
+from polyjit.core.dtypes import is_int
 from polyjit.core.errors import (
     DeviceFaultError,
     DriverError,
@@ -526,7 +527,7 @@ class Device:
 def _whole(value: Any, what: str, device_id: str) -> int:
     """``value`` as a whole number of at least 0 (a size, an offset, an id), else
     InvalidArgumentError naming ``what``: the driver would take anything."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):  # as Backend.get_device's ordinal
+    if not is_int(value):
         raise InvalidArgumentError(f"{what} on {device_id} is a whole number, got {value!r}")
     number = int(value)
     if number < 0:

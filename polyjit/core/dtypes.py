@@ -12,7 +12,7 @@ interpreter (core/reference.py) computes the same way. :func:`to_half` and
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeGuard
 
 import attrs
 import ml_dtypes
@@ -100,6 +100,13 @@ ALL: tuple[DType, ...] = (float32, float64, int32, int64, uint8, bool_, float16,
 HALF: tuple[DType, ...] = (float16, bfloat16)
 _BY_NAME = {d.name: d for d in ALL}
 _BY_NP = {d.np: d for d in ALL}
+
+
+def is_int(value: object) -> TypeGuard[int | np.integer[Any]]:
+    """Whether ``value`` is a whole number as polyjit takes one (a count, a size, an offset, an
+    ordinal, a bound): an int or a numpy integer, never a bool (a flag is not a count, though
+    Python's bool is an int)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def as_dtype(value: Any) -> DType:

@@ -9,6 +9,7 @@ from typing import Union
 import attrs
 import numpy as np
 
+from polyjit.core.dtypes import is_int
 from polyjit.core.errors import InvalidArgumentError, InvalidProgramError, ValueRangeError
 
 
@@ -24,7 +25,7 @@ class Symbol:
 
 def _static_bound(bound: object) -> int:
     """A static's bound: an integer in [0, 2**63] (its values are int64 kernel arguments)."""
-    if isinstance(bound, bool) or not isinstance(bound, (int, np.integer)):
+    if not is_int(bound):
         raise InvalidArgumentError(f"a StaticSymbol's bound is an integer, not {type(bound).__name__} {bound!r}")
     if not 0 <= bound <= 2**63:
         raise ValueRangeError(f"a StaticSymbol's bound {bound} is outside [0, 2**63] (its values are int64)")

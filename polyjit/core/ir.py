@@ -58,7 +58,7 @@ def as_shape(value: int | Iterable[int]) -> tuple[int, ...]:
         shape = tuple(dims)
     except TypeError:
         raise ShapeMismatchError(f"a shape is an int or a sequence of ints, got {value!r}") from None
-    if not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) for d in shape):
+    if not all(dtypes.is_int(d) for d in shape):
         raise ShapeMismatchError(f"a shape's dimensions are ints, got {value!r}")
     shape = tuple(int(d) for d in shape)
     if any(d < 0 for d in shape):
@@ -166,7 +166,7 @@ class Projections:
     def __attrs_post_init__(self) -> None:
         for entry in self.product_space:
             ok = isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], Symbol) \
-                and isinstance(entry[1], (int, np.integer)) and not isinstance(entry[1], bool) and entry[1] >= 0
+                and dtypes.is_int(entry[1]) and entry[1] >= 0
             if not ok:
                 raise InvalidProgramError(f"a product space holds (Symbol, extent) pairs with extents "
                                           f"ints >= 0, got {entry!r}")
@@ -439,7 +439,7 @@ def check_literal(value: object, dtype: DType, what: str) -> None:
     (:func:`polyjit.core.reference.scalar_value`: floats truncate, integers wrap)."""
     if not isinstance(value, (bool, int, float, np.bool_, np.integer, np.floating)):
         raise DTypeMismatchError(f"{what}: a scalar operand is a real number, got {type(value).__name__} {value!r}")
-    if dtype.is_float and isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+    if dtype.is_float and dtypes.is_int(value):
         try:
             float(value)
         except OverflowError:

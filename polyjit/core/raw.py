@@ -34,6 +34,7 @@ from polyjit.core.codegen import (
     c_trampoline,
 )
 from polyjit.core.device import driver_call
+from polyjit.core.dtypes import is_int
 from polyjit.core.errors import BindingError, CompileError, InvalidArgumentError
 from polyjit.core.ir import Node, StaticSymbol
 from polyjit.core.log import log_source
@@ -116,10 +117,9 @@ def _size(value: Any, what: str, most: int) -> tuple[int, ...] | None:
     if value is None:
         return None
     dims = (value,) if not isinstance(value, Sequence) else tuple(value)
-    if not 1 <= len(dims) <= 3 or any(isinstance(d, bool) or not isinstance(d, int) or not 1 <= d <= most
-                                      for d in dims):
+    if not 1 <= len(dims) <= 3 or any(not is_int(d) or not 1 <= d <= most for d in dims):
         raise InvalidArgumentError(f"raw_kernel: {what} must be 1 to 3 integers in [1, {most}], not {value!r}")
-    return dims
+    return tuple(int(d) for d in dims)
 
 
 def _launch(global_size: Any, local_size: Any, needs_shape: bool, most: int) -> LaunchShape:

@@ -19,6 +19,7 @@ import numpy as np
 
 from polyjit.core.codegen import KernelSpec, Source
 from polyjit.core.device import driver_call
+from polyjit.core.dtypes import is_int
 from polyjit.core.errors import (
     BindingError,
     DTypeMismatchError,
@@ -77,7 +78,7 @@ def check_binding(where: str, sym: StaticSymbol, value: Any) -> int:
     """A static symbol's value: an integer (not a bool, a float or a string) in [0, bound)."""
     if not isinstance(sym, StaticSymbol):
         raise BindingError(f"{where}: bindings are keyed by ir.StaticSymbol, not {type(sym).__name__} {sym!r}")
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    if not is_int(value):
         raise BindingError(f"{where}: {sym!r} = {value!r} is a {type(value).__name__}, not an integer")
     if not 0 <= value < sym.bound:
         raise BindingError(f"{where}: {sym!r} = {value} is outside [0, {sym.bound})")
@@ -390,7 +391,7 @@ class Routine:
         the device between two events recorded with ``Stream.record(timing=True)`` (host
         time around a sync where the backend cannot time events). Kernels that update
         persistent state run ``repeats + 1`` extra times."""
-        if isinstance(repeats, bool) or not isinstance(repeats, (int, np.integer)) or repeats < 1:
+        if not is_int(repeats) or repeats < 1:
             raise InvalidArgumentError(f"time_kernels: repeats must be a positive integer, not {repeats!r}")
         ctx = self.context
         ctx.check_alive()

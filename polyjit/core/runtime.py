@@ -20,12 +20,11 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
 from polyjit.core import ir
 from polyjit.core.codegen import generate
 from polyjit.core.context import Context
 from polyjit.core.device import Device, LoadedModule, driver_call
+from polyjit.core.dtypes import is_int
 from polyjit.core.errors import (
     BindingError,
     InvalidArgumentError,
@@ -136,7 +135,7 @@ class Backend:
         if n == 0:
             reason = self.unavailable_reason or "the driver reports none"
             raise UnknownDeviceError(f"{self.name} has no devices here: {reason}")
-        if isinstance(ordinal, bool) or not isinstance(ordinal, (int, np.integer)) or not 0 <= ordinal < n:
+        if not is_int(ordinal) or not 0 <= ordinal < n:
             raise UnknownDeviceError(
                 f"{self.name} has {n} device(s) (ordinals 0..{n - 1}); there is no device {ordinal!r}"
             )

@@ -40,6 +40,7 @@ import numpy as np
 from mpi4py import MPI
 
 from polyjit.core.context import Context
+from polyjit.core.dtypes import is_int
 from polyjit.core.errors import (
     CollectiveMismatchError,
     CollectiveRefusedError,
@@ -550,7 +551,7 @@ class Comm:
     # -- checks -------------------------------------------------------------------------------
 
     def _rank_problem(self, rank: Any, what: str) -> Exception | None:
-        if not isinstance(rank, (int, np.integer)) or not 0 <= int(rank) < self.size:
+        if not is_int(rank) or not 0 <= rank < self.size:
             return InvalidArgumentError(f"rank {self.rank}: {what} {rank!r} is not a rank of this "
                                         f"communicator (0..{self.size - 1})")
         return None
@@ -559,7 +560,7 @@ class Comm:
         problem = self._rank_problem(peer, f"{what} peer")
         if problem is None and int(peer) == self.rank:
             problem = InvalidArgumentError(f"rank {self.rank}: {what} to itself")
-        if problem is None and (not isinstance(tag, (int, np.integer)) or not 0 <= int(tag) <= self._max_tag):
+        if problem is None and (not is_int(tag) or not 0 <= tag <= self._max_tag):
             problem = InvalidArgumentError(f"rank {self.rank}: {what} tag {tag!r} is outside 0..{self._max_tag}")
         if problem is not None:
             raise problem

@@ -23,8 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from polyjit.core.dtypes import is_int
 from polyjit.core.errors import InvalidArgumentError, PolyjitError
 
 ENV = "POLYJIT_MPIEXEC"
@@ -113,8 +112,7 @@ def bind_to_cores(cores_per_rank: int | None = None, comm: Any = None,
     first used: a cpu device is the set of cores the process may use when it starts
     (``POLYJIT_CPU_DEVICES`` then splits that set).
     """
-    if cores_per_rank is not None and (isinstance(cores_per_rank, (bool, np.bool_))
-                                       or not isinstance(cores_per_rank, (int, np.integer)) or cores_per_rank < 1):
+    if cores_per_rank is not None and (not is_int(cores_per_rank) or cores_per_rank < 1):
         raise InvalidArgumentError(f"bind_to_cores: cores_per_rank is a positive int, got {cores_per_rank!r}")
     allowed = sorted(_core_numbers(cores)) if cores is not None else sorted(os.sched_getaffinity(0))
     if not allowed:
@@ -138,6 +136,6 @@ def _core_numbers(cores: Any) -> list[int]:
     except TypeError:
         raise InvalidArgumentError(f"bind_to_cores: cores is a list of core numbers, got {cores!r}") from None
     for c in out:
-        if isinstance(c, (bool, np.bool_)) or not isinstance(c, (int, np.integer)):
+        if not is_int(c):
             raise InvalidArgumentError(f"bind_to_cores: cores holds {c!r}, not a core number")
     return [int(c) for c in out]

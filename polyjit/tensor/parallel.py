@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from polyjit.core import ir
-from polyjit.core.dtypes import DType, as_dtype
+from polyjit.core.dtypes import DType, as_dtype, is_int
 from polyjit.core.errors import (
     DTypeMismatchError,
     InvalidProgramError,
@@ -370,7 +370,7 @@ class DataParallel:
 
     def _replica(self, k: int) -> _Replica:
         n = len(self.replicas)
-        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not -n <= k < n:
+        if not is_int(k) or not -n <= k < n:
             raise UnknownDeviceError(f"replica {k!r}: this data_parallel has {n} replicas (0..{n - 1})")
         return self.replicas[k]
 

@@ -109,11 +109,6 @@ def as_int(value: object, what: str) -> int:
     raise ShapeMismatchError(f"{what} is an int, got {value!r} ({type(value).__name__})")
 
 
-def is_int(value: object) -> bool:
-    """Whether ``value`` is an int as :func:`as_int` takes it (a numpy integer too, not a bool)."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
 def _one_or_many(args: tuple[Any, ...]) -> tuple[Any, ...]:
     """numpy's ``x.reshape(2, 3)`` or ``x.reshape((2, 3))``: the ints, given apart or as one
     sequence. Anything else is kept as given, for the op to refuse by name."""

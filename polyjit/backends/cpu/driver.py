@@ -34,6 +34,7 @@ from polyjit.backends.cpu.native import (
     load_runtime,
 )
 from polyjit.core.codegen import KernelSpec, Source
+from polyjit.core.dtypes import is_int
 from polyjit.core.errors import BackendUnavailableError, UnsupportedError
 from polyjit.core.protocol import DeviceInfo
 from polyjit.core.raw import RAW
@@ -82,9 +83,10 @@ class CpuDriver:
                 num_devices = int(text)
             except ValueError:
                 raise BackendUnavailableError(f"POLYJIT_CPU_DEVICES must be a whole number, got {text!r}") from None
-        if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
+        if not is_int(num_devices) or num_devices < 1:
             raise BackendUnavailableError(f"the cpu backend needs at least 1 device (num_devices, or "
                                           f"POLYJIT_CPU_DEVICES), got {num_devices!r}")
+        num_devices = int(num_devices)
         _contention_mode()  # a bad POLYJIT_CPU_CONTENTION is refused here, as a bad device count
         self.dialect = CpuDialect()
         self.compiler = CCompiler()

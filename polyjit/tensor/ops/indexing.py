@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from polyjit.core import ir
+from polyjit.core.dtypes import is_int
 from polyjit.core.errors import (
     DTypeMismatchError,
     InvalidArgumentError,
@@ -20,7 +21,7 @@ from polyjit.core.errors import (
     UnsupportedError,
 )
 from polyjit.core.ir import AccumOp, Affine, Op, Symbol
-from polyjit.tensor.tensor import Tensor, alias, as_int, is_int
+from polyjit.tensor.tensor import Tensor, alias, as_int
 
 IndexMap = Callable[[Sequence[Symbol]], tuple[Affine, ...]]
 

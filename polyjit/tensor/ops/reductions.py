@@ -8,11 +8,12 @@ from collections.abc import Sequence
 import numpy as np
 
 from polyjit.core import ir
+from polyjit.core.dtypes import is_int
 from polyjit.core.errors import ShapeMismatchError
 from polyjit.core.ir import AccumOp, Affine, Op, Symbol
 from polyjit.tensor.ops.elementwise import equal, where
 from polyjit.tensor.ops.indexing import IndexMap, _syms, gather, scatter_add
-from polyjit.tensor.tensor import Tensor, alias, as_int, is_int
+from polyjit.tensor.tensor import Tensor, alias, as_int
 
 
 def _axes(axis: int | Sequence[int] | None, ndim: int) -> tuple[int, ...]:

@@ -9,11 +9,12 @@ from collections.abc import Sequence
 import numpy as np
 
 from polyjit.core import ir
+from polyjit.core.dtypes import is_int
 from polyjit.core.errors import DTypeMismatchError, InvalidProgramError, ShapeMismatchError
 from polyjit.core.ir import Op
 from polyjit.tensor.ops.indexing import _syms, getitem
 from polyjit.tensor.ops.reductions import _axes
-from polyjit.tensor.tensor import Tensor, alias, is_int
+from polyjit.tensor.tensor import Tensor, alias
 
 
 def reshape(x: Tensor, shape: int | Sequence[int]) -> Tensor:
