@@ -285,9 +285,9 @@ class Device:
         garbage collector cannot take it: once its work is known done, what it kept goes, its
         contexts' pools follow, and then the stream itself (its finalizer ends it in the driver)."""
         for s in list(self._streams):
-            handle = s.newest
-            if not s.closed and s.seq > s.done_seq and handle is not None:
-                Event(s, handle, s.seq).is_done()
+            newest = None if s.closed or s.seq <= s.done_seq else s.newest_event()
+            if newest is not None:
+                newest.is_done()
         self.tracker.forget_done()  # and the records of a buffer only read (a weight) let it go
 
     def _free_finished(self, poll: bool, wait: bool) -> None:

@@ -207,12 +207,17 @@ class Stream:
         records none: a marker recorded on an idle stream need not be done the moment it is made
         (a stream worker, a CUDA event), so a new one could keep an idle stream looking busy."""
         with self.device.lock:
-            seq, handle = self.seq, self.newest
+            seq, newest = self.seq, self.newest_event()
         if seq <= self.done_seq:
             return True
-        if handle is None:  # the newest work's event could not be recorded: record one now
+        if newest is None:  # the newest work's event could not be recorded: record one now
             return self.record().is_done()
-        return Event(self, handle, seq).is_done()
+        return newest.is_done()
+
+    def newest_event(self) -> Event | None:
+        """The event of the newest work enqueued (None where its record failed); a safe point
+        polls it (``Device.reap``), :meth:`is_idle` asks it. Read under the device lock."""
+        return None if self.newest is None else Event(self, self.newest, self.seq)
 
     def driver_done(self, handle: Any, *, block: bool) -> bool:
         """Ask the driver whether an event of this stream is done (``block``: wait for it). A
