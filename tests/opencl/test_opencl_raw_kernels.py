@@ -237,6 +237,21 @@ def test_compile_errors_and_missing_kernels(backend: Backend, tmp_path: Path) ->
     assert backend.driver.cache.compiles - before <= 1  # type: ignore[attr-defined]
 
 
+def test_a_wrong_kernel_name_first_does_not_spoil_the_right_one(backend: Backend) -> None:
+    """Found by review: the first compile of a text named a kernel it lacks; the batch kept
+    that name and checked it at every later build, so the right name failed too, for the
+    life of the process, with a message naming the wrong one."""
+    text = "__kernel void right(__global float* x) { x[get_global_id(0)] = 3; }\n/* typo first */"
+    x = f32("x", (4,))
+    with pytest.raises(CompileError, match="without kernels wrong"):
+        backend.raw_kernel(text, "wrong", [raw.write(x)], global_size=4)
+    r = backend.get_device(0).make_context().link(backend.raw_kernel(text, "right", [raw.write(x)], global_size=4))
+    r.run()
+    np.testing.assert_array_equal(r.context.read(x), np.full(4, 3, np.float32))
+    with pytest.raises(CompileError, match="without kernels wrong"):  # and the wrong one still fails
+        backend.raw_kernel(text, "wrong", [raw.write(x)], global_size=4)
+
+
 def test_nodes_read_must_be_in_the_context(backend: Backend) -> None:
     _out, x, _y, *_, code = _saxpy(backend, 32)
     ctx = backend.get_device(0).make_context().init_from_host(x, np.ones(32, np.float32))

@@ -41,7 +41,7 @@ class ClBinary:
 
     text: str
     fp64: bool
-    names: tuple[str, ...]
+    names: tuple[str, ...]  # the kernels of the compile that made it (a user's text may define more)
     options: str = ""  # besides the device group's (users' kernels: -cl-kernel-arg-info)
     programs: dict[int, Any] = attrs.field(factory=dict)
 
@@ -104,12 +104,15 @@ class OpenCLCompiler(CachingCompiler):
         CompileError here, not a failure at link)."""
         hit = binary.programs.get(group)
         if hit is None:
-            hit = self._built(binary, group, devs)
-        if names and not set(names) <= set(binary.names):
+            hit = self._built(binary, group, devs, names)
+        elif names:  # this compile's own kernels: the text's first compile may have named others
             _check_kernels(hit, binary, devs, names)
         return hit
 
-    def _built(self, binary: ClBinary, group: int, devs: Sequence[ClDevice]) -> Any:
+    def _built(self, binary: ClBinary, group: int, devs: Sequence[ClDevice], names: tuple[str, ...]) -> Any:
+        """Build (or load) the program and check it has the caller's kernels (default: the
+        batch's) before keeping it: a user's compile that named a kernel its text lacks must
+        not leave a check of that name behind for the next compile of the same text."""
         with self._build_lock:
             hit = binary.programs.get(group)
             if hit is not None:
@@ -119,7 +122,7 @@ class OpenCLCompiler(CachingCompiler):
             else:
                 what = f"{len(binary.names)} kernels for {devs[0].info.name}"
                 program = self.built_in_memory(what, lambda: build_source(binary.text, devs, binary.options))
-            _check_kernels(program, binary, devs)
+            _check_kernels(program, binary, devs, names)
             binary.programs[group] = program
             return program
 
