@@ -262,6 +262,9 @@ class Tensor:
     def __neg__(self) -> Tensor:
         return ops.neg(self)
 
+    def __abs__(self) -> Tensor:
+        return ops.abs(self)
+
     def __matmul__(self, other: Tensor) -> Tensor:
         return ops.matmul(self, other)
 
@@ -308,11 +311,17 @@ class Tensor:
     def max(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
         return ops.max(self, axis, keepdims)
 
+    def min(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
+        return ops.min(self, axis, keepdims)
+
     def exp(self) -> Tensor:
         return ops.exp(self)
 
     def log(self) -> Tensor:
         return ops.log(self)
+
+    def abs(self) -> Tensor:
+        return ops.abs(self)
 
     def sqrt(self) -> Tensor:
         return ops.sqrt(self)

@@ -166,6 +166,8 @@ def test_forward_values_match_numpy() -> None:
         (x.sum(0), xv.sum(0)),
         (x.mean(1, keepdims=True), xv.mean(1, keepdims=True)),
         (x.max(), xv.max()),
+        (x.min(1, keepdims=True), xv.min(1, keepdims=True)),  # the methods numpy and torch have
+        (abs(x) + x.abs(), 2 * np.abs(xv)),
         (x @ y, xv @ yv),
         (x.T @ x, xv.T @ xv),
         (x[1:3, ::-2], xv[1:3, ::-2]),
