@@ -189,19 +189,20 @@ def main(argv: list[str] | None = None) -> int:
     backend, two = Backend(driver), Backend(SyncDriver(devices=2))
     checks = [c for c in CHECKS if args.select in check_name(c)]
     print(f"conformance kit on the '{driver.name}' backend: {len(checks)} checks")
-    failed = 0
+    failed = skipped = 0
     for check in checks:
         t0 = time.perf_counter()
         try:
             run_check(check, backend, two)
             status = "pass"
         except CheckSkipped as e:
+            skipped += 1
             status = f"skip ({e})"
         except Exception as e:
             failed += 1
             status = f"FAIL {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         print(f"  {check_name(check):40s} {time.perf_counter() - t0:6.2f}s  {status}")
-    print(f"{len(checks) - failed} passed, {failed} failed")
+    print(f"{len(checks) - failed - skipped} passed, {skipped} skipped, {failed} failed")
     return 1 if failed else 0
 
 

@@ -250,3 +250,25 @@ def test_a_base_alignment_that_is_not_a_power_of_two_is_the_drivers_to_say() -> 
     ctx = ctx.init_from_host(b, np.ones(7, np.float32))
     assert ctx.read(a).tolist() == [0, 1, 2, 3, 4] and ctx.read(b).tolist() == [1] * 7
     be.close()
+
+
+def test_events_sync_by_design_md_name_and_by_cupy_and_pytorchs() -> None:
+    """DESIGN.md names the host wait of an Event ``sync()`` (OCANNL's); CuPy and PyTorch call it
+    ``synchronize()``. Both are the one wait, and so is ``Device.all_work()``'s."""
+    from polyjit.backends.cpu import CpuDriver
+    from polyjit.core.runtime import Backend
+
+    be = Backend(CpuDriver(1))
+    dev = be.get_device(0)
+    x, y = ir.Node("sync_x", (64,)), ir.Node("sync_y", (64,))
+    ctx = dev.make_context().init_from_host(x, np.arange(64, dtype=np.float32))
+    r = ctx.link(be.compile(ir.Comp.of(ir.apply(ir.Op.MUL, x, x, into=y)), name="sync_sq"))
+    r.run()
+    ev = r.context.stream.record()
+    ev.sync()
+    assert ev.is_done()
+    r.run()
+    dev.all_work().sync()
+    assert dev.is_idle()
+    np.testing.assert_array_equal(r.context.read(y), np.arange(64, dtype=np.float32) ** 2)
+    be.close()

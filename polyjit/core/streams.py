@@ -88,6 +88,8 @@ class Event:
         if self.seq <= s.fault_seq and s.fault_error is not None:
             raise s.fault_error
 
+    sync = synchronize  # DESIGN.md's name (OCANNL's); synchronize is CuPy's and PyTorch's
+
     def is_done(self) -> bool:
         """Whether the work before this event is over (a failure is over too: ``sync`` raises it)."""
         s = self.stream
@@ -136,6 +138,8 @@ class AllOf:
     def synchronize(self) -> None:
         for e in self.events:
             e.synchronize()
+
+    sync = synchronize
 
     def is_done(self) -> bool:
         return all(e.is_done() for e in self.events)
