@@ -135,7 +135,7 @@ def check_takes(cls: type, method: str, names: Sequence[str], spelled: str) -> N
     if any(p.kind is p.VAR_KEYWORD for p in params):
         return
     if not set(names) <= {p.name for p in params}:
-        raise TypeError(f"{cls.__name__}.{method} must take {', '.join(n + '=' for n in names)}: {spelled}")
+        raise InvalidArgumentError(f"{cls.__name__}.{method} must take {', '.join(n + '=' for n in names)}: {spelled}")
 
 
 def _through_replay(self: Replay, ins: Sequence[np.ndarray] = (), outs: Sequence[np.ndarray] = ()) -> Event:
@@ -156,8 +156,8 @@ class Replay:
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if getattr(cls, "_enqueue", None) is not None:  # the hook of before: it would do nothing now
-            raise TypeError(f"{cls.__name__} overrides Replay._enqueue, which replay() no longer calls: "
-                            "override _launches() (the driver calls that run the routines) instead")
+            raise InvalidArgumentError(f"{cls.__name__} overrides Replay._enqueue, which replay() no longer "
+                                       "calls: override _launches() (the driver calls that run the routines) instead")
         check_takes(cls, "replay", ("inputs", "outputs"), "replay(inputs=None, outputs=None)")
         if "replay" in cls.__dict__ and "_replay_prepared" not in cls.__dict__:
             cls._replay_prepared = _through_replay  # type: ignore[method-assign]

@@ -37,7 +37,7 @@ from polyjit.tensor.autograd import grad, topo_order
 from polyjit.tensor.devices import DeviceLike, resolve_device
 from polyjit.tensor.hostio import Feed, check_names, enqueue_to_host
 from polyjit.tensor.optim import Optimizer, checked_params
-from polyjit.tensor.program import Program
+from polyjit.tensor.program import Program, check_tensor, named_outputs
 from polyjit.tensor.state import StateContext, serialized
 from polyjit.tensor.tensor import Kind, Tensor, full
 
@@ -239,33 +239,6 @@ def reset_shared(owner: Any, reset_owner: Callable[[], None] | None = None) -> N
 def trainable_params(loss: Tensor) -> list[Tensor]:
     """The parameters a tensor depends on, in the order the graph reaches them."""
     return [t for t in topo_order([loss]) if t.kind is Kind.PARAM]
-
-
-def _named_outputs(outputs: Tensor | Sequence[Tensor] | Mapping[str, Tensor] | None) -> dict[str, Tensor]:
-    if outputs is None:
-        return {}
-    if isinstance(outputs, Tensor):
-        return {outputs.name: outputs}
-    if isinstance(outputs, Mapping):
-        named = dict(outputs)
-        for key, t in named.items():
-            _check_tensor(t, f"output {key!r}")
-        return named
-    if isinstance(outputs, (str, bytes)) or not isinstance(outputs, Sequence):
-        raise InvalidProgramError(f"outputs must be a Tensor, a list or a dict of Tensors, "
-                                  f"got {type(outputs).__name__}")
-    named = {}
-    for k, t in enumerate(outputs):
-        _check_tensor(t, f"output {k}")
-        if named.setdefault(t.name, t) is not t:
-            raise InvalidProgramError(f"two outputs are named {t.name!r}; pass a dict or use .named()")
-    return named
-
-
-def _check_tensor(t: object, what: str) -> None:
-    if not isinstance(t, Tensor):
-        raise InvalidProgramError(f"{what} must be a Tensor, got {type(t).__name__} "
-                                  "(wrap host arrays with pt.constant(...))")
 
 
 class Plan:
@@ -581,13 +554,13 @@ def compile(
     (static loss scaling for mixed precision: small half gradients then stay above
     float16's subnormals; an overflow to inf makes the step's update inf, so keep it modest).
     """
-    named = _named_outputs(outputs)
+    named = named_outputs(outputs)
     _check_share(share)
     if mode not in MODES:  # checked before an optimizer builds its updates (and locks its settings)
         raise InvalidProgramError(f"mode must be one of {MODES}, got {mode!r}")
     dev = share.device if device is None and share is not None else resolve_device(device)
     if loss is not None:
-        _check_tensor(loss, "loss")
+        check_tensor(loss, "loss")
         if loss.shape != ():
             raise ShapeMismatchError(f"the loss must be a scalar (0-d) tensor, got {loss!r}; "
                                      "reduce it first (.mean() or .sum())")

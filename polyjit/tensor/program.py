@@ -158,6 +158,35 @@ class Program:
         }
 
 
+def named_outputs(outputs: Tensor | Sequence[Tensor] | Mapping[str, Tensor] | None) -> dict[str, Tensor]:
+    """Outputs as ``pt.compile`` and ``reference.evaluate`` take them: a tensor, a sequence of
+    tensors (by their names) or a mapping of names to tensors."""
+    if outputs is None:
+        return {}
+    if isinstance(outputs, Tensor):
+        return {outputs.name: outputs}
+    if isinstance(outputs, Mapping):
+        named = dict(outputs)
+        for key, t in named.items():
+            check_tensor(t, f"output {key!r}")
+        return named
+    if isinstance(outputs, (str, bytes)) or not isinstance(outputs, Sequence):
+        raise InvalidProgramError(f"outputs must be a Tensor, a list or a dict of Tensors, "
+                                  f"got {type(outputs).__name__}")
+    named = {}
+    for k, t in enumerate(outputs):
+        check_tensor(t, f"output {k}")
+        if named.setdefault(t.name, t) is not t:
+            raise InvalidProgramError(f"two outputs are named {t.name!r}; pass a dict or use .named()")
+    return named
+
+
+def check_tensor(t: object, what: str) -> None:
+    if not isinstance(t, Tensor):
+        raise InvalidProgramError(f"{what} must be a Tensor, got {type(t).__name__} "
+                                  "(wrap host arrays with pt.constant(...))")
+
+
 def fed_input(t: Tensor) -> Tensor | None:
     """The input whose values ``t`` holds, all of them and no others (maybe reordered, repeated or
     cast to another integer dtype): the input itself, an alias, a reshape, a transpose, a

@@ -14,7 +14,7 @@ import numpy as np
 from polyjit.core.dtypes import to_half
 from polyjit.core.errors import BindingError
 from polyjit.core.reference import run_reference
-from polyjit.tensor.program import Program, Write
+from polyjit.tensor.program import Program, Write, named_outputs
 from polyjit.tensor.tensor import Tensor
 
 Array = np.ndarray[Any, Any]
@@ -29,7 +29,7 @@ def _host_value(value: Any, t: Tensor) -> Array:
 
 
 def evaluate(
-    outputs: Mapping[str, Tensor],
+    outputs: Tensor | Sequence[Tensor] | Mapping[str, Tensor],
     inputs: Mapping[str, Any] | None = None,
     *,
     state: Mapping[str, Any] | None = None,
@@ -37,12 +37,13 @@ def evaluate(
     computed_first: Sequence[Tensor] = (),
 ) -> tuple[dict[str, Array], dict[str, Array]]:
     """Run the graph once; returns (outputs by name, persistent state after the writes by name).
+    ``outputs`` as ``pt.compile`` takes them: a tensor, a list of tensors or a dict by name.
 
     ``inputs`` feed the input tensors by name; ``state`` overrides the initial
     value of parameters and state by name; ``writes`` and ``computed_first`` as a
     :class:`Program` takes them (a plan's: ``plan.program.writes``, ``plan.program.computed_first``).
     """
-    program = Program(outputs, writes, name="reference", computed_first=computed_first)
+    program = Program(named_outputs(outputs), writes, name="reference", computed_first=computed_first)
     inputs = dict(inputs or {})
     overrides = dict(state or {})
     env: dict[Any, Array] = {}

@@ -524,3 +524,19 @@ def test_einsum_grad_and_param_misuse_are_typed_errors() -> None:
         with pytest.raises(DTypeMismatchError, match=r"initial value of 'q' \(float32, shape \(2,\)\) is not numbers"):
             pt.param("q", (2,), init=init)  # type: ignore[arg-type]
     assert pt.param("p", (2,), rng=np.int64(3)).shape == (2,)  # a numpy seed is a seed
+
+
+def test_the_reference_takes_outputs_as_compile_does() -> None:
+    """Found by the docs review: ``reference.evaluate([t])`` raised a bare ValueError ("dictionary
+    update sequence ...") where ``pt.compile([t])`` takes the list."""
+    from polyjit.core.errors import InvalidProgramError
+    from polyjit.tensor.reference import evaluate
+
+    x = pt.input("x", (3,))
+    y = (x * 2.0).named("y")
+    xv = np.arange(3, dtype=np.float32)
+    for outputs in (y, [y], {"y": y}):
+        np.testing.assert_array_equal(evaluate(outputs, {"x": xv})[0]["y"], xv * 2)
+    for bad in ("y", 3, [y, "z"], {"y": xv}):
+        with pytest.raises(InvalidProgramError, match="output"):
+            evaluate(bad, {"x": xv})  # type: ignore[arg-type]
