@@ -19,6 +19,7 @@ with ``python -m mpi4py script.py`` makes a non-zero exit abort the job (docs/di
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 import traceback
@@ -47,6 +48,11 @@ def tagged_traceback(rank: int, exc_type: type[BaseException], exc: BaseExceptio
     return "".join(prefix + line for line in text.splitlines(keepends=True))
 
 
+def _where() -> str:
+    """The machine and process of this rank: on several machines, where to look."""
+    return f"host {socket.gethostname()}, pid {os.getpid()}"
+
+
 def _hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
     from mpi4py import MPI
 
@@ -63,8 +69,8 @@ def _hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType |
         return
     try:
         sys.stderr.write(tagged_traceback(rank, exc_type, exc, tb)
-                         + f"[rank {rank}] polyjit.distributed: an uncaught exception on rank {rank} of {size}: "
-                         f"aborting the job (MPI_Abort; {ENV}=0 turns this off)\n")
+                         + f"[rank {rank}] polyjit.distributed: an uncaught exception on rank {rank} of {size} "
+                         f"({_where()}): aborting the job (MPI_Abort; {ENV}=0 turns this off)\n")
         sys.stderr.flush()
         sys.stdout.flush()
         time.sleep(FORWARD_PAUSE_S)

@@ -11,6 +11,7 @@ import contextlib
 import importlib.util
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -197,6 +198,7 @@ def test_an_exception_on_one_rank_aborts_the_job_with_its_traceback(mpiexec: str
     assert "[rank 1] Traceback (most recent call last):" in job.err, job.text()
     assert "[rank 1] RuntimeError: boom on purpose" in job.err, job.text()
     assert "aborting the job" in job.err, job.text()
+    assert f"on rank 1 of 2 (host {socket.gethostname()}, pid " in job.err, job.text()  # where to look
     assert not any(job.lines(r, "NOT ABORTED") for r in range(2)), job.text()
 
 
