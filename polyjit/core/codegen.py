@@ -98,12 +98,14 @@ class VectorMath:
 # A shape only one dialect writes (Dialect.shape_emitters): the lines inside the signature.
 ShapeEmitter = Callable[["Emitter", Kernel, KernelPlan, "Names"], list[str]]
 
+
 def c_trampoline(text: str, spec: KernelSpec, ranged: bool = False) -> tuple[str, str]:
     """The C calling convention's binding of a user's kernel (:meth:`Dialect.raw_binding`:
-    ``void k(void* const* bufs, const int64_t* statics)``, plus ``int64_t lo, int64_t hi`` when
-    ``ranged``, the CPU's, which it ignores: a user's kernel runs whole): a function that passes buffer k as the
-    user's parameter k, then the statics, appended to the user's source. Pointers convert
-    from ``void*`` as C does, so the user's function may take any pointer types."""
+    ``void k(void* const* bufs, const int64_t* statics)``, plus ``int64_t lo, int64_t hi``
+    when ``ranged``, the CPU's, which it ignores: a user's kernel runs whole): a function
+    that passes buffer k as the user's parameter k, then the statics, appended to the
+    user's source. Pointers convert from ``void*`` as C does, so the user's function may
+    take any pointer types."""
     entry = f"pj_raw_{spec.name}"
     args = [f"pj_bufs[{k}]" for k in range(len(spec.buffers))]
     args += [f"pj_statics[{k}]" for k in range(len(spec.statics))]
@@ -120,7 +122,6 @@ def c_trampoline(text: str, spec: KernelSpec, ranged: bool = False) -> tuple[str
              f"  {spec.name}({', '.join(args)});",
              "}", ""]
     return "\n".join(lines), entry
-
 
 
 # ---------------------------------------------------------------------------

@@ -8,10 +8,11 @@ each read, written or both (:func:`read`, :func:`write`, :func:`read_write`, or
 compile cache, and a linked routine takes part in the per-node events like a generated one.
 
 polyjit adds nothing to the source but the parameter binding, which is the dialect's
-(``Dialect.raw_binding``; a driver's ``raw_source`` may refuse): on cpu a trampoline that unpacks the runtime's argument array into
-the user's function's parameters; on OpenCL sub-buffers of the pools, on CUDA base +
-offset pointers, bound when the routine is linked. The kernel name is the one user string
-that can reach generated text: it must be a C identifier.
+(``Dialect.raw_binding``; a driver's ``raw_source`` may refuse): on cpu a trampoline that
+unpacks the runtime's argument array into the user's function's parameters; on OpenCL
+sub-buffers of the pools, on CUDA base + offset pointers, bound when the routine is linked.
+The kernel name is the one user string that can reach generated text: it must be a C
+identifier.
 """
 
 from __future__ import annotations
