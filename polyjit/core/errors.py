@@ -102,9 +102,10 @@ class InvalidArgumentError(PolyjitError, TypeError):
 
 
 class IndexOutOfRangeError(PolyjitError, IndexError):
-    """An index fed from the host is outside the axis it indexes: a class label of
+    """An index is outside the axis it indexes: one fed from the host (a class label of
     ``cross_entropy``, an index of ``one_hot`` or ``embedding`` that is negative or at least the
-    number of classes (the vocabulary size). Checked on the host before the copy to the device."""
+    number of classes, the vocabulary size; checked on the host before the copy to the device),
+    or an integer of ``x[k]`` when the expression is built."""
 
 
 class AliasedMemoryError(PolyjitError, ValueError):

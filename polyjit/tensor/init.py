@@ -9,7 +9,7 @@ from typing import Any, Union
 
 import numpy as np
 
-from polyjit.core.dtypes import DType, to_half
+from polyjit.core.dtypes import DType, bfloat16, to_half
 from polyjit.core.errors import (
     DTypeMismatchError,
     InvalidArgumentError,
@@ -97,7 +97,7 @@ def initial_value(
     else:
         value = init
     arr = np.asarray(value)
-    if arr.dtype.kind not in "biuf":  # a string, None, a complex: astype would fail or drop parts
+    if arr.dtype.kind not in "biuf" and arr.dtype != bfloat16.np:  # a string, None, a complex
         raise DTypeMismatchError(
             f"initial value of {name!r} ({dtype}, shape {shape}) is not numbers: got {arr.dtype} ({value!r:.60})"
         )

@@ -21,11 +21,12 @@ from polyjit.core.errors import DTypeMismatchError, ShapeMismatchError
 from polyjit.core.ir import Op
 from polyjit.tensor import ops
 from polyjit.tensor.init import Init
-from polyjit.tensor.tensor import DTypeLike, IndexBound, Tensor, arange, param
+from polyjit.tensor.tensor import DTypeLike, IndexBound, Tensor, arange, param, tensor_arg
 
 
 def softmax(x: Tensor, axis: int = -1) -> Tensor:
     """exp(x - max) / sum(exp(x - max)): the max (with no gradient) keeps exp from overflowing."""
+    x = tensor_arg(x, "softmax")
     z = x - ops.detach(ops.max(x, axis, keepdims=True))
     e = ops.exp(z)
     return e / ops.sum(e, axis, keepdims=True)
@@ -33,6 +34,7 @@ def softmax(x: Tensor, axis: int = -1) -> Tensor:
 
 def log_softmax(x: Tensor, axis: int = -1) -> Tensor:
     """x - max - log(sum(exp(x - max))), numerically stable for large logits."""
+    x = tensor_arg(x, "log_softmax")
     z = x - ops.detach(ops.max(x, axis, keepdims=True))
     return z - ops.log(ops.sum(ops.exp(z), axis, keepdims=True))
 
@@ -49,6 +51,7 @@ def one_hot(indices: Tensor, depth: int, dtype: DTypeLike = dtypes.float32) -> T
 
 def _one_hot(indices: Tensor, depth: int, dtype: DTypeLike, what: str) -> Tensor:
     """one_hot, its indices bounded by ``depth`` (``what`` names the use in error messages)."""
+    indices = tensor_arg(indices, what)
     if indices.dtype.is_float or indices.dtype.is_bool:
         raise DTypeMismatchError(f"one_hot needs integer indices, got {indices.dtype}")
     # One comparison per cell, reading indices[...] and range[c]: both inline into the cast's kernel.
@@ -62,6 +65,7 @@ def _one_hot(indices: Tensor, depth: int, dtype: DTypeLike, what: str) -> Tensor
 def embedding(indices: Tensor, table: Tensor) -> Tensor:
     """Rows of ``table`` (vocab x dim) picked by integer ``indices`` (``take``: a gather; the
     gradient adds each row of the incoming gradient into the row it came from)."""
+    table, indices = tensor_arg(table, "embedding's table"), tensor_arg(indices, "embedding's indices")
     if table.ndim != 2:
         raise ShapeMismatchError(f"an embedding table is 2-D (vocab, dim), got {table.shape}")
     vocab = table.shape[0]
@@ -72,6 +76,7 @@ def embedding(indices: Tensor, table: Tensor) -> Tensor:
 
 def cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
     """Mean over the batch of -log softmax(logits)[label], with integer labels of shape logits.shape[:-1]."""
+    logits, labels = tensor_arg(logits, "cross_entropy's logits"), tensor_arg(labels, "cross_entropy's labels")
     if labels.shape != logits.shape[:-1]:
         raise ShapeMismatchError(f"labels of shape {labels.shape} for logits of shape {logits.shape}")
     z = logits - ops.detach(ops.max(logits, -1, keepdims=True))
@@ -98,6 +103,7 @@ def cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
 
 def accuracy_count(logits: Tensor, labels: Tensor) -> Tensor:
     """How many rows have their label's logit at the row max (a float count; ties count as hits)."""
+    logits, labels = tensor_arg(logits, "accuracy_count's logits"), tensor_arg(labels, "accuracy_count's labels")
     best = ops.max(logits, -1, keepdims=True)
     at_max = ops.cast(ops.equal(logits, best), logits.dtype)
     n = logits.shape[-1]

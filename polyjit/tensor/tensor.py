@@ -24,6 +24,7 @@ import numpy as np
 from polyjit.core import dtypes, ir
 from polyjit.core.dtypes import DType, as_dtype
 from polyjit.core.errors import (
+    DTypeMismatchError,
     InvalidArgumentError,
     ShapeMismatchError,
     SymbolicTensorError,
@@ -62,9 +63,10 @@ def alias(x: Tensor) -> Tensor:
     return Tensor(x.node, (), (x,), _pass_gradient if x.dtype.is_float else None, name=x.name)
 
 
-# numpy ufuncs that numpy calls for ``numpy_scalar <op> tensor``: the tensor's own op handles them.
+# numpy ufuncs that numpy calls for ``numpy_scalar <op> tensor``: the tensor's own op handles them
+# (numpy 2 names true_divide "divide").
 _UFUNC_OPS = {
-    "add": "add", "subtract": "sub", "multiply": "mul", "true_divide": "div", "power": "pow",
+    "add": "add", "subtract": "sub", "multiply": "mul", "true_divide": "div", "divide": "div", "power": "pow",
     "matmul": "matmul", "negative": "neg", "less": "less", "less_equal": "less_equal",
     "greater": "greater", "greater_equal": "greater_equal",
 }
@@ -107,6 +109,15 @@ def as_int(value: object, what: str) -> int:
         except TypeError:
             pass
     raise ShapeMismatchError(f"{what} is an int, got {value!r} ({type(value).__name__})")
+
+
+def tensor_arg(value: object, what: str) -> Tensor:
+    """``value``, where an op takes a tensor; anything else (a numpy array: wrap it) is a
+    DTypeMismatchError naming the op's argument, as an array operand of ``+`` or ``@`` is."""
+    if isinstance(value, Tensor):
+        return value
+    hint = " (wrap arrays with pt.constant(...))" if isinstance(value, (np.ndarray, np.generic, list)) else ""
+    raise DTypeMismatchError(f"{what} takes a Tensor, got {type(value).__name__}{hint}")
 
 
 def _one_or_many(args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -210,7 +221,7 @@ class Tensor:
 
     def __len__(self) -> int:
         if not self.shape:
-            raise TypeError("len() of a 0-d tensor")
+            raise InvalidArgumentError(f"len() of a 0-d tensor, {self!r}")  # a TypeError, as numpy's
         return self.shape[0]
 
     def __iter__(self) -> Iterator[Tensor]:

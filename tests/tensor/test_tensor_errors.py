@@ -540,3 +540,36 @@ def test_the_reference_takes_outputs_as_compile_does() -> None:
     for bad in ("y", 3, [y, "z"], {"y": xv}):
         with pytest.raises(InvalidProgramError, match="output"):
             evaluate(bad, {"x": xv})  # type: ignore[arg-type]
+
+
+def test_found_by_the_tensor_fuzz_review() -> None:
+    """A differential fuzz against PyTorch (session 33) found no wrong value or gradient, but
+    valid programs that raised and misuse that raised builtins instead of polyjit errors."""
+    import ml_dtypes
+
+    x = pt.input("x", (3,), "float64")
+    xv = np.array([1.0, 2.0, 4.0])
+    # numpy 2 calls true_divide "divide": np.float32(1) / std raised SymbolicTensorError
+    outs = {"a": np.float64(2) / x, "b": np.float32(2) / x, "c": np.array(2.0) / x, "d": np.int64(2) / x}
+    for got in pt.compile(outs).run(x=xv).values():
+        np.testing.assert_array_equal(got, 2 / xv)
+    # a bfloat16 array (numpy kind "V") is an initial value, as a state_dict gives it back
+    v = np.array([1.5, -2.0, 3.25], dtype=ml_dtypes.bfloat16)
+    w = pt.param("bf16_w", (3,), init=v, dtype="bfloat16")
+    np.testing.assert_array_equal(pt.compile({"w": w}).run()["w"], v)
+    # an array where an op takes a tensor is a polyjit error that says to wrap it
+    t, arr = pt.input("t", (2, 2)), np.ones((2, 2), np.float32)
+    for call in (lambda: pt.concat([t, arr], 0), lambda: pt.sum(arr), lambda: pt.softmax(arr),  # type: ignore
+                 lambda: pt.reshape(arr, (4,)), lambda: pt.transpose(arr), lambda: pt.einsum("ij->ji", arr),  # type: ignore
+                 lambda: pt.cross_entropy(t, np.zeros(2, np.int32)), lambda: pt.cast(arr, "float64")):  # type: ignore
+        with pytest.raises(DTypeMismatchError, match=r"takes a Tensor, got ndarray \(wrap arrays with pt.constant"):
+            call()
+    with pytest.raises(InvalidArgumentError, match="concat takes a list or tuple of Tensors, got Tensor"):
+        pt.concat(t, 0)  # type: ignore[arg-type]
+    # x[5] is an IndexError, as numpy's and torch's; len() of a 0-d tensor a TypeError
+    with pytest.raises(IndexError, match="index 5 is out of bounds for axis 0"):
+        t[5]
+    with pytest.raises(TypeError, match="len\\(\\) of a 0-d tensor"):
+        len(pt.input("s0", ()))
+    with pytest.raises(errors.PolyjitError):
+        len(pt.input("s1", ()))

@@ -344,3 +344,23 @@ def test_pow_gradients_at_edge_values_match_torch() -> None:
     for key, want in got.items():
         np.testing.assert_allclose(run[key], want, rtol=1e-12, err_msg=key)
     plan.close()
+
+
+def test_maximum_and_minimum_split_the_gradient_at_ties_as_torch_and_jax() -> None:
+    """Found by the tensor fuzz review: a tie sent the whole gradient to ``a``; PyTorch and JAX
+    give each operand half. ``abs`` at 0 keeps gradient 1 (JAX's; PyTorch's is 0)."""
+    av, bv = np.array([0.0, 1.0, 3.0, -2.0]), np.array([0.0, 1.0, 5.0, -7.0])
+    a = pt.param("tie_a", av.shape, init=av, dtype="float64")
+    b = pt.param("tie_b", bv.shape, init=bv, dtype="float64")
+    outs: dict[str, pt.Tensor] = {}
+    for name, fn in (("max", pt.maximum), ("min", pt.minimum)):
+        ga, gb = pt.grad(pt.sum(fn(a, b)), [a, b])
+        outs[f"{name}_a"], outs[f"{name}_b"] = ga, gb
+    outs["abs"] = pt.grad(pt.sum(abs(a)), [a])[0]
+    want = {"max_a": [0.5, 0.5, 0, 1], "max_b": [0.5, 0.5, 1, 0], "min_a": [0.5, 0.5, 1, 0],
+            "min_b": [0.5, 0.5, 0, 1], "abs": [1, 1, 1, -1]}
+    got, _ = evaluate(outs)
+    run = pt.compile(outs).run()
+    for key, w in want.items():
+        np.testing.assert_array_equal(got[key], w, err_msg=key)
+        np.testing.assert_array_equal(run[key], w, err_msg=key)

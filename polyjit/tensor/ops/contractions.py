@@ -6,7 +6,6 @@ from collections.abc import Sequence
 
 from polyjit.core import ir
 from polyjit.core.errors import (
-    DTypeMismatchError,
     InvalidArgumentError,
     InvalidProgramError,
     ShapeMismatchError,
@@ -15,7 +14,7 @@ from polyjit.core.errors import (
 from polyjit.core.ir import Affine, Symbol
 from polyjit.tensor.ops.indexing import gather, scatter_add, transpose
 from polyjit.tensor.ops.shape import reshape
-from polyjit.tensor.tensor import Tensor
+from polyjit.tensor.tensor import Tensor, tensor_arg
 
 
 def _parse_einsum(spec: str, count: int) -> tuple[list[str], str]:
@@ -42,6 +41,7 @@ def _parse_einsum(spec: str, count: int) -> tuple[list[str], str]:
 def einsum(spec: str, *operands: Tensor, name: str = "einsum") -> Tensor:
     """``einsum("ik,kj->ij", a, b)``: multiply, sum over the letters the output drops (one or two operands)."""
     ins, out = _parse_einsum(spec, len(operands))
+    operands = tuple(tensor_arg(t, f"einsum {spec!r}") for t in operands)
     extents: dict[str, int] = {}
     for letters, t in zip(ins, operands):
         if len(letters) != t.ndim:
@@ -98,9 +98,7 @@ _BATCH_LETTERS = "pqrstuvw"
 def matmul(a: Tensor, b: Tensor) -> Tensor:
     """``a @ b`` as numpy does for 1-D and 2-D operands and batched stacks (batch shapes equal,
     or one operand without batch axes)."""
-    if not (isinstance(a, Tensor) and isinstance(b, Tensor)):
-        other = b if isinstance(a, Tensor) else a
-        raise DTypeMismatchError(f"matmul takes Tensors, got {type(other).__name__} (wrap arrays with pt.constant(...))")
+    a, b = tensor_arg(a, "matmul"), tensor_arg(b, "matmul")
     if a.ndim == 0 or b.ndim == 0:
         raise ShapeMismatchError("matmul of a 0-d tensor; use *")
     a2 = reshape(a, (1, a.shape[0])) if a.ndim == 1 else a

@@ -13,7 +13,7 @@ from polyjit.core.dtypes import as_dtype
 from polyjit.core.errors import DTypeMismatchError, InvalidProgramError
 from polyjit.core.ir import Op
 from polyjit.tensor.ops.indexing import sum_to
-from polyjit.tensor.tensor import DTypeLike, Scalar, Tensor, alias, check_scalar, full
+from polyjit.tensor.tensor import DTypeLike, Scalar, Tensor, alias, check_scalar, full, tensor_arg
 
 Operand = Tensor | Scalar
 
@@ -127,6 +127,14 @@ def _mask_grads(m: Tensor, g: Tensor) -> list[Tensor]:
     return [where(m, g, 0.0), where(m, 0.0, g)]
 
 
+def _tie_grads(picks_a: Tensor, x: Sequence[Operand], g: Tensor) -> list[Tensor]:
+    """``maximum`` and ``minimum``: the gradient goes to the operand the value came from, in
+    halves where the two are equal (PyTorch's and JAX's rule; either alone is a subgradient)."""
+    half = g * 0.5
+    tie = equal(x[0], x[1])
+    return [where(picks_a, where(tie, half, g), 0.0), where(picks_a, where(tie, half, 0.0), g)]
+
+
 _RULES: dict[Op, _Rule] = {
     Op.ID: lambda g, out, x: [g],
     Op.NEG: lambda g, out, x: [-g],
@@ -145,8 +153,8 @@ _RULES: dict[Op, _Rule] = {
     Op.RELU: lambda g, out, x: [where(greater(out, 0.0), g, 0.0)],
     Op.ABS: lambda g, out, x: [where(greater_equal(x[0], 0.0), g, -g)],
     Op.POW: lambda g, out, x: _pow_grads(g, out, x[0], x[1]),
-    Op.MAX: lambda g, out, x: _mask_grads(_ge(x[0], x[1]), g),
-    Op.MIN: lambda g, out, x: _mask_grads(_le(x[0], x[1]), g),
+    Op.MAX: lambda g, out, x: _tie_grads(_ge(x[0], x[1]), x, g),
+    Op.MIN: lambda g, out, x: _tie_grads(_le(x[0], x[1]), x, g),
     Op.WHERE: lambda g, out, x: [None, *_mask_grads(x[0], g)],  # type: ignore[arg-type]
     Op.CAST: lambda g, out, x: [cast(g, x[0].dtype) if x[0].dtype.is_float else None],  # type: ignore[union-attr]
 }
@@ -250,6 +258,7 @@ def not_equal(a: Operand, b: Operand) -> Tensor:
 
 
 def cast(x: Tensor, dtype: DTypeLike) -> Tensor:
+    x = tensor_arg(x, "cast")
     dt = as_dtype(dtype)
     if dt == x.dtype:
         return alias(x)
@@ -258,4 +267,5 @@ def cast(x: Tensor, dtype: DTypeLike) -> Tensor:
 
 def detach(x: Tensor) -> Tensor:
     """The same values, through which no gradient flows (an alias: no new node)."""
+    x = tensor_arg(x, "detach")
     return Tensor(x.node, (), (x,), None, requires_grad=False, name=x.name)

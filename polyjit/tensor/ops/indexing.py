@@ -15,13 +15,14 @@ from polyjit.core import ir
 from polyjit.core.dtypes import is_int
 from polyjit.core.errors import (
     DTypeMismatchError,
+    IndexOutOfRangeError,
     InvalidArgumentError,
     InvalidProgramError,
     ShapeMismatchError,
     UnsupportedError,
 )
 from polyjit.core.ir import AccumOp, Affine, Op, Symbol
-from polyjit.tensor.tensor import Tensor, alias, as_int
+from polyjit.tensor.tensor import Tensor, alias, as_int, tensor_arg
 
 IndexMap = Callable[[Sequence[Symbol]], tuple[Affine, ...]]
 
@@ -60,6 +61,7 @@ def take(table: Tensor, indices: Tensor, name: str = "take") -> Tensor:
     """``out[i..., j...] = table[indices[i...], j...]``: rows picked by data (``ir.Gather``). An
     index outside the rows reads the nearest one; a plan refuses such inputs on the host when
     the indices come from one (``IndexBound``)."""
+    table, indices = tensor_arg(table, f"{name}'s table"), tensor_arg(indices, f"{name}'s indices")
     if indices.dtype.is_float or indices.dtype.is_bool:
         raise DTypeMismatchError(f"take needs integer indices, got {indices.dtype}")
     node = ir.Node(name, indices.shape + table.shape[1:], table.dtype)
@@ -111,6 +113,7 @@ def indexed(op: Op, shape: tuple[int, ...], operands: Sequence[tuple[Tensor, Ind
 
 
 def broadcast_to(x: Tensor, shape: int | Sequence[int]) -> Tensor:
+    x = tensor_arg(x, "broadcast_to")
     try:  # as every shape is checked: ints, never truncated (3.7 is not 3)
         dst = ir.as_shape(shape)
     except ShapeMismatchError as e:
@@ -130,6 +133,7 @@ def sum_to(x: Tensor, shape: tuple[int, ...]) -> Tensor:
 
 def transpose(x: Tensor, axes: Sequence[int] | None = None) -> Tensor:
     """Permute the axes (reverse them by default), like numpy.transpose."""
+    x = tensor_arg(x, "transpose")
     if axes is not None:  # numpy integers are axes too (operator.index)
         axes = tuple(as_int(a, f"an axis of transpose of {x!r}") for a in axes)
         if not all(-x.ndim <= a < x.ndim for a in axes):
@@ -200,7 +204,7 @@ def getitem(x: Tensor, index: Any) -> Tensor:
         if isinstance(it, int):
             k = it + n if it < 0 else it
             if not 0 <= k < n:
-                raise ShapeMismatchError(f"index {it} is out of bounds for axis {axis} of size {n}")
+                raise IndexOutOfRangeError(f"index {it} is out of bounds for axis {axis} of {x!r}, of size {n}")
             spec.append((-1, k, 0))
         else:
             if it.step == 0:

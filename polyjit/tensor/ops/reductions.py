@@ -13,7 +13,7 @@ from polyjit.core.errors import ShapeMismatchError
 from polyjit.core.ir import AccumOp, Affine, Op, Symbol
 from polyjit.tensor.ops.elementwise import equal, where
 from polyjit.tensor.ops.indexing import IndexMap, _syms, gather, scatter_add
-from polyjit.tensor.tensor import Tensor, alias, as_int
+from polyjit.tensor.tensor import Tensor, alias, as_int, tensor_arg
 
 
 def _axes(axis: int | Sequence[int] | None, ndim: int) -> tuple[int, ...]:
@@ -51,6 +51,7 @@ def _reduced_shape(shape: tuple[int, ...], axes: tuple[int, ...], keepdims: bool
 
 
 def sum(x: Tensor, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
+    x = tensor_arg(x, "sum")
     axes = _axes(axis, x.ndim)
     if not axes:
         return alias(x)
@@ -58,6 +59,7 @@ def sum(x: Tensor, axis: int | Sequence[int] | None = None, keepdims: bool = Fal
 
 
 def mean(x: Tensor, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
+    x = tensor_arg(x, "mean")
     axes = _axes(axis, x.ndim)
     n = math.prod(x.shape[a] for a in axes)
     return sum(x, axes, keepdims) * (1.0 / n if n else math.nan)  # of nothing: NaN, as numpy's
@@ -86,8 +88,10 @@ def _reduce_extreme(x: Tensor, axis: int | Sequence[int] | None, keepdims: bool,
 
 
 def max(x: Tensor, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
+    x = tensor_arg(x, "max")
     return _reduce_extreme(x, axis, keepdims, AccumOp.MAX)
 
 
 def min(x: Tensor, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
+    x = tensor_arg(x, "min")
     return _reduce_extreme(x, axis, keepdims, AccumOp.MIN)

@@ -10,15 +10,21 @@ import numpy as np
 
 from polyjit.core import ir
 from polyjit.core.dtypes import is_int
-from polyjit.core.errors import DTypeMismatchError, InvalidProgramError, ShapeMismatchError
+from polyjit.core.errors import (
+    DTypeMismatchError,
+    InvalidArgumentError,
+    InvalidProgramError,
+    ShapeMismatchError,
+)
 from polyjit.core.ir import Op
 from polyjit.tensor.ops.indexing import _syms, getitem
 from polyjit.tensor.ops.reductions import _axes
-from polyjit.tensor.tensor import Tensor, alias
+from polyjit.tensor.tensor import Tensor, alias, tensor_arg
 
 
 def reshape(x: Tensor, shape: int | Sequence[int]) -> Tensor:
     """Row-major reshape (one dimension may be -1)."""
+    x = tensor_arg(x, "reshape")
     items = (shape,) if is_int(shape) else shape
     if not isinstance(items, (tuple, list, range, np.ndarray)):
         raise ShapeMismatchError(f"reshape of {x!r}: a shape is an int or a sequence of ints, got {shape!r}")
@@ -50,8 +56,11 @@ def reshape(x: Tensor, shape: int | Sequence[int]) -> Tensor:
 
 def concat(tensors: Sequence[Tensor], axis: int = 0) -> Tensor:
     """Join tensors along an axis: each one is written into its slice of one node."""
+    if isinstance(tensors, Tensor) or not isinstance(tensors, (list, tuple)):
+        raise InvalidArgumentError(f"concat takes a list or tuple of Tensors, got {type(tensors).__name__}")
     if not tensors:
         raise InvalidProgramError("concat of no tensors")
+    tensors = [tensor_arg(t, f"concat's item {k}") for k, t in enumerate(tensors)]
     first = tensors[0]
     ax = _axes(axis, first.ndim)[0]
     for t in tensors:
