@@ -19,6 +19,7 @@ import numpy as np
 from polyjit.core import dtypes
 from polyjit.core.dtypes import DType
 from polyjit.core.errors import DTypeMismatchError, InvalidArgumentError, ShapeMismatchError
+from polyjit.core.log import logger
 
 __all__ = ["CPU", "CUDA", "CUDA_HOST", "Imported", "make_capsule", "take_capsule"]
 
@@ -100,11 +101,14 @@ _SAVED_REFS = tuple(ctypes.byref(x) for x in _SAVED)
 
 @_CAPSULE_DESTRUCTOR
 def _capsule_destructor(capsule: int) -> None:
-    """A capsule freed unconsumed (still named ``dltensor``): its tensor is released here.
+    """The fallback destructor, where no C compiler builds :data:`_DESTRUCTOR_SOURCE`: a
+    capsule freed unconsumed (still named ``dltensor``) has its tensor released here.
 
     A consumer that refused the capsule (numpy has no bfloat16) drops it with its error
     set, and ctypes calls fail while one is: the error is set aside while the tensor is
-    released, then put back (a callback cannot hand it on: ctypes reports it as unraisable)."""
+    released, then put back. The consumer's error is lost all the same: a Python function
+    that returns with an error set is a SystemError to CPython, which ctypes reports as
+    unraisable, so the user sees a SystemError in place of the consumer's error."""
     _err_fetch(_SAVED_REFS[0], _SAVED_REFS[1], _SAVED_REFS[2])  # nothing may be made before this
     saved = tuple(x.value for x in _SAVED)
     try:
@@ -114,6 +118,91 @@ def _capsule_destructor(capsule: int) -> None:
     finally:
         if saved[0]:
             _err_restore(*saved)
+
+
+# The destructor in C, which can hand a consumer's pending error back (see the fallback
+# above). The CPython functions it calls are handed over as pointers at load, with the
+# release callback: the library has no undefined symbols, so it needs no Python headers, no
+# flag that leaves symbols to the interpreter (macOS's -undefined dynamic_lookup), and loads
+# whether this interpreter's libpython is shared or static.
+_DESTRUCTOR_SOURCE = r"""
+/* polyjit.core.dlpack: the destructor of the DLPack capsules polyjit makes. */
+typedef struct _object PyObject;
+typedef void (*pj_fetch_fn)(PyObject **, PyObject **, PyObject **);
+typedef void (*pj_restore_fn)(PyObject *, PyObject *, PyObject *);
+typedef int (*pj_is_valid_fn)(PyObject *, const char *);
+typedef void *(*pj_pointer_fn)(PyObject *, const char *);
+typedef void (*pj_release_fn)(void *);
+
+static pj_fetch_fn pj_fetch;
+static pj_restore_fn pj_restore;
+static pj_is_valid_fn pj_is_valid;
+static pj_pointer_fn pj_pointer;
+static pj_release_fn pj_release;
+
+void pj_dlpack_init(pj_fetch_fn fetch, pj_restore_fn restore, pj_is_valid_fn is_valid, pj_pointer_fn pointer,
+                    pj_release_fn release) {
+    pj_fetch = fetch;
+    pj_restore = restore;
+    pj_is_valid = is_valid;
+    pj_pointer = pointer;
+    pj_release = release;
+}
+
+/* A capsule still named "dltensor" (or "dltensor_versioned") was never consumed: release its
+   tensor. A consumer that refused it may have its error set: set aside while the release
+   (Python code) runs, and put back for the consumer to raise. */
+void pj_dlpack_destructor(PyObject *capsule) {
+    PyObject *type, *value, *traceback;
+    pj_fetch(&type, &value, &traceback);
+    if (pj_is_valid(capsule, "dltensor"))
+        pj_release(pj_pointer(capsule, "dltensor"));
+    else if (pj_is_valid(capsule, "dltensor_versioned"))
+        pj_release(pj_pointer(capsule, "dltensor_versioned"));
+    pj_restore(type, value, traceback);
+}
+"""
+_DESTRUCTOR_FLAGS = ("-O2", "-fPIC", "-shared")
+_destructor_lock = threading.Lock()
+_destructor: int | None = None  # the address capsules are made with, once chosen
+_destructor_lib: ctypes.CDLL | None = None  # the loaded library, kept for the process's life
+
+
+def _load_destructor() -> int:
+    """The C destructor, built (once per machine: the cpu backend's verified compile cache)
+    and loaded on the first export of the process; where it cannot be, the Python one."""
+    global _destructor, _destructor_lib
+    chosen = _destructor
+    if chosen is not None:
+        return chosen
+    with _destructor_lock:
+        if _destructor is None:
+            fallback = ctypes.cast(_capsule_destructor, ctypes.c_void_p).value
+            assert fallback is not None
+            try:
+                # core reaches into the cpu backend for the system C compiler: CCompiler is the
+                # one place that finds $CC, keys the build by the compiler's identity and verifies
+                # the cached file before it is loaded; nothing is imported until the first export.
+                from polyjit.backends.cpu.compiler import CCompiler
+
+                path = CCompiler(_DESTRUCTOR_FLAGS, extra_libs=()).path(_DESTRUCTOR_SOURCE)
+                lib = ctypes.CDLL(str(path))
+                init = lib.pj_dlpack_init
+                init.restype, init.argtypes = None, (ctypes.c_void_p,) * 5
+                init(*(ctypes.cast(getattr(_api, name), ctypes.c_void_p)
+                       for name in ("PyErr_Fetch", "PyErr_Restore", "PyCapsule_IsValid", "PyCapsule_GetPointer")),
+                     ctypes.cast(_deleter, ctypes.c_void_p))
+                address = ctypes.cast(lib.pj_dlpack_destructor, ctypes.c_void_p).value
+                assert address is not None
+                # the library calls _deleter's thunk: a reference never dropped keeps it for the
+                # process's life, even while the module's globals are cleared at exit
+                _api.Py_IncRef(ctypes.py_object(_deleter))
+                _destructor_lib, _destructor = lib, address
+            except Exception as e:  # no compiler (the cpu backend unavailable), or it failed
+                logger.debug("DLPack capsules get the Python destructor (a consumer that refuses one "
+                             "raises SystemError in place of its own error): the C one was not built: %s", e)
+                _destructor = fallback
+        return _destructor
 
 
 def _code(dt: DType) -> tuple[int, int]:
@@ -130,6 +219,7 @@ def make_capsule(address: int, shape: Sequence[int], dt: DType, device: tuple[in
     """A capsule of a C-contiguous tensor at ``address``; ``owner`` lives until the consumer
     calls the deleter (or the capsule is dropped unconsumed)."""
     code, bits = _code(dt)
+    destructor = _load_destructor()
     dims = (ctypes.c_int64 * max(1, len(shape)))(*shape)
     tensor = DLTensor(ctypes.c_void_p(address or None), DLDevice(*device), len(shape), DLDataType(code, bits, 1),
                       dims, None, 0)
@@ -144,7 +234,7 @@ def make_capsule(address: int, shape: Sequence[int], dt: DType, device: tuple[in
     with _live_lock:
         _live[key] = (managed, dims, owner)
     name = b"dltensor_versioned" if versioned else b"dltensor"
-    return _api.PyCapsule_New(key, name, ctypes.cast(_capsule_destructor, ctypes.c_void_p))
+    return _api.PyCapsule_New(key, name, destructor)
 
 
 class Imported:
