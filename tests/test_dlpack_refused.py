@@ -149,3 +149,32 @@ def test_without_a_c_compiler_capsules_still_release(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "released" in proc.stdout and "refused:" in proc.stdout
     assert proc.stderr.count("DLPack capsules get the Python destructor") == 1, proc.stderr[-3000:]
+
+
+_OWNER_HOLDS_A_CAPSULE = """
+import numpy as np
+from polyjit.core import dlpack, dtypes
+v = np.arange(3, dtype=np.float32)
+class Owner:
+    def __init__(self, inner):
+        self.inner = inner
+inner = dlpack.make_capsule(v.ctypes.data, v.shape, dtypes.float32, (dlpack.CPU, 0), v, False)
+outer = dlpack.make_capsule(v.ctypes.data, v.shape, dtypes.float32, (dlpack.CPU, 0), Owner(inner), False)
+del inner
+del outer  # frees the Owner, and with it the inner capsule: its release comes back to the deleter
+assert not dlpack._live, dlpack._live
+print("released")
+"""
+
+
+def test_a_release_that_frees_another_capsule_does_not_deadlock() -> None:
+    """The deleter frees a capsule's entry after letting go of its lock (a subprocess: a
+    deadlock would hang it, not the test run)."""
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    try:
+        proc = subprocess.run([sys.executable, "-c", _OWNER_HOLDS_A_CAPSULE], env=env, capture_output=True,
+                              text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("releasing a capsule whose owner holds another capsule deadlocked")
+    assert proc.returncode == 0 and "released" in proc.stdout, proc.stderr[-3000:]

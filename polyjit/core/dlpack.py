@@ -77,8 +77,11 @@ _live_lock = threading.Lock()
 
 @_DELETER
 def _deleter(address: int | None) -> None:
+    # The entry is freed after the lock is let go: freeing its owner may run finalizers
+    # (and the garbage collector), which may drop another capsule and come back here.
     with _live_lock:
-        _live.pop(int(address or 0), None)
+        entry = _live.pop(int(address or 0), None)
+    del entry
 
 
 _CAPSULE_DESTRUCTOR = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
@@ -231,8 +234,9 @@ def make_capsule(address: int, shape: Sequence[int], dt: DType, device: tuple[in
     else:
         managed = DLManagedTensor(tensor, None, _deleter)
     key = ctypes.addressof(managed)
+    entry = (managed, dims, owner)  # made outside the lock: making it may run the garbage collector
     with _live_lock:
-        _live[key] = (managed, dims, owner)
+        _live[key] = entry
     name = b"dltensor_versioned" if versioned else b"dltensor"
     return _api.PyCapsule_New(key, name, destructor)
 
