@@ -9,9 +9,11 @@ import gc
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -178,3 +180,40 @@ def test_a_release_that_frees_another_capsule_does_not_deadlock() -> None:
     except subprocess.TimeoutExpired:
         pytest.fail("releasing a capsule whose owner holds another capsule deadlocked")
     assert proc.returncode == 0 and "released" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_while_another_thread_held_the_locks_still_exports() -> None:
+    """os.fork() copies only the calling thread: a child forked while another thread exported
+    (holding the capsules' lock) or built the destructor waited for ever on its first export."""
+    f = Node("fork_f", (3,))
+    np.from_dlpack(_context_with(f).export(f))  # the destructor is built before the fork
+    held = (dlpack._live_lock, dlpack._destructor_lock)
+    for lock in held:
+        lock.acquire()  # as another thread would, at the moment of the fork
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child (its own devices: the parent's refuse work there): export once
+            code = 1
+            try:
+                code = 0 if np.from_dlpack(_context_with(f).export(f)).tolist() == [0, 1, 2] else 2
+            finally:
+                os._exit(code)
+    finally:
+        for lock in held:
+            lock.release()
+    deadline = time.monotonic() + 30
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung on a lock its parent's thread held")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def _context_with(node: Node) -> Any:
+    return get_backend("cpu").get_device(0).make_context().init_from_host(node, np.arange(3, dtype=np.float32))

@@ -10,6 +10,7 @@ is called when the :class:`Imported` holding it is released.
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -206,6 +207,17 @@ def _load_destructor() -> int:
                              "raises SystemError in place of its own error): the C one was not built: %s", e)
                 _destructor = fallback
         return _destructor
+
+
+def _new_locks_in_child() -> None:
+    """os.fork() copies only the calling thread: a lock another thread held at the fork (an
+    export, the destructor's one-time build) would stay held in the child for ever."""
+    global _live_lock, _destructor_lock
+    _live_lock, _destructor_lock = threading.Lock(), threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_locks_in_child)
 
 
 def _code(dt: DType) -> tuple[int, int]:
