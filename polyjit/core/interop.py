@@ -37,10 +37,12 @@ if TYPE_CHECKING:
     from polyjit.core.context import Context
     from polyjit.core.streams import Event
 
-__all__ = ["Exported", "export", "host_view", "init_from_dlpack"]
+__all__ = ["Exported", "dlpack_device", "export", "host_view", "init_from_dlpack"]
 
 
-def _dlpack_device(ctx: Context) -> tuple[int, int]:
+def dlpack_device(ctx: Context) -> tuple[int, int]:
+    """Where ``ctx``'s buffers are, as DLPack says it; UnsupportedError where another library
+    cannot address them (OpenCL)."""
     fn = getattr(ctx.device.driver, "dlpack_device", None)
     where = fn(ctx.device.ordinal) if fn is not None else None
     if where is None:
@@ -63,7 +65,7 @@ class Exported:
         self.node, self.context = node, ctx
         self.read_only = node in ctx.read_only if read_only is None else read_only
         self.shape, self.dtype = node.shape, node.dtype
-        self.device_type, self.device_id = _dlpack_device(ctx)
+        self.device_type, self.device_id = dlpack_device(ctx)
         device = ctx.device
         with device.lock:
             if device.released:  # a safe point: dropped exports' unpins (a loop that only exports grew them)

@@ -30,7 +30,7 @@ from polyjit.core.errors import (
     NodeNotInContextError,
     ShapeMismatchError,
 )
-from polyjit.core.interop import Exported
+from polyjit.core.interop import Exported, dlpack_device
 from polyjit.core.ir import MemoryMode, Node
 from polyjit.core.runtime import Backend, Context, Device, Event, Replay, Routine
 from polyjit.tensor.autograd import grad, topo_order
@@ -349,6 +349,17 @@ class Plan:
         return [f.host_array(inputs[f.name], None if slot is None else slot.inputs[k])
                 for k, f in enumerate(self._feeds)]
 
+    def _prepare_own(self, inputs: Mapping[str, Any]) -> list[Array]:
+        """Host arrays of one run that no later call reuses and the caller cannot change: for a
+        run nothing waits for (run_on_device), whose input copies may run after it returns."""
+        check_names(inputs, self._input_names, "plan inputs")
+        arrays = []
+        for f in self._feeds:
+            given = inputs[f.name]
+            arr = f.host_array(given, np.empty_like(f.staging))
+            arrays.append(arr.copy() if arr is given else arr)
+        return arrays
+
     def _run(self, arrays: Sequence[Array], results: Sequence[Array] | None) -> Event:
         self._routines()
         assert self._linked is not None
@@ -379,7 +390,8 @@ class Plan:
         (DLPack; ``np.from_dlpack``, ``torch.from_dlpack``), which show the values of this run
         until the next run writes them."""
         self._check_open("run_on_device()")
-        self._run(self._prepare(inputs, None), None)
+        dlpack_device(self._state.context)  # refused before anything runs (OpenCL has no export)
+        self._run(self._prepare_own(inputs), None)
         ctx = self.context
         return {name: ctx.export(node) for name, node, _ in self._outputs}
 

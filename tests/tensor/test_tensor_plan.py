@@ -19,6 +19,8 @@ from polyjit.core.errors import (
     InvalidProgramError,
     NodeNotInContextError,
     ShapeMismatchError,
+    UnsupportedError,
+    ValueRangeError,
 )
 from polyjit.core.ir import MemoryMode
 from polyjit.demo.datasets import two_spirals
@@ -657,3 +659,39 @@ def test_a_tensor_listed_twice_among_the_outputs_comes_back_in_both(mode: str) -
     np.testing.assert_array_equal(res["a"], res["b"])
     for p in (plan, twice):
         p.close()
+
+
+def test_run_on_device_reads_its_inputs_as_they_were_when_it_was_called() -> None:
+    """Found by the concurrency review: run_on_device returns before its input copies run,
+    and a converted input went through the plan's one staging array, which the next call (a
+    step, or a call refused for a bad label) overwrote first: the queued run trained on the
+    next call's batch (20 of 20)."""
+    a, b, c = _batches(3, seed=4)
+    plans = []
+    for _ in range(2):
+        *_, loss = _classifier(hidden=256)
+        plans.append(pt.compile(loss=loss, optimizer=pt.Adam(0.01)))
+    plan, ref = plans
+    mine = {"x": a["x"].astype(np.float64), "y": a["y"].copy()}  # float64: converted on the host
+    plan.run_on_device(**mine)
+    mine["y"][:] = 1 - mine["y"]  # the caller's own array, changed after the call
+    with pytest.raises(ValueRangeError):
+        plan.run(x=c["x"].astype(np.float64), y=np.full(B, 0.5))  # refused after x was converted
+    loss = plan.step(x=b["x"].astype(np.float64), y=b["y"])
+    ref.run(**a)
+    assert loss == ref.step(**b)
+    for k, v in ref.state_dict().items():
+        np.testing.assert_array_equal(plan.state_dict()[k], v, err_msg=k)
+
+
+def test_run_on_device_on_a_backend_without_exports_refuses_before_anything_runs() -> None:
+    """Found by the concurrency review: on OpenCL the export failed after the run, so a
+    training plan was updated by a call that raised."""
+    *_, loss = _classifier()
+    plan = pt.compile(loss=loss, optimizer=pt.SGD(0.1), device="opencl")
+    before = plan.state_dict()
+    with pytest.raises(UnsupportedError, match="no DLPack device"):
+        plan.run_on_device(**_batches(1)[0])
+    assert plan.runs == 0
+    for k, v in plan.state_dict().items():
+        np.testing.assert_array_equal(v, before[k], err_msg=k)
