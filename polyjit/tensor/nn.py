@@ -90,6 +90,8 @@ def cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
     at_dtype = dtypes.int32 if rows * n < 2**31 else dtypes.int64
     at = ops.cast(labels.reshape(rows), at_dtype) + arange(rows, at_dtype) * n
     picked = ops.take(z.reshape(rows * n, 1), at, name="label_logit")
+    # the forward pass reads the labels too: a plan without an optimizer checks them as well
+    picked.index_bounds = (IndexBound(labels, n, f"cross_entropy labels over {n} classes"),)
     loss = ops.elementwise(Op.MUL, ops.sum(lse.reshape(rows, 1) - picked), scale, name="cross_entropy")
 
     def backward(g: Tensor, needs: Sequence[bool]) -> list[Tensor | None]:

@@ -15,6 +15,7 @@ from settle import settled_memory
 from polyjit import tensor as pt
 from polyjit.core.errors import (
     BindingError,
+    IndexOutOfRangeError,
     InvalidArgumentError,
     InvalidProgramError,
     NodeNotInContextError,
@@ -695,3 +696,18 @@ def test_run_on_device_on_a_backend_without_exports_refuses_before_anything_runs
     assert plan.runs == 0
     for k, v in plan.state_dict().items():
         np.testing.assert_array_equal(v, before[k], err_msg=k)
+
+
+@pytest.mark.parametrize("mode", ["compiled", "dynamic"])
+def test_a_plan_without_an_optimizer_checks_its_labels(mode: str) -> None:
+    """Found by the concurrency review: the label check rode on the one-hot only the backward
+    pass reads, so an evaluation plan (the README's share=) returned a loss for labels -1 or 99."""
+    *_, loss = _classifier()
+    plan = pt.compile({"loss": loss}, mode=mode)
+    batch = _batches(1)[0]
+    for bad in (-1, 2, 99):
+        labels = batch["y"].copy()
+        labels[5] = bad
+        with pytest.raises(IndexOutOfRangeError, match=f"input 'y'.*{bad}"):
+            plan.run(x=batch["x"], y=labels)
+    assert np.isfinite(plan.run(**batch)["loss"])
