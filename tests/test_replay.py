@@ -392,3 +392,31 @@ def test_a_subclass_that_overrides_replay_gets_plans_through_it(exp: tuple[Routi
     replay._replay_prepared().synchronize()
     assert [(len(i or ()), len(o or ())) for i, o in calls] == [(1, 1), (0, 0)]
     np.testing.assert_allclose(got, np.exp(_values(2)), rtol=1e-6)
+
+
+def test_a_context_finalized_by_another_thread_mid_replay_is_a_finalized_error(
+        backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by the concurrency review: a plan sharing another's state replayed while its owner
+    closed. The replay checked its contexts before taking the device lock, the finalize freed
+    their pools in between, and the pool lookup raised InvalidProgramError ("no pool (freed?)")
+    in place of FinalizedError. Here the finalize comes right after that first check."""
+    from polyjit.core.context import Context
+
+    a, out = Node("race_a", (N,)), Node("race_out", (N,))
+    code = backend.compile(ir.Comp.of(ir.apply(Op.EXP, a, into=out)), name="race_exp")
+    ctx = backend.get_device(0).make_context().init_from_host(a, np.zeros(N, np.float32))
+    r = ctx.link(code)
+    replay = backend.capture([r], inputs=[a], outputs=[out])
+    check = Context.check_alive
+    fired = []
+
+    def finalized_meanwhile(self: Context) -> None:
+        check(self)
+        if not fired:  # the first check passes; another thread finalizes right after it
+            fired.append(self)
+            r.context.finalize()
+
+    monkeypatch.setattr(Context, "check_alive", finalized_meanwhile)
+    with pytest.raises(FinalizedError):
+        replay.replay([_values(1)], [np.empty(N, np.float32)])
+    assert fired

@@ -68,6 +68,7 @@ class Exported:
         self.device_type, self.device_id = dlpack_device(ctx)
         device = ctx.device
         with device.lock:
+            ctx.check_alive()  # again, under the lock: a finalize() in between freed the pool
             if device.released:  # a safe point: dropped exports' unpins (a loop that only exports grew them)
                 device.reap()
             self.address = int(device.driver.address(device.pool_handle(loc.pool_id), loc.offset))  # type: ignore[attr-defined]

@@ -255,8 +255,9 @@ class Replay:
             logger.debug("replay %r on %r (%d copies in, %d out)", self, self.stream, len(ins), len(outs))
         device = self.device
         driver, handle, pools = device.driver, self.stream.handle, device.pool_handle
-        with device.lock:  # the merge buffer must not move between the check and the launch
+        with device.lock:  # nothing may be freed, nor the merge buffer move, between the checks and the launch
             for r in self.routines:
+                r.context.check_alive()  # again, under the lock: a finalize() in between freed the pools
                 r.check_merge()
             ops = [(driver.copy_from_host, (handle, pools(loc.pool_id), loc.offset, a))
                    for loc, a in zip(self._in_locs, ins)]
@@ -510,6 +511,7 @@ class TransferRoutine:
         if sdev.backend is not ddev.backend:  # different backends: stage through the host
             staging = src.read(node)
             with ddev.lock:
+                dst.check_alive()  # again, under the lock: a finalize() in between freed the pool
                 dloc, dhandle = self._destination()
                 enqueue(stream, (), (ddev.tracker.state(dloc),), self, ddev.driver.copy_from_host,
                         (stream.handle, dhandle, dloc.offset, staging), (self, staging))
@@ -518,6 +520,8 @@ class TransferRoutine:
             return
         first, second = sorted({sdev, ddev}, key=lambda d: d.device_id) + [ddev] * (sdev is ddev)
         with first.lock, second.lock:  # both trackers, in one order for every thread
+            src.check_alive()  # again, under the locks: a finalize() in between freed the pools
+            dst.check_alive()
             dloc, dhandle = self._destination()
             src_handle = sdev.pool_handle(sloc.pool_id)
             enqueue(stream, (sdev.tracker.state(sloc),), (ddev.tracker.state(dloc),), self, ddev.driver.copy_device,
