@@ -190,3 +190,64 @@ def test_a_program_built_again_is_the_same_source() -> None:
     runs = compiler.compiles
     assert source() == first and "#1 " in first
     assert compiler.compiles == runs
+
+
+def _which(value: int) -> str:
+    return f"int which(void) {{ return {value}; }}\n"
+
+
+def test_libraries_load_their_verified_bytes_and_are_told_apart(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loaded from a sealed memfd (or a private file), never the cache's path. The dynamic
+    loader knows a library by the name it was opened by: a memfd whose number an earlier,
+    closed one had was taken for it (/proc/self/fd/N), so each keeps its fd until closed."""
+    from polyjit.backends.cpu.compiler import CCompiler
+
+    monkeypatch.setenv("POLYJIT_CACHE_DIR", str(tmp_path / "cache"))
+    cc = CCompiler(("-O1", "-fPIC", "-shared"), ())
+    one, two = cc.library(_which(1), name="one"), cc.library(_which(2), name="two")
+    one.close()
+    three = cc.library(_which(3), name="three")  # may get the number one had
+    assert (two.lib.which(), three.lib.which()) == (2, 3)
+    two.close()
+    three.close()
+
+
+def test_a_binary_replaced_between_compile_and_link_never_runs(tmp_path: Path) -> None:
+    """Found by the cache review: the cpu backend verified the .so at compile() and dlopened its
+    path at link(); a file replaced in between ran (a planted constructor, every time; a racing
+    process won 2% of loads). Now compile() keeps the verified bytes and link() loads those."""
+    script = tmp_path / "swap.py"
+    marker = tmp_path / "planted_code_ran"
+    script.write_text(textwrap.dedent(f"""
+        import os, subprocess
+        from pathlib import Path
+        import numpy as np
+        from polyjit import get_backend, ir
+        from polyjit.backends.cpu.compiler import c_compiler
+        a, out = ir.Node("a", (64,)), ir.Node("out", (64,))
+        backend = get_backend("cpu")
+        code = backend.compile(ir.Comp.of(ir.apply(ir.Op.MUL, a, a, into=out)), name="swapped_mul")
+        root = Path(os.environ["POLYJIT_CACHE_DIR"])
+        entries = [p for p in root.rglob("*.so") if p.is_file()]
+        evil = Path({str(tmp_path)!r}) / "evil"
+        evil.with_suffix(".c").write_text(
+            '#include <stdio.h>\\n__attribute__((constructor)) static void planted(void) '
+            '{{ FILE *f = fopen("{marker}", "w"); if (f) fclose(f); }}\\n')
+        subprocess.run([c_compiler(), "-shared", "-fPIC", "-o", str(evil.with_suffix(".so")),
+                        str(evil.with_suffix(".c"))], check=True)
+        planted = evil.with_suffix(".so").read_bytes()
+        for e in entries:  # every entry (the kernels', the runtime's), its sidecar left as it was
+            swap = e.with_name(".swap")
+            swap.write_bytes(planted)
+            os.replace(swap, e)
+        ctx = backend.get_device(0).make_context().init_from_host(a, np.full(64, 3, np.float32))
+        r = ctx.link(code)
+        r.run()
+        print(r.context.read(out)[:2])
+        """))
+    env = {**__import__("os").environ, "POLYJIT_CACHE_DIR": str(tmp_path / "cache")}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert not marker.exists(), "the replaced file's code ran"
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[9. 9.]"

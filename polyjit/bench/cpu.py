@@ -28,6 +28,7 @@ from polyjit.bench.common import Target, linked_matmul, print_targets
 from polyjit.bench.timing import best_of, best_of_blocks, best_of_each, median_ns
 from polyjit.cli import count, output_file
 from polyjit.core import ir
+from polyjit.core.compile_cache import SharedLibrary
 from polyjit.core.routine import Routine
 from polyjit.demo import chain_program
 
@@ -82,7 +83,8 @@ def bench_launch() -> dict[str, float]:
     ctx = backend.get_device(0).make_context().init_from_host(x, np.ones(4, np.float32))
     routine = ctx.link(code)
     stream = routine.context.stream
-    lib = ctypes.CDLL(str(code.batch.binary))
+    library = SharedLibrary(code.batch.binary.data, "bench")
+    lib = library.lib
     fn = lib.bench_tiny_0
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     fn.restype = None

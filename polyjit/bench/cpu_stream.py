@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from polyjit.backends.cpu.compiler import build_shared
+from polyjit.backends.cpu.compiler import load_shared
 from polyjit.backends.cpu.native import load_runtime
 from polyjit.bench.timing import median_ns, median_per_call
 
@@ -31,7 +31,8 @@ void tiny(void* const* b, const int64_t* s, int64_t lo, int64_t hi) {
 def measure_launch_overhead(reps: int = 2000, rounds: int = 15) -> dict[str, float]:
     """Median microseconds of a bare kernel call and of launch + sync through a stream."""
     rt = load_runtime()
-    lib = ctypes.CDLL(str(build_shared(KERNEL_SOURCE)))
+    library = load_shared(KERNEL_SOURCE, "bench")
+    lib = library.lib
     kernel = lib.tiny
     kernel.restype = None
     kernel.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]

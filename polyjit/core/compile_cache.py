@@ -19,7 +19,14 @@ the compiler.
 
 from __future__ import annotations
 
+import _ctypes
+import atexit
 import collections
+import ctypes
+import itertools
+import os
+import shutil
+import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -28,7 +35,7 @@ from typing import ClassVar, TypeVar
 from polyjit.core.cache import BinaryCache, content_key
 from polyjit.core.log import logger
 
-__all__ = ["CachingCompiler", "Target"]
+__all__ = ["CachingCompiler", "SharedLibrary", "Target"]
 
 Target = tuple[str, ...]  # what one compile is for (the host, an arch, a device group), as strings
 T = TypeVar("T")
@@ -74,7 +81,9 @@ class CachingCompiler:
         return content_key(self.namespace, *self.identity(), "|", *target, "|", text)
 
     def path(self, text: str, target: Target = ()) -> Path:
-        """The verified file of the binary (for loaders that take a path, like ``dlopen``)."""
+        """The file of the binary, verified now. A loader that takes a path (``dlopen``) must not
+        be given it: the file could change before it reads it; load :meth:`data` (a shared
+        library: :meth:`library`)."""
         return self.disk.get_or_build(self.key(text, target), self._builder(text, target))
 
     def data(self, text: str, target: Target = ()) -> bytes:
@@ -90,6 +99,10 @@ class CachingCompiler:
         data = self.disk.get_or_build_bytes(key, self._builder(text, target))
         self._remember(key, data)
         return data
+
+    def library(self, text: str, target: Target = (), name: str = "lib") -> SharedLibrary:
+        """The binary, a shared library, loaded from its verified bytes (:meth:`data`)."""
+        return SharedLibrary(self.data(text, target), name)
 
     def publish(self, text: str, target: Target, data: bytes) -> None:
         """Replace the entry of ``text`` for ``target`` with ``data`` (built outside
@@ -119,3 +132,76 @@ class CachingCompiler:
             self._memory.move_to_end(key)
             while len(self._memory) > self.memory_entries:
                 self._memory.popitem(last=False)
+
+
+_private_dir: str | None = None
+_private_lock = threading.Lock()
+_library_ids = itertools.count()
+
+
+class SharedLibrary:
+    """A shared library loaded from bytes already verified (``CachingCompiler.data``), never
+    from a path a check once passed: a file in the cache could be replaced between the check
+    and ``dlopen`` (another process, a sync tool). ``lib`` is the ctypes handle;
+    :meth:`close` dlcloses it.
+
+    On Linux the bytes go into a sealed memfd that ``dlopen`` reads through
+    ``/proc/self/fd/N``. The fd stays open until :meth:`close`: the dynamic loader knows a
+    library by the name it was opened by, and a later memfd that reused the number N would
+    be taken for this one. Elsewhere they go into a file of a private directory (mode 0700)
+    that is removed once loaded."""
+
+    def __init__(self, data: bytes, name: str) -> None:
+        self.name = name
+        self._fd: int | None = None
+        memfd = getattr(os, "memfd_create", None)
+        if memfd is not None:
+            fd = memfd(f"polyjit-{name}", os.MFD_CLOEXEC | getattr(os, "MFD_ALLOW_SEALING", 0))
+            try:
+                _write_all(fd, data)
+                seals = getattr(os, "F_SEAL_SHRINK", 0) | getattr(os, "F_SEAL_GROW", 0) | \
+                    getattr(os, "F_SEAL_WRITE", 0) | getattr(os, "F_SEAL_SEAL", 0)
+                if seals and hasattr(os, "F_ADD_SEALS"):
+                    import fcntl
+
+                    fcntl.fcntl(fd, os.F_ADD_SEALS, seals)
+                self.lib = ctypes.CDLL(f"/proc/self/fd/{fd}")
+            except BaseException:
+                os.close(fd)
+                raise
+            self._fd = fd
+            return
+        path = os.path.join(_private(), f"{next(_library_ids)}-{os.getpid()}-{name}")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o700)
+        try:
+            _write_all(fd, data)
+        finally:
+            os.close(fd)
+        try:
+            self.lib = ctypes.CDLL(path)
+        finally:
+            os.unlink(path)
+
+    def close(self) -> None:
+        """dlclose the library (nothing of it may run any more), and let its bytes go."""
+        _ctypes.dlclose(self.lib._handle)
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _private() -> str:
+    """A directory only this process made (mode 0700), for loaders without memfd."""
+    global _private_dir
+    with _private_lock:
+        if _private_dir is None:
+            _private_dir = tempfile.mkdtemp(prefix="polyjit-load-")
+            atexit.register(shutil.rmtree, _private_dir, True)
+        return _private_dir
+

@@ -13,7 +13,7 @@ import ctypes
 import os
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -21,6 +21,9 @@ from polyjit.core import dtypes
 from polyjit.core.dtypes import DType
 from polyjit.core.errors import DTypeMismatchError, InvalidArgumentError, ShapeMismatchError
 from polyjit.core.log import logger
+
+if TYPE_CHECKING:
+    from polyjit.core.compile_cache import SharedLibrary
 
 __all__ = ["CPU", "CUDA", "CUDA_HOST", "Imported", "make_capsule", "take_capsule"]
 
@@ -169,7 +172,7 @@ void pj_dlpack_destructor(PyObject *capsule) {
 _DESTRUCTOR_FLAGS = ("-O2", "-fPIC", "-shared")
 _destructor_lock = threading.Lock()
 _destructor: int | None = None  # the address capsules are made with, once chosen
-_destructor_lib: ctypes.CDLL | None = None  # the loaded library, kept for the process's life
+_destructor_lib: SharedLibrary | None = None  # the loaded library, kept for the process's life
 
 
 def _load_destructor() -> int:
@@ -189,8 +192,8 @@ def _load_destructor() -> int:
                 # the cached file before it is loaded; nothing is imported until the first export.
                 from polyjit.backends.cpu.compiler import CCompiler
 
-                path = CCompiler(_DESTRUCTOR_FLAGS, extra_libs=()).path(_DESTRUCTOR_SOURCE)
-                lib = ctypes.CDLL(str(path))
+                library = CCompiler(_DESTRUCTOR_FLAGS, extra_libs=()).library(_DESTRUCTOR_SOURCE, (), "dlpack")
+                lib = library.lib
                 init = lib.pj_dlpack_init
                 init.restype, init.argtypes = None, (ctypes.c_void_p,) * 5
                 init(*(ctypes.cast(getattr(_api, name), ctypes.c_void_p)
@@ -201,7 +204,7 @@ def _load_destructor() -> int:
                 # the library calls _deleter's thunk: a reference never dropped keeps it for the
                 # process's life, even while the module's globals are cleared at exit
                 _api.Py_IncRef(ctypes.py_object(_deleter))
-                _destructor_lib, _destructor = lib, address
+                _destructor_lib, _destructor = library, address
             except Exception as e:  # no compiler (the cpu backend unavailable), or it failed
                 logger.debug("DLPack capsules get the Python destructor (a consumer that refuses one "
                              "raises SystemError in place of its own error): the C one was not built: %s", e)

@@ -381,7 +381,7 @@ def test_packed_tiles_read_in_place_without_scratch_memory(spec: str, a_shape: t
     av, bv = rng.standard_normal(a_shape).astype(np.float32), rng.standard_normal((1000, 256)).astype(np.float32)
     want = np.einsum(spec, av, bv)
     routine = backend.get_device(0).make_context().init_from_host(a, av).init_from_host(b, bv).link(code)
-    slot = ctypes.c_void_p.in_dll(routine._module.handle, SCRATCH_FN)
+    slot = ctypes.c_void_p.in_dll(routine._module.handle.lib, SCRATCH_FN)
     assert slot.value  # the driver gave it the runtime's
     slot.value = None
     try:
@@ -428,7 +428,7 @@ def _direct_matmul(m: int, k: int, n: int, seed: int) -> _DirectMatmul:
     routine = backend.get_device(0).make_context().init_from_host(a, av).init_from_host(b, bv).link(code)
     (spec,) = routine.kernels
     routine.context.stream.synchronize()
-    fn = getattr(routine._module.handle, spec.name)
+    fn = getattr(routine._module.handle.lib, spec.name)
     fn.restype, fn.argtypes = None, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     return _DirectMatmul(routine, spec, code.source, b, o, av, bv, fn)
 
@@ -960,19 +960,15 @@ def test_narrower_vector_units_take_their_own_paths(vector_bytes: int, march: st
     """The dialect's AVX2 (lane masks) and SSE (memcpy tails) paths, compiled for those
     targets (this host runs both), on every catalog program with a matmul, reduction or exp."""
     from polyjit.backends.cpu import CpuDriver
-    from polyjit.backends.cpu.compiler import CPU_FLAGS, build_shared
+    from polyjit.backends.cpu.compiler import CPU_FLAGS, CCompiler
     from polyjit.backends.cpu.dialect import CpuDialect
-    from polyjit.core.codegen import Source
     from polyjit.testing import catalog, run_programs
 
     class NarrowDriver(CpuDriver):
         def __init__(self) -> None:
             super().__init__(1)
             self.dialect = CpuDialect(vector_bytes=vector_bytes)
-
-        def compile(self, source: Source) -> Path:
-            flags = tuple(march if f.startswith("-march=") else f for f in CPU_FLAGS)
-            return build_shared(source.text, flags=flags)
+            self.compiler = CCompiler(tuple(march if f.startswith("-march=") else f for f in CPU_FLAGS))
 
     backend = Backend(NarrowDriver())
     a, b, c = ir.Node("a", (7, 5)), ir.Node("b", (5, 10)), ir.Node("c", (7, 10))

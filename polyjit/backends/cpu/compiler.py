@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from polyjit.core.cache import BinaryCache
-from polyjit.core.compile_cache import CachingCompiler, Target
+from polyjit.core.compile_cache import CachingCompiler, SharedLibrary, Target
 from polyjit.core.compiler import source_excerpt
 from polyjit.core.errors import BackendUnavailableError, CompileError
 from polyjit.core.log import logger
@@ -31,6 +31,7 @@ __all__ = [
     "c_compiler",
     "compiler_identity",
     "default_flags",
+    "load_shared",
 ]
 
 # GCC 12 (Debian's 12.2) miscompiles some leaf kernels for AVX-512 hosts: it zeroes a local
@@ -180,9 +181,23 @@ def build_shared(
     cache: BinaryCache | None = None,
     target: Target = (),
 ) -> Path:
-    """Compile ``source`` to a shared library and return its path (cached by content).
+    """Compile ``source`` to a shared library and return its path (cached by content): for
+    tools that need the file. Do not ``dlopen`` it: load :func:`load_shared` instead.
 
     Raises :class:`CompileError` (with the compiler log and the numbered source
     lines it points at) when the compiler rejects the source.
     """
     return CCompiler(flags, extra_libs, cache).path(source, target)
+
+
+def load_shared(
+    source: str,
+    name: str,
+    *,
+    flags: Sequence[str] | None = None,
+    extra_libs: Sequence[str] = ("-lm",),
+    target: Target = (),
+) -> SharedLibrary:
+    """Compile ``source`` to a shared library (cached by content) and load the bytes that were
+    verified, not the file (``CachingCompiler.library``)."""
+    return CCompiler(flags, extra_libs).library(source, target, name)

@@ -9,13 +9,11 @@ A pool is one aligned host allocation; kernels get pool base + offset.
 
 from __future__ import annotations
 
-import _ctypes
 import contextlib
 import ctypes
 import os
 import threading
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -34,6 +32,7 @@ from polyjit.backends.cpu.native import (
     load_runtime,
 )
 from polyjit.core.codegen import KernelSpec, Source
+from polyjit.core.compile_cache import SharedLibrary
 from polyjit.core.dtypes import is_int
 from polyjit.core.errors import BackendUnavailableError, UnsupportedError
 from polyjit.core.protocol import DeviceInfo
@@ -71,6 +70,18 @@ class _Prepared:
     keep: tuple[Any, ...]  # the void* arrays the descriptors point at
 
 
+@attrs.frozen(repr=False)
+class CpuBinary:
+    """A compiled batch: the shared library's verified bytes (loaded as they are, never from
+    the cache's file) and whether its kernels take the runtime's scratch memory."""
+
+    data: bytes
+    takes_scratch: bool
+
+    def __repr__(self) -> str:
+        return f"CpuBinary({len(self.data)} bytes)"
+
+
 class CpuDriver:
     """The Driver of the CPU backend."""
 
@@ -95,10 +106,6 @@ class CpuDriver:
         self._rt: NativeRuntime | None = None
         self._lock = threading.Lock()
         self._allocated: dict[int, int] = {}  # pointer -> bytes, for allocated_bytes()
-        # Binaries of generated sources that take scratch memory: the only modules whose
-        # scratch pointers load() sets. A user's kernel may define a function of that name
-        # (a write to its address would hit read-only code).
-        self._takes_scratch: set[Path] = set()
 
     @property
     def rt(self) -> NativeRuntime:
@@ -204,39 +211,35 @@ class CpuDriver:
 
     # -- code -------------------------------------------------------------------------
 
-    def compile(self, source: Source) -> Path:
+    def compile(self, source: Source) -> CpuBinary:
         # -march=native: the binary is this host's (its CPU's digest is the cache target).
-        binary = self.compiler.path(source.text, (host_cpu().digest,))
+        data = self.compiler.data(source.text, (host_cpu().digest,))
+        # Generated kernels that pack panels take memory from the runtime (runtime.c,
+        # pj_scratch) through pointers load() sets. A user's kernel may define a function of
+        # that name (a write to its address would hit read-only code).
         generated = not any(spec.plan.kind == RAW for spec in source.all_kernels)
-        if generated and tiles.SCRATCH_FN in source.text:
-            with self._lock:
-                self._takes_scratch.add(binary)
-        return binary
+        return CpuBinary(data, generated and tiles.SCRATCH_FN in source.text)
 
-    def load(self, ordinal: int, binary: Path) -> ctypes.CDLL:
-        module = ctypes.CDLL(str(binary))  # dlopen counts references: one per load
-        # Kernels that pack panels take memory from the runtime (runtime.c, pj_scratch); a
-        # module none of whose kernels does has no such pointer.
-        with self._lock:
-            takes_scratch = Path(binary) in self._takes_scratch
-        if takes_scratch:
+    def load(self, ordinal: int, binary: CpuBinary) -> SharedLibrary:
+        module = SharedLibrary(binary.data, "kernels")  # the verified bytes, never a path
+        if binary.takes_scratch:
             with contextlib.suppress(ValueError):
-                ctypes.c_void_p.in_dll(module, tiles.SCRATCH_FN).value = self.rt.scratch_address
+                ctypes.c_void_p.in_dll(module.lib, tiles.SCRATCH_FN).value = self.rt.scratch_address
             with contextlib.suppress(ValueError):
-                ctypes.c_void_p.in_dll(module, tiles.SCRATCH_TAG_FN).value = self.rt.scratch_tag_address
+                ctypes.c_void_p.in_dll(module.lib, tiles.SCRATCH_TAG_FN).value = self.rt.scratch_tag_address
         return module
 
-    def unload(self, ordinal: int, module: ctypes.CDLL) -> None:
+    def unload(self, ordinal: int, module: SharedLibrary) -> None:
         """dlclose: the runtime calls this once no routine and no queued launch uses it."""
-        _ctypes.dlclose(module._handle)
+        module.close()
 
     def prepare(
-        self, ordinal: int, module: ctypes.CDLL, kernels: Sequence[tuple[KernelSpec, Sequence[tuple[int, int]]]]
+        self, ordinal: int, module: SharedLibrary, kernels: Sequence[tuple[KernelSpec, Sequence[tuple[int, int]]]]
     ) -> _Prepared:
         pairs = []
         keep = []
         for spec, args in kernels:
-            fn = ctypes.cast(getattr(module, spec.name), ctypes.c_void_p).value or 0
+            fn = ctypes.cast(getattr(module.lib, spec.name), ctypes.c_void_p).value or 0
             bufs = self.rt.make_ptr_array([pool + off for pool, off in args])
             keep.append(bufs)
             # A user's kernel keeps to the worker's large stack; generated ones may run on a

@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from polyjit.backends.cpu.compiler import build_shared
+from polyjit.backends.cpu.compiler import load_shared
+from polyjit.core.compile_cache import SharedLibrary
 from polyjit.core.errors import BackendUnavailableError, PoolExhaustedError
 from polyjit.core.log import logger
 
@@ -174,12 +175,12 @@ class NativeRuntime:
     host_memcpy: Callable[[int, int, int], None]
     stamp: Callable[[int, Any], int]
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, library: SharedLibrary) -> None:
+        self.library = library  # loaded from its verified bytes; kept (and never closed) for the process
         # Run at exit before the streams are destroyed: the drivers close their devices, so
         # that their Python streams are closed too (a use after exit raises, not segfaults).
         self.before_shutdown: list[Callable[[], None]] = []
-        lib = ctypes.CDLL(str(path))
+        lib = library.lib
         self._lib = lib
         self._create = _bind(
             lib, "pj_stream_create", _c_void_p, [ctypes.c_int, _c_void_p, ctypes.c_int]
@@ -391,16 +392,16 @@ def _openmp_loaded() -> bool:
         return False
 
 
-def _load_with_bounded_spin(path: Path) -> NativeRuntime:
+def _load_with_bounded_spin(load: Callable[[], SharedLibrary]) -> NativeRuntime:
     """Load the runtime (and with it libgomp) with :data:`OMP_SPIN_COUNT` in the environment
     libgomp reads at load time, then restore the environment: child processes keep theirs."""
     if "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ:
-        return NativeRuntime(path)
+        return NativeRuntime(load())
     if _openmp_loaded():
         logger.debug("libgomp was loaded before the CPU runtime: its spin count is left as is")
     os.environ["GOMP_SPINCOUNT"] = str(OMP_SPIN_COUNT)
     try:
-        return NativeRuntime(path)
+        return NativeRuntime(load())
     finally:
         os.environ.pop("GOMP_SPINCOUNT", None)
 
@@ -431,8 +432,7 @@ def load_runtime() -> NativeRuntime:
     with _lock:
         if _runtime is None:
             contention = _contention_mode()  # checked first: every try refuses a bad value
-            path = build_shared(_source(), flags=RUNTIME_FLAGS)
-            rt = _load_with_bounded_spin(path)
+            rt = _load_with_bounded_spin(lambda: load_shared(_source(), "runtime", flags=RUNTIME_FLAGS))
             rt.set_contention(*contention)
             atexit.register(rt.shutdown)
             if hasattr(os, "register_at_fork"):
