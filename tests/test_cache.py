@@ -26,7 +26,7 @@ import pytest
 
 from polyjit.backends.cpu.compiler import build_shared
 from polyjit.core import cache as cache_mod
-from polyjit.core.cache import HASH_SUFFIX, BinaryCache, CacheDirWarning, cache_dir
+from polyjit.core.cache import HASH_SUFFIX, BinaryCache, CacheDirWarning, cache_dir, content_key
 from polyjit.core.errors import CompileError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,6 +34,10 @@ OTHER_UID = 65534  # nobody
 needs_root = pytest.mark.skipif(
     not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root to chown"
 )
+
+
+# Keys of the form content_key makes (the only form a BinaryCache takes).
+K, K1, KA, KB, KSAME, KTAKEN = (content_key(n) for n in ("k", "k1", "a", "b", "samekey", "taken"))
 
 
 def _source(value: int) -> str:
@@ -110,8 +114,8 @@ def test_truncated_library_is_rebuilt_not_loaded(cache_root: Path) -> None:
 
 def test_empty_entry_is_rebuilt_even_with_a_matching_hash(cache_root: Path) -> None:
     cache = BinaryCache("t", ".bin")
-    assert cache.get_or_build_bytes("k1", _writer(b"payload")) == b"payload"
-    path = cache.path_for("k1")
+    assert cache.get_or_build_bytes(K1, _writer(b"payload")) == b"payload"
+    path = cache.path_for(K1)
     path.write_bytes(b"")
     _sidecar(path).write_text(f"{_sha(b'')}  {path.name}\n")
     fresh = BinaryCache("t", ".bin")
@@ -133,13 +137,13 @@ def test_swapped_entry_is_rebuilt(cache_root: Path) -> None:
 
 def test_entry_swapped_with_its_hash_is_rebuilt(cache_root: Path) -> None:
     cache = BinaryCache("t", ".bin")
-    cache.put("a", b"entry a")
-    cache.put("b", b"entry b")
-    a, b = cache.path_for("a"), cache.path_for("b")
+    cache.put(KA, b"entry a")
+    cache.put(KB, b"entry b")
+    a, b = cache.path_for(KA), cache.path_for(KB)
     a.write_bytes(b.read_bytes())
     _sidecar(a).write_bytes(_sidecar(b).read_bytes())  # hash and bytes agree, but name b
     fresh = BinaryCache("t", ".bin")
-    assert fresh.get_or_build_bytes("a", _writer(b"entry a")) == b"entry a"
+    assert fresh.get_or_build_bytes(KA, _writer(b"entry a")) == b"entry a"
     assert fresh.compiles == 1
 
 
@@ -158,28 +162,28 @@ def test_planted_entry_without_a_hash_is_not_loaded(cache_root: Path) -> None:
 
 def test_planted_entry_with_a_forged_wrong_hash_is_rebuilt(cache_root: Path) -> None:
     cache = BinaryCache("t", ".bin")
-    path = cache.path_for("k")
+    path = cache.path_for(K)
     path.write_bytes(b"planted")
     _sidecar(path).write_text(f"{_sha(b'something else')}  {path.name}\n")
-    assert cache.get_or_build_bytes("k", _writer(b"genuine")) == b"genuine"
+    assert cache.get_or_build_bytes(K, _writer(b"genuine")) == b"genuine"
     assert cache.compiles == 1 and _assert_verified(path) == b"genuine"
 
 
 @needs_root
 def test_entry_owned_by_another_user_is_rebuilt(cache_root: Path) -> None:
     cache = BinaryCache("t", ".bin")
-    path = cache.put("k", b"theirs")
+    path = cache.put(K, b"theirs")
     os.chown(path, OTHER_UID, OTHER_UID)  # its hash matches; its owner does not
     fresh = BinaryCache("t", ".bin")
-    assert fresh.get_or_build_bytes("k", _writer(b"ours")) == b"ours"
+    assert fresh.get_or_build_bytes(K, _writer(b"ours")) == b"ours"
     assert fresh.compiles == 1 and os.stat(path).st_uid == os.geteuid()
 
 
 def test_group_writable_entry_is_rebuilt(cache_root: Path) -> None:
     cache = BinaryCache("t", ".bin")
-    path = cache.put("k", b"old")
+    path = cache.put(K, b"old")
     path.chmod(0o666)
-    assert cache.get_or_build_bytes("k", _writer(b"new")) == b"new"
+    assert cache.get_or_build_bytes(K, _writer(b"new")) == b"new"
     assert cache.compiles == 1 and not _mode(path) & 0o022
 
 
@@ -187,10 +191,10 @@ def test_symlinked_entry_is_rebuilt(cache_root: Path, tmp_path: Path) -> None:
     cache = BinaryCache("t", ".bin")
     outside = tmp_path / "outside.bin"
     outside.write_bytes(b"elsewhere")
-    path = cache.path_for("k")
+    path = cache.path_for(K)
     path.symlink_to(outside)
     _sidecar(path).write_text(f"{_sha(b'elsewhere')}  {path.name}\n")
-    assert cache.get_or_build_bytes("k", _writer(b"real")) == b"real"
+    assert cache.get_or_build_bytes(K, _writer(b"real")) == b"real"
     assert not path.is_symlink() and outside.read_bytes() == b"elsewhere"
 
 
@@ -228,7 +232,7 @@ def test_memory_layer_skips_rehash_but_notices_replacement(
     cache_root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cache = BinaryCache("t", ".bin")
-    path = cache.get_or_build("k", _writer(b"AAAA"))
+    path = cache.get_or_build(K, _writer(b"AAAA"))
     checks: list[Path] = []
     real = cache_mod._verified
 
@@ -237,27 +241,27 @@ def test_memory_layer_skips_rehash_but_notices_replacement(
         return real(p)
 
     monkeypatch.setattr(cache_mod, "_verified", counting)
-    assert cache.get_or_build("k", _writer(b"AAAA")) == path
+    assert cache.get_or_build(K, _writer(b"AAAA")) == path
     assert checks == []  # verified by this process and unchanged: not hashed again
 
     # Rewritten in place, same size, mtime put back: the ctime still tells.
     st = os.stat(path)
     path.write_bytes(b"BBBB")
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert cache.get_or_build("k", _writer(b"AAAA")) == path
+    assert cache.get_or_build(K, _writer(b"AAAA")) == path
     assert set(checks) == {path} and cache.compiles == 2 and path.read_bytes() == b"AAAA"
 
 
 def test_put_publishes_with_a_hash(cache_root: Path) -> None:
     cache = BinaryCache("t", ".bin")
-    path = cache.put("k", b"given")
+    path = cache.put(K, b"given")
     assert _assert_verified(path) == b"given"
-    assert BinaryCache("t", ".bin").get_or_build_bytes("k", _writer(b"never")) == b"given"
-    cache.put("k", b"replaced")
-    assert cache.get_or_build_bytes("k", _writer(b"never")) == b"replaced"
+    assert BinaryCache("t", ".bin").get_or_build_bytes(K, _writer(b"never")) == b"given"
+    cache.put(K, b"replaced")
+    assert cache.get_or_build_bytes(K, _writer(b"never")) == b"replaced"
     assert cache.compiles == 0
     with pytest.raises(ValueError):
-        cache.put("k", b"")
+        cache.put(K, b"")
     with pytest.raises(ValueError):
         cache.put("../escape", b"x")
 
@@ -270,8 +274,8 @@ def test_failed_build_publishes_nothing(cache_root: Path) -> None:
         raise RuntimeError("compiler exploded")
 
     with pytest.raises(RuntimeError, match="exploded"):
-        cache.get_or_build("k", failing)
-    assert list(cache.path_for("k").parent.iterdir()) == []
+        cache.get_or_build(K, failing)
+    assert list(cache.path_for(K).parent.iterdir()) == []
 
 
 # -- directories ---------------------------------------------------------------------------
@@ -294,7 +298,7 @@ def test_world_writable_cache_dir_is_refused(cache_root: Path) -> None:
     cache_root.chmod(0o777)
     cache = BinaryCache("t", ".bin")
     with pytest.warns(CacheDirWarning, match="writable by group and others"):
-        path = cache.get_or_build("k", _writer(b"data"))
+        path = cache.get_or_build(K, _writer(b"data"))
     used = _assert_private_fallback(cache_root)
     assert path.parent == used / "t" and _mode(path.parent) == 0o700
     assert list(cache_root.iterdir()) == []
@@ -306,7 +310,7 @@ def test_group_writable_namespace_dir_is_refused(cache_root: Path) -> None:
     cache_root.chmod(0o700)
     cache = BinaryCache("t", ".bin")
     with pytest.warns(CacheDirWarning, match="writable by group"):
-        path = cache.get_or_build("k", _writer(b"data"))
+        path = cache.get_or_build(K, _writer(b"data"))
     assert not path.is_relative_to(cache_root) and _mode(path.parent) == 0o700
     assert list((cache_root / "t").iterdir()) == []
 
@@ -316,7 +320,7 @@ def test_cache_dir_owned_by_another_user_is_refused(cache_root: Path) -> None:
     cache_root.mkdir(mode=0o700)
     os.chown(cache_root, OTHER_UID, OTHER_UID)
     with pytest.warns(CacheDirWarning, match=f"owned by uid {OTHER_UID}"):
-        path = BinaryCache("t", ".bin").get_or_build("k", _writer(b"data"))
+        path = BinaryCache("t", ".bin").get_or_build(K, _writer(b"data"))
     assert not path.is_relative_to(cache_root)
     _assert_private_fallback(cache_root)
 
@@ -326,7 +330,7 @@ def test_namespace_dir_owned_by_another_user_is_refused(cache_root: Path) -> Non
     (cache_root / "t").mkdir(parents=True, mode=0o700)
     os.chown(cache_root / "t", OTHER_UID, OTHER_UID)
     with pytest.warns(CacheDirWarning, match=f"owned by uid {OTHER_UID}"):
-        path = BinaryCache("t", ".bin").get_or_build("k", _writer(b"data"))
+        path = BinaryCache("t", ".bin").get_or_build(K, _writer(b"data"))
     assert not path.is_relative_to(cache_root)
 
 
@@ -350,21 +354,76 @@ def test_clear_removes_only_what_the_cache_wrote(cache_root: Path, tmp_path: Pat
     """A root that holds other files (a mistake, a shared directory), a namespace that is a
     link out of it: `polyjit cache clear` removes entries, their hashes and its temporary
     files, and nothing else (it used to remove every file one level down, through links)."""
-    BinaryCache("t", ".bin").get_or_build("k", _writer(b"data"))
+    BinaryCache("t", ".bin").get_or_build(K, _writer(b"data"))
     (cache_root / "project").mkdir()
     (cache_root / "project" / "main.py").write_text("print()")
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "precious.txt").write_text("keep")
+    (outside / f"{K}.bin").write_bytes(b"theirs")
+    (outside / f"{K}.bin.sha256").write_bytes(b"theirs")
     (cache_root / "linked").symlink_to(outside)
+    with open(cache_root / cache_mod.NAMESPACES_FILE, "a") as f:
+        f.write("linked\n")  # listed, but a link: never followed
     (cache_root / "t" / "notes.txt").write_text("mine")
     tmp_file = cache_root / "t" / f".{'a' * 40}.bin.x7k2_abc.bin"
     tmp_file.write_bytes(b"half written")
-    assert cache_mod.cache_info()["namespaces"] == {"project": {"entries": 0, "bytes": 0},
-                                                    "t": {"entries": 1, "bytes": 4}}
+    assert cache_mod.cache_info()["namespaces"] == {"t": {"entries": 1, "bytes": 4}}
     assert cache_mod.cache_clear() == 1
     left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
-    assert left == ["cache/project/main.py", "cache/t/notes.txt", "outside/precious.txt"]
+    assert left == [f"cache/{cache_mod.NAMESPACES_FILE}", "cache/project/main.py", "cache/t/notes.txt",
+                    f"outside/{K}.bin", f"outside/{K}.bin.sha256", "outside/precious.txt"]
+
+
+def test_clear_in_a_root_that_holds_the_users_files_removes_only_real_entries(cache_root: Path) -> None:
+    """Found by review: with POLYJIT_CACHE_DIR pointed at a directory that holds other files (the
+    docs allow it), `cache clear` took every subdirectory for a namespace and removed any file
+    X with an X.sha256 beside it (an ISO and its checksum) and any dotfile ending in a dot and
+    8 letters or digits (`.gitignore.template`, `.bashrc.20240101`). It removes only names of the
+    form the cache writes (a 40-hex key), in the namespaces it made, and `cache info` shows
+    only those namespaces."""
+    users = {
+        "Downloads/debian-12.5.0-amd64-netinst.iso": b"iso",
+        "Downloads/debian-12.5.0-amd64-netinst.iso.sha256": b"checksum",
+        f"Downloads/{K}.bin": b"a file named like an entry, outside any namespace",
+        f"Downloads/{K}.bin.sha256": b"its checksum",
+        f"Downloads/.{K}.bin.abcdefgh.bin": b"named like a temporary file",
+        "project/.gitignore.template": b"*.o",
+        "project/.bashrc.20240101": b"alias",
+        "project/.config.backup01.json": b"{}",
+        "deep/sub/x.iso": b"iso",
+        "deep/sub/x.iso.sha256": b"checksum",
+        "cpu/notes.iso": b"the user's own files in a directory named like a namespace",
+        "cpu/notes.iso.sha256": b"checksum",
+        "t/.gitignore.template": b"*.o",
+        "t/.bashrc.20240101": b"alias",
+        "t/release.tar.gz": b"tarball",
+        "t/release.tar.gz.sha256": b"checksum",
+        "debian.iso": b"iso",
+        "debian.iso.sha256": b"checksum",
+        ".bashrc.20240101": b"alias",
+    }
+    for name, data in users.items():
+        (cache_root / name).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        (cache_root / name).write_bytes(data)
+    t, cpu = BinaryCache("t", ".bin"), BinaryCache("cpu", ".so")
+    entries = [t.put(K, b"one"), t.put(K1, b"two"), cpu.put(KA, b"three")]
+    assert cache_mod.cache_info()["namespaces"] == {"cpu": {"entries": 1, "bytes": 5},
+                                                    "t": {"entries": 2, "bytes": 6}}
+    assert cache_mod.cache_clear() == 3
+    for name, data in users.items():
+        assert (cache_root / name).read_bytes() == data, name
+    assert not any(p.exists() or _sidecar(p).exists() for p in entries)
+    assert cache_mod.cache_info()["namespaces"] == {"cpu": {"entries": 0, "bytes": 0},
+                                                    "t": {"entries": 0, "bytes": 0}}
+
+
+def test_a_key_not_of_content_keys_form_is_refused(cache_root: Path) -> None:
+    """`cache clear` removes only names of the form the cache writes: so the cache writes no other."""
+    cache = BinaryCache("t", ".bin")
+    for key in ("k", "A" * 40, "a" * 39, "a" * 41, "../escape"):
+        with pytest.raises(ValueError, match="40 lowercase hex"):
+            cache.put(key, b"x")
 
 
 def test_clear_empties_the_namespace_handed_to_pocl_and_follows_no_link(cache_root: Path, tmp_path: Path) -> None:
@@ -445,7 +504,7 @@ def test_ancestor_writable_by_others_is_refused(tmp_path: Path, monkeypatch: pyt
 def test_cache_dir_that_is_a_file_falls_back(cache_root: Path) -> None:
     cache_root.write_text("not a directory")
     with pytest.warns(CacheDirWarning, match="not a directory|cannot be created"):
-        data = BinaryCache("t", ".bin").get_or_build_bytes("k", _writer(b"data"))
+        data = BinaryCache("t", ".bin").get_or_build_bytes(K, _writer(b"data"))
     assert data == b"data"
     _assert_private_fallback(cache_root)
 
@@ -464,9 +523,9 @@ def test_unwritable_cache_dir_falls_back(tmp_path: Path, monkeypatch: pytest.Mon
 
 def test_entry_name_taken_by_a_directory_falls_back(cache_root: Path) -> None:
     cache = BinaryCache("t", ".bin")
-    cache.path_for("k").mkdir()
+    cache.path_for(K).mkdir()
     with pytest.warns(CacheDirWarning, match="cannot be replaced"):
-        assert cache.get_or_build_bytes("k", _writer(b"data")) == b"data"
+        assert cache.get_or_build_bytes(K, _writer(b"data")) == b"data"
 
 
 def _full_below(root: Path, code: int, data: bytes, calls: list[Path]) -> Callable[[Path], None]:
@@ -491,13 +550,13 @@ def test_no_room_under_the_cache_root_builds_in_the_private_directory(cache_root
     cache = BinaryCache("t", ".bin")
     calls: list[Path] = []
     with pytest.warns(CacheDirWarning, match="builds cannot be written there"):
-        path = cache.get_or_build("k", _full_below(cache_root, code, b"data", calls))
+        path = cache.get_or_build(K, _full_below(cache_root, code, b"data", calls))
     assert path.read_bytes() == b"data" and not path.is_relative_to(cache_root)
     _assert_verified(path)
     assert [p.is_relative_to(cache_root) for p in calls] == [True, False]
     # The build is kept there: found again without building, bytes checked as ever.
-    assert cache.get_or_build_bytes("k", _full_below(cache_root, code, b"data", calls)) == b"data"
-    assert cache.get_or_build("k", _full_below(cache_root, code, b"data", calls)) == path
+    assert cache.get_or_build_bytes(K, _full_below(cache_root, code, b"data", calls)) == b"data"
+    assert cache.get_or_build(K, _full_below(cache_root, code, b"data", calls)) == path
     assert len(calls) == 2 and cache.compiles == 1
     assert [p.name for p in (cache_root / "t").iterdir()] == []  # nothing half written left
 
@@ -516,7 +575,7 @@ def test_put_on_a_full_disk_publishes_in_the_private_directory(
 
     monkeypatch.setattr(Path, "write_bytes", full)
     with pytest.warns(CacheDirWarning, match="No space left"):
-        path = cache.put("k", b"data")
+        path = cache.put(K, b"data")
     assert not path.is_relative_to(cache_root)
     assert _assert_verified(path) == b"data"
 
@@ -552,7 +611,7 @@ def test_a_real_compile_error_is_not_retried(cache_root: Path) -> None:
         raise CompileError("C compiler failed: error: expected ';'", log="error: expected ';'")
 
     with pytest.raises(CompileError):
-        cache.get_or_build("k", bad)
+        cache.get_or_build(K, bad)
     assert len(calls) == 1
 
 
@@ -573,7 +632,7 @@ def test_a_compile_error_that_says_permission_denied_is_not_taken_for_no_room(ca
     with warnings.catch_warnings():
         warnings.simplefilter("error", CacheDirWarning)
         with pytest.raises(CompileError):
-            cache.get_or_build("k", bad)
+            cache.get_or_build(K, bad)
     assert len(calls) == 1
 
 
@@ -614,7 +673,7 @@ _CHILD = textwrap.dedent(
     """
     import hashlib, os, sys, time
     from pathlib import Path
-    from polyjit.core.cache import BinaryCache
+    from polyjit.core.cache import BinaryCache, content_key
     go = Path(sys.argv[1])
     print("ready", flush=True)
     while not go.exists():
@@ -622,7 +681,7 @@ _CHILD = textwrap.dedent(
     def build(out):
         time.sleep(0.05)
         out.write_bytes(bytes(range(256)) * 64)
-    data = BinaryCache("conc", ".bin").get_or_build_bytes("samekey", build)
+    data = BinaryCache("conc", ".bin").get_or_build_bytes(content_key("samekey"), build)
     print(hashlib.sha256(data).hexdigest(), flush=True)
     """
 )
@@ -654,7 +713,7 @@ def test_concurrent_threads_and_processes_get_identical_verified_bytes(
     def worker() -> None:
         try:
             start.wait()
-            results.append(cache.get_or_build_bytes("samekey", build))
+            results.append(cache.get_or_build_bytes(KSAME, build))
         except BaseException as e:
             errors.append(e)
 
@@ -669,7 +728,7 @@ def test_concurrent_threads_and_processes_get_identical_verified_bytes(
     assert [child.returncode for child in children] == [0, 0], [err for _, err in outs]
     assert results == [payload] * 8 and cache.compiles <= 1
     assert [out.strip() for out, _ in outs] == [_sha(payload)] * 2
-    assert _assert_verified(cache.path_for("samekey")) == payload
+    assert _assert_verified(cache.path_for(KSAME)) == payload
     leftovers = [p.name for p in (cache_root / "conc").iterdir() if p.name.startswith(".")]
     assert leftovers == []
 
@@ -682,17 +741,17 @@ def test_what_a_cache_remembers_in_memory_is_bounded(cache_root: Path, monkeypat
     cache = BinaryCache("bounded", ".bin")
     calls: list[int] = []
     for k in range(40):
-        cache.get_or_build(f"key{k}", _writer(f"entry {k}".encode(), calls))
+        cache.get_or_build(content_key(f"key{k}"), _writer(f"entry {k}".encode(), calls))
     assert len(calls) == 40 and len(cache._memory) == 8 and not cache._key_locks
-    assert cache.get_or_build_bytes("key0", _writer(b"rebuilt", calls)) == b"entry 0"
+    assert cache.get_or_build_bytes(content_key("key0"), _writer(b"rebuilt", calls)) == b"entry 0"
     assert len(calls) == 40
     # An entry the shared directory could not take lives in the private fallback, which only
     # its record leads to: that record stays (evicted, the entry was built again).
-    (cache.directory() / "taken.bin").mkdir()
+    cache.path_for(KTAKEN).mkdir()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CacheDirWarning)
-        cache.get_or_build("taken", _writer(b"private", calls))
+        cache.get_or_build(KTAKEN, _writer(b"private", calls))
     for k in range(40, 60):
-        cache.get_or_build(f"key{k}", _writer(f"entry {k}".encode(), calls))
-    assert cache.get_or_build_bytes("taken", _writer(b"rebuilt", calls)) == b"private"
+        cache.get_or_build(content_key(f"key{k}"), _writer(f"entry {k}".encode(), calls))
+    assert cache.get_or_build_bytes(KTAKEN, _writer(b"rebuilt", calls)) == b"private"
     assert len(calls) == 61 and len(cache._memory) == 8

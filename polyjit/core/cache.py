@@ -50,6 +50,8 @@ __all__ = [
     "HANDED_OVER",
     "HANDED_OVER_MARKER",
     "HASH_SUFFIX",
+    "KNOWN_NAMESPACES",
+    "NAMESPACES_FILE",
     "POCL_NAMESPACE",
     "BinaryCache",
     "CacheDirWarning",
@@ -91,6 +93,16 @@ _LITTLE_ROOM = 1 << 20  # bytes: below this a failed compiler run is retried in 
 _SIDECAR_RE = re.compile(r"([0-9a-f]{64})  (\S+)\n?")
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*")
 _SUFFIX_RE = re.compile(r"(\.[A-Za-z0-9_]+)*")
+# A key is what content_key makes: 40 lowercase hex digits. `cache clear` removes only names of
+# that form (an entry, its hash, their temporary files), so a key of any other form is refused.
+_KEY_RE = re.compile(r"[0-9a-f]{40}")
+# The root's list of the namespaces the cache made there (one name a line): `cache info` and
+# `cache clear` look in those directories only (and in KNOWN_NAMESPACES and HANDED_OVER), never
+# in the root's other subdirectories: the root may be a directory that holds other files.
+NAMESPACES_FILE = ".polyjit-namespaces"
+# The backends' namespaces, which caches written before NAMESPACES_FILE existed hold.
+KNOWN_NAMESPACES = frozenset({"cpu", "opencl", "cuda"})
+_NAMESPACES_MAX = 1 << 16  # bytes of NAMESPACES_FILE read
 
 
 class CacheDirWarning(UserWarning):
@@ -220,6 +232,49 @@ def _private_dir(path: Path) -> str | None:
     if problem is None and not os.access(path, os.W_OK | os.X_OK):
         problem = "it is not writable by this user"
     return problem
+
+
+def _recorded_namespaces(root: Path) -> set[str]:
+    """The namespaces NAMESPACES_FILE in root lists (a plain file of ours), plain names only."""
+    try:
+        fd = os.open(root / NAMESPACES_FILE, _READ_FLAGS)
+    except OSError:
+        return set()
+    try:
+        if _file_problem(os.fstat(fd)):
+            return set()
+        text = os.read(fd, _NAMESPACES_MAX)
+    except OSError:
+        return set()
+    finally:
+        os.close(fd)
+    return {n for n in text.decode("ascii", "replace").splitlines() if _NAME_RE.fullmatch(n)}
+
+
+_recorded: set[tuple[Path, str]] = set()  # (root, namespace) this process found listed or listed
+
+
+def _record_namespace(root: Path, namespace: str) -> None:
+    """List namespace in root's NAMESPACES_FILE (once per process), so `cache clear` finds it."""
+    if (root, namespace) in _recorded:
+        return
+    if namespace not in _recorded_namespaces(root):
+        try:
+            fd = os.open(root / NAMESPACES_FILE,
+                         os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW | _CLOEXEC, 0o600)
+        except OSError as e:  # unlisted: `cache clear` leaves it alone, which is only less tidy
+            logger.debug("cannot list namespace %s in %s: %s", namespace, root, e)
+            return
+        try:
+            if _file_problem(os.fstat(fd)):
+                return
+            os.write(fd, f"{namespace}\n".encode("ascii"))  # one append: whole, whoever else appends
+        except OSError as e:
+            logger.debug("cannot list namespace %s in %s: %s", namespace, root, e)
+            return
+        finally:
+            os.close(fd)
+    _recorded.add((root, namespace))
 
 
 _warned: set[str] = set()
@@ -498,6 +553,7 @@ class BinaryCache:
         path = root / self.namespace
         problem = _private_dir(path)
         if problem is None:
+            _record_namespace(root, self.namespace)
             return path
         _warn(path, problem)
         return self._fallback_dir()
@@ -510,8 +566,8 @@ class BinaryCache:
         return path
 
     def _name(self, key: str) -> str:
-        if not _NAME_RE.fullmatch(key):
-            raise ValueError(f"cache key must be a plain name (e.g. from content_key), not {key!r}")
+        if not _KEY_RE.fullmatch(key):
+            raise ValueError(f"cache key must be 40 lowercase hex digits (from content_key), not {key!r}")
         return f"{key}{self.suffix}"
 
     def path_for(self, key: str) -> Path:
@@ -678,31 +734,77 @@ class BinaryCache:
             raise CacheError(f"polyjit compile cache: cannot publish {name} in {directory}: {e}") from e
 
 
-# What the cache writes in a namespace: entries, each beside its hash (``<entry>.sha256``),
-# and the temporary files they are written as (mkstemp's ``.<entry>.XXXXXXXX<suffix>`` and
-# ``.<entry>.sha256.XXXXXXXX``). Nothing else there is the cache's to count or remove: the
-# root may be a directory that holds other files.
-_TMP = re.compile(r"\.[A-Za-z0-9_][A-Za-z0-9_.+-]*\.[a-z0-9_]{8}(\.[A-Za-z0-9]+)?")
+# What the cache writes in a namespace: entries ``<key><suffix>`` (a key is 40 lowercase hex
+# digits), each beside its hash (``<entry>.sha256``), and the temporary files they are written
+# as: mkstemp's ``.<entry>.XXXXXXXX<suffix>`` (8 of "a-z0-9_"), ``.<entry>.sha256.XXXXXXXX``,
+# and what a build writes beside its output (the C compiler's ``.<entry>.XXXXXXXX.c``).
+# Nothing else there is the cache's to count or remove: the root may be a directory that holds
+# other files, and the namespace the user's own directory of that name.
+_ENTRY_RE = re.compile(r"[0-9a-f]{40}(?:\.[A-Za-z0-9_]+)*")
+_TMP_RE = re.compile(r"\.[0-9a-f]{40}((?:\.[A-Za-z0-9_]+)*?)\.(?:sha256\.[a-z0-9_]{8}|[a-z0-9_]{8}(?:\1|\.[A-Za-z0-9_]+)?)")
+_DIR_FDS = (hasattr(os, "O_DIRECTORY") and os.scandir in os.supports_fd
+            and os.unlink in os.supports_dir_fd and os.stat in os.supports_dir_fd)
 
 
 def _namespaces(root: Path) -> list[Path]:
-    """The cache's namespace directories under root: real directories, never symbolic links."""
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.iterdir() if stat.S_ISDIR(os.lstat(p).st_mode))
+    """The cache's namespace directories under root: those the cache listed there, the backends'
+    and the handed-over ones; real directories of ours, never symbolic links."""
+    found = []
+    for name in sorted(KNOWN_NAMESPACES | HANDED_OVER | _recorded_namespaces(root)):
+        try:
+            st = os.lstat(root / name)
+        except OSError:
+            continue
+        if _dir_problem(st) is None:
+            found.append(root / name)
+    return found
 
 
-def _regular(f: Path) -> bool:
-    try:
-        return stat.S_ISREG(os.lstat(f).st_mode)
-    except OSError:
-        return False
+class _Space:
+    """A namespace directory, opened once: its files are listed and removed relative to its fd
+    (where the platform has them), so it (or a file in it) swapped for a link is never followed."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd: int | None = None
+        if _DIR_FDS:
+            self.fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW | _CLOEXEC)
+
+    def __enter__(self) -> _Space:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+
+    def files(self) -> dict[str, os.stat_result]:
+        """Its plain files by name (links and directories are not files)."""
+        found = {}
+        with os.scandir(self.path if self.fd is None else self.fd) as it:
+            for entry in it:
+                with contextlib.suppress(OSError):  # removed meanwhile
+                    st = entry.stat(follow_symlinks=False)
+                    if stat.S_ISREG(st.st_mode):
+                        found[entry.name] = st
+        return found
+
+    def unlink(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            if self.fd is None:
+                os.unlink(self.path / name)
+            else:
+                os.unlink(name, dir_fd=self.fd)
 
 
-def _entries(space: Path) -> list[Path]:
-    """The entries of a namespace: plain files with their hash beside them."""
-    return [f for f in space.iterdir() if _NAME_RE.fullmatch(f.name) and not f.name.endswith(HASH_SUFFIX)
-            and _regular(f) and _regular(Path(f"{f}{HASH_SUFFIX}"))]
+class _Contents(NamedTuple):
+    entries: list[str]  # entries with their hash beside them
+    temporary: list[str]  # the cache's temporary files
+
+
+def _contents(files: dict[str, os.stat_result]) -> _Contents:
+    entries = [n for n in files if _ENTRY_RE.fullmatch(n) and not n.endswith(HASH_SUFFIX)
+               and f"{n}{HASH_SUFFIX}" in files]
+    return _Contents(sorted(entries), sorted(n for n in files if _TMP_RE.fullmatch(n)))
 
 
 def _marked(space: Path) -> bool:
@@ -759,7 +861,13 @@ def cache_info() -> dict[str, object]:
         if space.name in HANDED_OVER and _marked(space):
             sizes = [st.st_size for st in _handed_over_files(space)]
         else:
-            sizes = [f.stat().st_size for f in _entries(space)]
+            try:
+                opened = _Space(space)
+            except OSError:
+                continue  # removed (or swapped for a link) meanwhile
+            with opened:
+                files = opened.files()
+            sizes = [files[n].st_size for n in _contents(files).entries]
         spaces[space.name] = {"entries": len(sizes), "bytes": sum(sizes)}
     return {"directory": str(root), "namespaces": spaces}
 
@@ -780,11 +888,16 @@ def cache_clear() -> int:
                 else:
                     f.unlink(missing_ok=True)
             continue
-        for f in _entries(space):
-            f.unlink(missing_ok=True)
-            Path(f"{f}{HASH_SUFFIX}").unlink(missing_ok=True)
-            removed += 1
-        for f in space.iterdir():
-            if _TMP.fullmatch(f.name) and _regular(f):
-                f.unlink(missing_ok=True)
+        try:
+            opened = _Space(space)
+        except OSError:
+            continue  # removed (or swapped for a link) meanwhile
+        with opened:
+            found = _contents(opened.files())
+            for name in found.entries:
+                opened.unlink(name)
+                opened.unlink(f"{name}{HASH_SUFFIX}")
+                removed += 1
+            for name in found.temporary:
+                opened.unlink(name)
     return removed
