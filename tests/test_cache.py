@@ -12,6 +12,7 @@ import ctypes
 import errno
 import hashlib
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -755,3 +756,49 @@ def test_what_a_cache_remembers_in_memory_is_bounded(cache_root: Path, monkeypat
         cache.get_or_build(content_key(f"key{k}"), _writer(f"entry {k}".encode(), calls))
     assert cache.get_or_build_bytes(KTAKEN, _writer(b"rebuilt", calls)) == b"private"
     assert len(calls) == 61 and len(cache._memory) == 8
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_child_forked_while_another_thread_compiles_does_not_hang(cache_root: Path) -> None:
+    """Found by review: os.fork() copies only the calling thread, so the key's lock that another
+    thread held for its compile stayed locked in the child, and the child's first lookup of that
+    key (the cpu backend's compile) waited for ever. The child gets new locks."""
+    cache = BinaryCache("t", ".bin")
+    inside, done = threading.Event(), threading.Event()
+
+    def slow(out: Path) -> None:
+        inside.set()
+        done.wait(60)
+        out.write_bytes(b"parent")
+
+    builder = threading.Thread(target=cache.get_or_build_bytes, args=(K, slow))
+    builder.start()
+    try:
+        assert inside.wait(30)
+        with cache_mod._fallback_lock:  # as another thread would hold it, at the moment of the fork
+            pid = os.fork()
+            if pid == 0:  # the child: the same key (its lock held by the parent's thread), then another
+                code = 1
+                try:
+                    same = cache.get_or_build_bytes(K, _writer(b"child"))
+                    other = cache.get_or_build_bytes(K1, _writer(b"other"))
+                    with cache_mod._fallback_lock:  # _warn's and _fallback_root's
+                        pass
+                    code = 0 if (same, other) == (b"child", b"other") else 2
+                finally:
+                    os._exit(code)
+        deadline = time.monotonic() + 30  # the parent's compile goes on until the child is done
+        while True:
+            finished, status = os.waitpid(pid, os.WNOHANG)
+            if finished:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                pytest.fail("the forked child hung on a lock its parent's thread held")
+            time.sleep(0.05)
+    finally:
+        done.set()
+        builder.join()
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert not cache._key_locks

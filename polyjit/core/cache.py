@@ -39,6 +39,7 @@ import stat
 import tempfile
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -544,6 +545,7 @@ class BinaryCache:
         self.compiles = 0  # how many times build() really ran the compiler, for tests
         self._lock = threading.Lock()
         self._key_locks: dict[str, list[Any]] = {}  # key -> [its lock, threads using it]: only keys in use
+        _instances.add(self)  # given new locks in a forked child (_after_fork_in_child)
 
     # -- places -----------------------------------------------------------------------
 
@@ -611,8 +613,8 @@ class BinaryCache:
             if entry is not None:
                 with self._lock:
                     entry[1] -= 1
-                    if not entry[1]:
-                        del self._key_locks[key]
+                    if not entry[1] and self._key_locks.get(key) is entry:  # (a forked child
+                        del self._key_locks[key]  # has a new table, without the parent's entry)
 
     def _remember(self, key: str, seen: _Seen) -> None:
         with self._lock:
@@ -901,3 +903,23 @@ def cache_clear() -> int:
             for name in found.temporary:
                 opened.unlink(name)
     return removed
+
+
+# os.fork() copies only the calling thread: a lock another thread held at that moment (a key's
+# lock for the length of a compile, a cache's table lock, the fallback lock) stays locked in the
+# child for ever, and the child's first lookup of that key waited for it for ever. The child
+# gets new locks (what they guarded is whole: every change under them is a few bytecodes, or a
+# file published by rename).
+_instances: weakref.WeakSet[BinaryCache] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    global _fallback_lock
+    _fallback_lock = threading.Lock()
+    for cache in list(_instances):
+        cache._lock = threading.Lock()
+        cache._key_locks = {}
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
