@@ -802,3 +802,58 @@ def test_a_child_forked_while_another_thread_compiles_does_not_hang(cache_root: 
         builder.join()
     assert os.waitstatus_to_exitcode(status) == 0
     assert not cache._key_locks
+
+
+_HUGE_CHILD = textwrap.dedent(
+    """
+    import hashlib, os, resource, sys, time
+    from polyjit.core.cache import BinaryCache
+    key, size = sys.argv[1], int(sys.argv[2])
+    cache = BinaryCache("t", ".bin")
+    path = cache.path_for(key)
+    with open(path, "wb") as f:
+        f.truncate(size)  # sparse: no disk space, but a read of it allocates it all
+    with open(f"{path}.sha256", "w") as f:
+        f.write(f"{hashlib.sha256(b'').hexdigest()}  {path.name}\\n")  # well-formed, whatever it says
+    with open("/proc/self/status") as f:
+        vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    resource.setrlimit(resource.RLIMIT_AS, (vm + (512 << 20),) * 2)  # 512 MiB more than now
+    start = time.monotonic()
+    data = cache.get_or_build_bytes(key, lambda out: out.write_bytes(b"rebuilt"))
+    print(data.decode(), os.path.getsize(path), cache.compiles, round(time.monotonic() - start, 1))
+    """
+)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmSize from /proc")
+def test_a_huge_entry_is_refused_before_it_is_read(cache_root: Path) -> None:
+    """Found by review: a huge (sparse) entry with a well-formed hash beside it was read whole
+    into memory before the hash refused it (2 GiB: 12 s and 2.1 GB of memory per process; 64 GiB:
+    a MemoryError, PoolExhaustedError through a backend, on every run, the entry never replaced).
+    An entry over MAX_ENTRY_BYTES is refused by its size and rebuilt, in a process that may not
+    allocate 512 MiB more."""
+    size = 4 << 30  # over MAX_ENTRY_BYTES (1 GiB)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    child = subprocess.run([sys.executable, "-c", _HUGE_CHILD, K, str(size)], env=env, text=True,
+                           capture_output=True, timeout=120)
+    assert child.returncode == 0, child.stderr[-2000:]
+    data, on_disk, compiles, seconds = child.stdout.split()
+    assert (data, int(on_disk), int(compiles)) == ("rebuilt", len(b"rebuilt"), 1)
+    assert float(seconds) < 10
+
+
+def test_entries_over_the_limit_are_rebuilt_and_not_published(
+    cache_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cache_mod, "MAX_ENTRY_BYTES", 100)
+    cache = BinaryCache("t", ".bin")
+    big = bytes(101)
+    path = cache.path_for(K)
+    path.write_bytes(big)
+    _sidecar(path).write_text(f"{_sha(big)}  {path.name}\n")  # the right hash: refused by size alone
+    assert cache.get_or_build_bytes(K, _writer(bytes(100))) == bytes(100) and cache.compiles == 1
+    with pytest.raises(ValueError, match="MAX_ENTRY_BYTES"):
+        cache.put(K1, big)
+    with pytest.raises(cache_mod.CacheError, match="over the cache's limit"):
+        cache.get_or_build_bytes(K1, _writer(big))
+    assert not cache.path_for(K1).exists()

@@ -52,6 +52,7 @@ __all__ = [
     "HANDED_OVER_MARKER",
     "HASH_SUFFIX",
     "KNOWN_NAMESPACES",
+    "MAX_ENTRY_BYTES",
     "NAMESPACES_FILE",
     "POCL_NAMESPACE",
     "BinaryCache",
@@ -63,6 +64,10 @@ __all__ = [
 ]
 
 HASH_SUFFIX = ".sha256"
+# The largest entry the cache reads (compiled kernels are kilobytes to a few megabytes): a
+# larger file is refused before a byte of it is read, and rebuilt (a sparse 64 GiB file with a
+# well-formed hash beside it was read whole into memory: a MemoryError on every run).
+MAX_ENTRY_BYTES = 1 << 30
 # Entries each BinaryCache remembers as verified by this process (700 bytes each): a long-running
 # process that builds many distinct sources keeps the newest.
 MEMORY_RECORDS = 4096
@@ -419,9 +424,12 @@ def _read_sidecar(path: Path) -> str | None:
     return m.group(1) if m and m.group(2) == path.name else None
 
 
-def _read_fd(fd: int) -> bytes:
+def _read_fd(fd: int, size: int) -> bytes | None:
+    """The bytes of the file open as fd, whose fstat says size bytes (at most MAX_ENTRY_BYTES);
+    None if it holds another number of bytes now. Never reads (or allocates) past size + 1."""
     with open(fd, "rb", closefd=False) as f:
-        return f.read()
+        data = f.read(size + 1)
+    return data if len(data) == size else None
 
 
 def _verified(path: Path) -> tuple[bytes, _Ident] | None:
@@ -437,7 +445,10 @@ def _verified(path: Path) -> tuple[bytes, _Ident] | None:
         st = os.fstat(fd)
         if _file_problem(st) or st.st_size == 0:
             return None
-        data = _read_fd(fd)
+        if st.st_size > MAX_ENTRY_BYTES:
+            logger.debug("cache entry %s: %d bytes, over MAX_ENTRY_BYTES: rebuilt", path, st.st_size)
+            return None
+        data = _read_fd(fd, st.st_size)
     except OSError:
         return None
     finally:
@@ -507,7 +518,12 @@ def _open_built(tmp: str, name: str) -> tuple[int, bytes]:
             raise CacheError(f"polyjit compile cache: the build of {name} is not a regular file")
         if st.st_mode & 0o022 and hasattr(os, "fchmod"):
             os.fchmod(fd, stat.S_IMODE(st.st_mode) & ~0o022)  # compilers follow the umask
-        data = _read_fd(fd)
+        if st.st_size > MAX_ENTRY_BYTES:
+            raise CacheError(f"polyjit compile cache: the build of {name} is {st.st_size} bytes, "
+                             f"over the cache's limit of {MAX_ENTRY_BYTES}")
+        data = _read_fd(fd, st.st_size)
+        if data is None:
+            raise CacheError(f"polyjit compile cache: the build of {name} changed while it was read")
     except BaseException:
         os.close(fd)
         raise
@@ -591,6 +607,8 @@ class BinaryCache:
         """Publish (or replace) the entry for key with data and its hash; return its path."""
         if not data:
             raise ValueError("a cache entry cannot be empty")
+        if len(data) > MAX_ENTRY_BYTES:
+            raise ValueError(f"a cache entry cannot be over MAX_ENTRY_BYTES ({MAX_ENTRY_BYTES} bytes)")
         name = self._name(key)
         with self._key_lock(key):
             return self._publish(self.directory(), name, key, lambda tmp: tmp.write_bytes(data))[0]
