@@ -857,3 +857,43 @@ def test_entries_over_the_limit_are_rebuilt_and_not_published(
     with pytest.raises(cache_mod.CacheError, match="over the cache's limit"):
         cache.get_or_build_bytes(K1, _writer(big))
     assert not cache.path_for(K1).exists()
+
+
+_FSIZE_CHILD = textwrap.dedent(
+    """
+    import resource, sys, warnings
+    from polyjit.core.cache import BinaryCache, CacheDirWarning
+    cache = BinaryCache("t", ".bin")
+    cache.directory()
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))  # `ulimit -f 4`
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        try:
+            cache.put(sys.argv[1], bytes(10000))
+        except BaseException as e:
+            print(type(e).__name__, isinstance(e, OSError), e)
+    print(*(str(w.message) for w in warned if issubclass(w.category, CacheDirWarning)), sep="\\n")
+    """
+)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no RLIMIT_FSIZE")
+def test_put_over_the_file_size_limit_is_a_cache_error(cache_root: Path) -> None:
+    """Found by review: under RLIMIT_FSIZE (`ulimit -f`) put raised a bare OSError (EFBIG), where
+    a full disk falls back to the private directory: EFBIG is handled like a full disk (a warning,
+    a try in the private directory), and where that fails too, it is a CacheError."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    child = subprocess.run([sys.executable, "-c", _FSIZE_CHILD, K], env=env, text=True,
+                           capture_output=True, timeout=120)
+    assert child.returncode == 0, child.stderr[-2000:]
+    error, warning = child.stdout.splitlines()[:2]
+    assert error.startswith("CacheError True polyjit compile cache: cannot build"), child.stdout
+    assert "File too large" in error
+    assert "builds cannot be written there (File too large)" in warning
+    assert not any(p.name.startswith(f".{K}") for p in (cache_root / "t").iterdir())
+
+
+def test_a_linker_killed_for_the_file_size_limit_is_out_of_room(tmp_path: Path) -> None:
+    log = "collect2: fatal error: ld terminated with signal 25 [File size limit exceeded]"
+    reason = cache_mod._no_room(tmp_path, CompileError("C compiler failed", log=log))
+    assert reason == "File size limit exceeded"

@@ -90,11 +90,14 @@ _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _READ_FLAGS = os.O_RDONLY | _NOFOLLOW | _NONBLOCK | _CLOEXEC | _BINARY
 _SIDECAR_MAX = 4096
 # Why a build cannot be written in a directory that is otherwise fine: the file system is
-# full, over quota, read-only, or refuses us. Such a build moves to the private directory.
+# full, over quota, read-only, or refuses us, or the file is over the process's size limit
+# (RLIMIT_FSIZE, `ulimit -f`). Such a build moves to the private directory.
 _NO_ROOM = frozenset(
-    code for code in (errno.ENOSPC, getattr(errno, "EDQUOT", None), errno.EROFS, errno.EACCES)
+    code for code in (errno.ENOSPC, getattr(errno, "EDQUOT", None), errno.EROFS, errno.EACCES, errno.EFBIG)
     if code is not None
 )
+# What a compiler's log says when the linker was killed by SIGXFSZ (over RLIMIT_FSIZE).
+_FSIZE_SIGNAL = "File size limit exceeded"
 _LITTLE_ROOM = 1 << 20  # bytes: below this a failed compiler run is retried in the fallback
 _SIDECAR_RE = re.compile(r"([0-9a-f]{64})  (\S+)\n?")
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*")
@@ -491,6 +494,8 @@ def _no_room(directory: Path, error: BaseException) -> str | None:
     for code in (errno.ENOSPC, getattr(errno, "EDQUOT", None)):
         if code is not None and os.strerror(code) in log:
             return os.strerror(code)
+    if _FSIZE_SIGNAL in log:
+        return _FSIZE_SIGNAL
     if not os.access(directory, os.W_OK):
         return "not writable"
     try:
@@ -611,7 +616,12 @@ class BinaryCache:
             raise ValueError(f"a cache entry cannot be over MAX_ENTRY_BYTES ({MAX_ENTRY_BYTES} bytes)")
         name = self._name(key)
         with self._key_lock(key):
-            return self._publish(self.directory(), name, key, lambda tmp: tmp.write_bytes(data))[0]
+            try:
+                return self._publish(self.directory(), name, key, lambda tmp: tmp.write_bytes(data))[0]
+            except CacheError:
+                raise
+            except OSError as e:  # the cache's own write failed: the cache's error (an OSError too)
+                raise CacheError(f"polyjit compile cache: cannot publish {name}: {e}") from e
 
     @contextlib.contextmanager
     def _key_lock(self, key: str) -> Iterator[None]:
