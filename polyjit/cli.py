@@ -141,7 +141,10 @@ def cmd_cache(args: argparse.Namespace) -> int:
     info = cache_info()
     print(f"compile cache: {info['directory']}")
     for space, counts in info["namespaces"].items():  # type: ignore[attr-defined]
-        print(f"  {space:10s} {counts['entries']:6d} entries  {fmt_bytes(counts['bytes'])}")
+        line = f"  {space:10s} {counts['entries']:6d} entries  {fmt_bytes(counts['bytes'])}"
+        if counts.get("orphans"):  # an entry without its hash, or a hash without its entry
+            line += f"; {counts['orphans']} orphaned files {fmt_bytes(counts['orphan_bytes'])}"
+        print(line)
     return 0
 
 

@@ -70,6 +70,11 @@ def _writer(data: bytes, calls: list[int] | None = None) -> Callable[[Path], Non
     return build
 
 
+def _counts(entries: int, size: int, **more: int) -> dict[str, int]:
+    """A namespace's counts as cache_info gives them: the others are 0 unless given."""
+    return {"entries": entries, "bytes": size, "orphans": 0, "orphan_bytes": 0, **more}
+
+
 def _mode(path: Path) -> int:
     return stat.S_IMODE(os.stat(path).st_mode)
 
@@ -369,7 +374,7 @@ def test_clear_removes_only_what_the_cache_wrote(cache_root: Path, tmp_path: Pat
     (cache_root / "t" / "notes.txt").write_text("mine")
     tmp_file = cache_root / "t" / f".{'a' * 40}.bin.x7k2_abc.bin"
     tmp_file.write_bytes(b"half written")
-    assert cache_mod.cache_info()["namespaces"] == {"t": {"entries": 1, "bytes": 4}}
+    assert cache_mod.cache_info()["namespaces"] == {"t": _counts(1, 4)}
     assert cache_mod.cache_clear() == 1
     left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
     assert left == [f"cache/{cache_mod.NAMESPACES_FILE}", "cache/project/main.py", "cache/t/notes.txt",
@@ -409,14 +414,14 @@ def test_clear_in_a_root_that_holds_the_users_files_removes_only_real_entries(ca
         (cache_root / name).write_bytes(data)
     t, cpu = BinaryCache("t", ".bin"), BinaryCache("cpu", ".so")
     entries = [t.put(K, b"one"), t.put(K1, b"two"), cpu.put(KA, b"three")]
-    assert cache_mod.cache_info()["namespaces"] == {"cpu": {"entries": 1, "bytes": 5},
-                                                    "t": {"entries": 2, "bytes": 6}}
+    assert cache_mod.cache_info()["namespaces"] == {"cpu": _counts(1, 5),
+                                                    "t": _counts(2, 6)}
     assert cache_mod.cache_clear() == 3
     for name, data in users.items():
         assert (cache_root / name).read_bytes() == data, name
     assert not any(p.exists() or _sidecar(p).exists() for p in entries)
-    assert cache_mod.cache_info()["namespaces"] == {"cpu": {"entries": 0, "bytes": 0},
-                                                    "t": {"entries": 0, "bytes": 0}}
+    assert cache_mod.cache_info()["namespaces"] == {"cpu": _counts(0, 0),
+                                                    "t": _counts(0, 0)}
 
 
 def test_a_key_not_of_content_keys_form_is_refused(cache_root: Path) -> None:
@@ -442,7 +447,7 @@ def test_clear_empties_the_namespace_handed_to_pocl_and_follows_no_link(cache_ro
     (outside / "precious.txt").write_text("keep")
     (program / "linked").symlink_to(outside)
     (cache_root / "pocl" / "file_link").symlink_to(outside / "precious.txt")
-    assert cache_mod.cache_info()["namespaces"] == {"pocl": {"entries": 3, "bytes": 9}}
+    assert cache_mod.cache_info()["namespaces"] == {"pocl": _counts(3, 9)}
     assert cache_mod.cache_clear() == 3
     # the marker stays: a running process's PoCL may still write there
     assert [p.name for p in (cache_root / "pocl").iterdir()] == [cache_mod.HANDED_OVER_MARKER]
@@ -462,7 +467,7 @@ def test_clear_leaves_a_pocl_directory_polyjit_never_handed_over(
     monkeypatch.setenv("POCL_CACHE_DIR", str(cache_root.parent / "pocl_elsewhere"))
     platforms._private_pocl_cache()  # the user chose PoCL's place: nothing handed over
     assert os.environ["POCL_CACHE_DIR"] == str(cache_root.parent / "pocl_elsewhere")
-    assert cache_mod.cache_info()["namespaces"] == {"pocl": {"entries": 0, "bytes": 0}}
+    assert cache_mod.cache_info()["namespaces"] == {"pocl": _counts(0, 0)}
     assert cache_mod.cache_clear() == 0
     assert (cache_root / "pocl" / "src" / "important.c").exists()
     assert (cache_root / "pocl" / "README").exists()
@@ -488,7 +493,7 @@ def test_clear_empties_the_pocl_directory_polyjit_handed_over(
     kernel = cache_root / "pocl" / "AB" / "CDEF"
     kernel.mkdir(parents=True)
     (kernel / "program.so").write_bytes(b"native")
-    assert cache_mod.cache_info()["namespaces"] == {"pocl": {"entries": 1, "bytes": 6}}
+    assert cache_mod.cache_info()["namespaces"] == {"pocl": _counts(1, 6)}
     assert cache_mod.cache_clear() == 1
     assert not (cache_root / "pocl" / "AB").exists()
 
@@ -897,3 +902,37 @@ def test_a_linker_killed_for_the_file_size_limit_is_out_of_room(tmp_path: Path) 
     log = "collect2: fatal error: ld terminated with signal 25 [File size limit exceeded]"
     reason = cache_mod._no_room(tmp_path, CompileError("C compiler failed", log=log))
     assert reason == "File size limit exceeded"
+
+
+def test_an_entry_whose_hash_cannot_be_written_is_not_left_behind(cache_root: Path) -> None:
+    """Found by review: the binary was published before its hash was written; when that failed
+    (no inode left, the hash's name taken) the binary stayed without its hash, for ever (nothing
+    trusts it, and `cache clear` did not see it), and the warning said the entry "cannot be
+    replaced". The hash is written first and renamed second; if that rename fails, the binary
+    is taken back, and the warning says what failed."""
+    cache = BinaryCache("t", ".bin")
+    path = cache.path_for(K)
+    _sidecar(path).mkdir()  # the hash's name taken
+    with pytest.warns(CacheDirWarning, match="its hash cannot be written"):
+        got = cache.get_or_build_bytes(K, _writer(b"data"))
+    assert got == b"data" and not path.exists()
+    assert [p.name for p in (cache_root / "t").iterdir()] == [_sidecar(path).name]
+
+
+def test_info_and_clear_see_orphans(cache_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An entry without its hash (a process killed between the two renames) or a hash without
+    its entry: `cache info` counts them, `cache clear` removes them (it saw neither)."""
+    cache = BinaryCache("t", ".bin")
+    cache.put(K, b"entry")
+    orphan = cache.path_for(K1)
+    orphan.write_bytes(b"no hash")
+    lone = _sidecar(cache.path_for(KA))
+    lone.write_text(f"{_sha(b'gone')}  {cache.path_for(KA).name}\n")
+    assert cache_mod.cache_info()["namespaces"] == {"t": _counts(1, 5, orphans=2, orphan_bytes=7 + lone.stat().st_size)}
+    from polyjit.cli import main
+
+    assert main(["cache", "info"]) == 0
+    line = capsys.readouterr().out.splitlines()[1]
+    assert "1 entries" in line and "; 2 orphaned files" in line, line
+    assert cache_mod.cache_clear() == 3
+    assert list((cache_root / "t").iterdir()) == []

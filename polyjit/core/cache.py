@@ -469,17 +469,6 @@ def _unchanged(seen: _Seen) -> bool:
     return not _file_problem(st) and _ident(st) == seen.ident
 
 
-def _write_sidecar(path: Path, line: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}{HASH_SUFFIX}.", dir=path.parent)
-    try:
-        with open(fd, "w", encoding="ascii") as f:
-            f.write(line)
-        os.replace(tmp, f"{path}{HASH_SUFFIX}")
-    finally:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-
-
 def _no_room(directory: Path, error: BaseException) -> str | None:
     """Why a build failed for want of room (or write access) in directory, or None."""
     if isinstance(error, OSError):
@@ -538,10 +527,37 @@ def _open_built(tmp: str, name: str) -> tuple[int, bytes]:
     return fd, data
 
 
+class _HashNotWritten(OSError):
+    """The entry's hash could not be written: the entry is not published (or unpublished again)."""
+
+
 def _commit(fd: int, tmp: str, path: Path, data: bytes) -> _Ident:
-    """Publish tmp (open as fd, holding data, in path's directory) as path, then its sidecar."""
-    os.replace(tmp, path)  # the binary first: a reader never trusts it before its hash lands
-    _write_sidecar(path, _digest_line(path.name, data))
+    """Publish tmp (open as fd, holding data, in path's directory) as path, then its sidecar.
+    The sidecar is written (to its own temporary file) before the binary is renamed, and if its
+    rename fails the binary just published is removed again: no binary is left without its hash
+    (a failed sidecar write used to leave one that nothing could trust or clear)."""
+    try:
+        side_fd, side_tmp = tempfile.mkstemp(prefix=f".{path.name}{HASH_SUFFIX}.", dir=path.parent)
+    except OSError as e:
+        raise _HashNotWritten(e.errno, e.strerror) from e
+    try:
+        try:
+            with open(side_fd, "w", encoding="ascii") as f:
+                f.write(_digest_line(path.name, data))
+        except OSError as e:
+            raise _HashNotWritten(e.errno, e.strerror) from e
+        os.replace(tmp, path)  # the binary first: a reader never trusts it before its hash lands
+        try:
+            os.replace(side_tmp, f"{path}{HASH_SUFFIX}")
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                here, mine = os.lstat(path), os.fstat(fd)
+                if (here.st_dev, here.st_ino) == (mine.st_dev, mine.st_ino):  # not another's since
+                    os.unlink(path)
+            raise _HashNotWritten(e.errno, e.strerror) from e
+    finally:
+        if os.path.lexists(side_tmp):
+            os.unlink(side_tmp)
     return _ident(os.fstat(fd))  # the published inode (the rename changed its ctime)
 
 
@@ -736,8 +752,10 @@ class BinaryCache:
             try:
                 ident = _commit(fd, tmp, directory / name, data)
             except OSError as e:
-                # E.g. the entry's name is taken by a directory: keep the build, publish it privately.
-                _warn(directory / name, f"it cannot be replaced ({e.strerror or e})")
+                # E.g. the entry's name (or its hash's) is taken by a directory, or no inode is
+                # left for the hash: keep the build, publish it privately.
+                what = "its hash cannot be written" if isinstance(e, _HashNotWritten) else "it cannot be replaced"
+                _warn(directory / name, f"{what} ({e.strerror or e})")
                 directory = self._fallback_dir()
                 ident = self._write_new(directory, name, data)
             finally:
@@ -828,13 +846,23 @@ class _Space:
 
 class _Contents(NamedTuple):
     entries: list[str]  # entries with their hash beside them
+    orphans: list[str]  # an entry without its hash, or a hash without its entry
     temporary: list[str]  # the cache's temporary files
 
 
 def _contents(files: dict[str, os.stat_result]) -> _Contents:
-    entries = [n for n in files if _ENTRY_RE.fullmatch(n) and not n.endswith(HASH_SUFFIX)
-               and f"{n}{HASH_SUFFIX}" in files]
-    return _Contents(sorted(entries), sorted(n for n in files if _TMP_RE.fullmatch(n)))
+    entries, orphans = [], []
+    for n in files:
+        if not _ENTRY_RE.fullmatch(n):
+            continue
+        if n.endswith(HASH_SUFFIX):
+            if n[: -len(HASH_SUFFIX)] not in files:
+                orphans.append(n)
+        elif f"{n}{HASH_SUFFIX}" in files:
+            entries.append(n)
+        else:
+            orphans.append(n)
+    return _Contents(sorted(entries), sorted(orphans), sorted(n for n in files if _TMP_RE.fullmatch(n)))
 
 
 def _marked(space: Path) -> bool:
@@ -883,29 +911,35 @@ def _handed_over_files(space: Path) -> list[os.stat_result]:
 
 
 def cache_info() -> dict[str, object]:
-    """What the compile cache holds: its directory and, per namespace, entries and bytes
-    (for a namespace handed over to another program: its files)."""
+    """What the compile cache holds: its directory and, per namespace, its entries and their
+    bytes, and its orphans (an entry without its hash, or a hash without its entry, which
+    ``clear`` removes too) and theirs; for a namespace handed over to another program, its
+    files."""
     root = cache_dir()
     spaces: dict[str, dict[str, int]] = {}
     for space in _namespaces(root):
         if space.name in HANDED_OVER and _marked(space):
             sizes = [st.st_size for st in _handed_over_files(space)]
-        else:
-            try:
-                opened = _Space(space)
-            except OSError:
-                continue  # removed (or swapped for a link) meanwhile
-            with opened:
-                files = opened.files()
-            sizes = [files[n].st_size for n in _contents(files).entries]
-        spaces[space.name] = {"entries": len(sizes), "bytes": sum(sizes)}
+            spaces[space.name] = {"entries": len(sizes), "bytes": sum(sizes), "orphans": 0, "orphan_bytes": 0}
+            continue
+        try:
+            opened = _Space(space)
+        except OSError:
+            continue  # removed (or swapped for a link) meanwhile
+        with opened:
+            files = opened.files()
+        found = _contents(files)
+        spaces[space.name] = {
+            "entries": len(found.entries), "bytes": sum(files[n].st_size for n in found.entries),
+            "orphans": len(found.orphans), "orphan_bytes": sum(files[n].st_size for n in found.orphans),
+        }
     return {"directory": str(root), "namespaces": spaces}
 
 
 def cache_clear() -> int:
     """Remove every entry of the compile cache (this user's own directory), and only what the
-    cache wrote or handed over; returns how many entries (files, in a handed-over namespace).
-    Processes running keep what they loaded."""
+    cache wrote or handed over; returns how many entries and orphans (files, in a handed-over
+    namespace). Processes running keep what they loaded."""
     removed = 0
     for space in _namespaces(cache_dir()):
         if space.name in HANDED_OVER and _marked(space):  # the other program's alone: all of it
@@ -927,6 +961,9 @@ def cache_clear() -> int:
             for name in found.entries:
                 opened.unlink(name)
                 opened.unlink(f"{name}{HASH_SUFFIX}")
+                removed += 1
+            for name in found.orphans:
+                opened.unlink(name)
                 removed += 1
             for name in found.temporary:
                 opened.unlink(name)
