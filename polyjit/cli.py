@@ -144,6 +144,8 @@ def cmd_cache(args: argparse.Namespace) -> int:
         line = f"  {space:10s} {counts['entries']:6d} entries  {fmt_bytes(counts['bytes'])}"
         if counts.get("orphans"):  # an entry without its hash, or a hash without its entry
             line += f"; {counts['orphans']} orphaned files {fmt_bytes(counts['orphan_bytes'])}"
+        if counts.get("temporary"):  # builds in progress, or left by a killed process
+            line += f"; {counts['temporary']} temporary files {fmt_bytes(counts['temporary_bytes'])}"
         print(line)
     return 0
 

@@ -72,7 +72,8 @@ def _writer(data: bytes, calls: list[int] | None = None) -> Callable[[Path], Non
 
 def _counts(entries: int, size: int, **more: int) -> dict[str, int]:
     """A namespace's counts as cache_info gives them: the others are 0 unless given."""
-    return {"entries": entries, "bytes": size, "orphans": 0, "orphan_bytes": 0, **more}
+    return {"entries": entries, "bytes": size, "orphans": 0, "orphan_bytes": 0, "temporary": 0,
+            "temporary_bytes": 0, **more}
 
 
 def _mode(path: Path) -> int:
@@ -374,7 +375,8 @@ def test_clear_removes_only_what_the_cache_wrote(cache_root: Path, tmp_path: Pat
     (cache_root / "t" / "notes.txt").write_text("mine")
     tmp_file = cache_root / "t" / f".{'a' * 40}.bin.x7k2_abc.bin"
     tmp_file.write_bytes(b"half written")
-    assert cache_mod.cache_info()["namespaces"] == {"t": _counts(1, 4)}
+    os.utime(tmp_file, (time.time() - 2 * cache_mod.TEMPORARY_AGE,) * 2)  # left by a killed process
+    assert cache_mod.cache_info()["namespaces"] == {"t": _counts(1, 4, temporary=1, temporary_bytes=12)}
     assert cache_mod.cache_clear() == 1
     left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
     assert left == [f"cache/{cache_mod.NAMESPACES_FILE}", "cache/project/main.py", "cache/t/notes.txt",
@@ -936,3 +938,22 @@ def test_info_and_clear_see_orphans(cache_root: Path, capsys: pytest.CaptureFixt
     assert "1 entries" in line and "; 2 orphaned files" in line, line
     assert cache_mod.cache_clear() == 3
     assert list((cache_root / "t").iterdir()) == []
+
+
+def test_clear_removes_old_temporary_files_and_info_shows_them(cache_root: Path) -> None:
+    """Found by review: a process killed mid-compile leaves its temporary files (the build, the
+    C source beside it), which `cache info` did not count ("0 entries 0 B"). Info counts them
+    with their sizes; clear removes those last written over TEMPORARY_AGE ago, never a younger
+    one (a build in progress, which clear used to remove from under its writer)."""
+    space = BinaryCache("cpu", ".so").directory()
+    stale = {f".{K}.so.a1b2c3d4.so": 1000, f".{K}.so.a1b2c3d4.c": 200, f".{K}.so.sha256.zz_9yy8x": 77}
+    live = {f".{K1}.so.e5f6g7h8.so": 3000, f".{K1}.so.e5f6g7h8.c": 300}
+    long_ago = time.time() - cache_mod.TEMPORARY_AGE - 60
+    for name, size in {**stale, **live}.items():
+        (space / name).write_bytes(bytes(size))
+        if name in stale:
+            os.utime(space / name, (long_ago, long_ago))
+    assert cache_mod.cache_info()["namespaces"] == {"cpu": _counts(0, 0, temporary=5, temporary_bytes=4577)}
+    assert cache_mod.cache_clear() == 0
+    assert sorted(p.name for p in space.iterdir()) == sorted(live)
+    assert cache_mod.cache_info()["namespaces"] == {"cpu": _counts(0, 0, temporary=2, temporary_bytes=3300)}

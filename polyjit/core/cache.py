@@ -38,6 +38,7 @@ import shutil
 import stat
 import tempfile
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -55,6 +56,7 @@ __all__ = [
     "MAX_ENTRY_BYTES",
     "NAMESPACES_FILE",
     "POCL_NAMESPACE",
+    "TEMPORARY_AGE",
     "BinaryCache",
     "CacheDirWarning",
     "CacheError",
@@ -790,6 +792,9 @@ class BinaryCache:
 # other files, and the namespace the user's own directory of that name.
 _ENTRY_RE = re.compile(r"[0-9a-f]{40}(?:\.[A-Za-z0-9_]+)*")
 _TMP_RE = re.compile(r"\.[0-9a-f]{40}((?:\.[A-Za-z0-9_]+)*?)\.(?:sha256\.[a-z0-9_]{8}|[a-z0-9_]{8}(?:\1|\.[A-Za-z0-9_]+)?)")
+# `cache clear` removes a temporary file only once it was last written this many seconds ago: a
+# younger one may be a build in progress (a process killed mid-compile leaves its own behind).
+TEMPORARY_AGE = 3600
 _DIR_FDS = (hasattr(os, "O_DIRECTORY") and os.scandir in os.supports_fd
             and os.unlink in os.supports_dir_fd and os.stat in os.supports_dir_fd)
 
@@ -912,15 +917,16 @@ def _handed_over_files(space: Path) -> list[os.stat_result]:
 
 def cache_info() -> dict[str, object]:
     """What the compile cache holds: its directory and, per namespace, its entries and their
-    bytes, and its orphans (an entry without its hash, or a hash without its entry, which
-    ``clear`` removes too) and theirs; for a namespace handed over to another program, its
-    files."""
+    bytes, its orphans (an entry without its hash, or a hash without its entry, which
+    ``clear`` removes too) and its temporary files (a build in progress, or one a killed
+    process left) and theirs; for a namespace handed over to another program, its files."""
     root = cache_dir()
     spaces: dict[str, dict[str, int]] = {}
     for space in _namespaces(root):
         if space.name in HANDED_OVER and _marked(space):
             sizes = [st.st_size for st in _handed_over_files(space)]
-            spaces[space.name] = {"entries": len(sizes), "bytes": sum(sizes), "orphans": 0, "orphan_bytes": 0}
+            spaces[space.name] = {"entries": len(sizes), "bytes": sum(sizes), "orphans": 0, "orphan_bytes": 0,
+                                  "temporary": 0, "temporary_bytes": 0}
             continue
         try:
             opened = _Space(space)
@@ -932,6 +938,8 @@ def cache_info() -> dict[str, object]:
         spaces[space.name] = {
             "entries": len(found.entries), "bytes": sum(files[n].st_size for n in found.entries),
             "orphans": len(found.orphans), "orphan_bytes": sum(files[n].st_size for n in found.orphans),
+            "temporary": len(found.temporary),
+            "temporary_bytes": sum(files[n].st_size for n in found.temporary),
         }
     return {"directory": str(root), "namespaces": spaces}
 
@@ -939,7 +947,8 @@ def cache_info() -> dict[str, object]:
 def cache_clear() -> int:
     """Remove every entry of the compile cache (this user's own directory), and only what the
     cache wrote or handed over; returns how many entries and orphans (files, in a handed-over
-    namespace). Processes running keep what they loaded."""
+    namespace). Its temporary files go too once last written TEMPORARY_AGE seconds ago (a younger
+    one may be a build in progress). Processes running keep what they loaded."""
     removed = 0
     for space in _namespaces(cache_dir()):
         if space.name in HANDED_OVER and _marked(space):  # the other program's alone: all of it
@@ -957,7 +966,8 @@ def cache_clear() -> int:
         except OSError:
             continue  # removed (or swapped for a link) meanwhile
         with opened:
-            found = _contents(opened.files())
+            files = opened.files()
+            found = _contents(files)
             for name in found.entries:
                 opened.unlink(name)
                 opened.unlink(f"{name}{HASH_SUFFIX}")
@@ -965,8 +975,10 @@ def cache_clear() -> int:
             for name in found.orphans:
                 opened.unlink(name)
                 removed += 1
+            old = time.time() - TEMPORARY_AGE
             for name in found.temporary:
-                opened.unlink(name)
+                if files[name].st_mtime < old:  # not a build in progress
+                    opened.unlink(name)
     return removed
 
 
