@@ -125,21 +125,30 @@ def cmd_devices(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shown(text: object, stream: object) -> str:
+    """A path (or a message naming one) as text the stream can always print: bytes of the name
+    that are not UTF-8, and characters the stream cannot encode, as backslash escapes (a strict
+    UTF-8 stdout raised UnicodeEncodeError, after `cache clear` had cleared)."""
+    plain = os.fsencode(str(text)).decode("utf-8", "backslashreplace")
+    encoding = getattr(stream, "encoding", None) or "utf-8"
+    return plain.encode(encoding, "backslashreplace").decode(encoding)
+
+
 def cmd_cache(args: argparse.Namespace) -> int:
-    from polyjit.core.cache import cache_clear, cache_info, refused_cache_dir
+    from polyjit.core.cache import cache_clear, cache_dir, cache_info, refused_cache_dir
 
     refused = refused_cache_dir()
     if refused is not None:  # not the private temporary directory a process would use instead
         place, why = refused
-        print(f"polyjit cache: refusing the configured cache directory {place}: {why}; "
-              f"nothing {'cleared' if args.action == 'clear' else 'to show'} (polyjit compiles into a "
-              "private temporary directory while it is refused)", file=sys.stderr)
+        print(_shown(f"polyjit cache: refusing the configured cache directory {place}: {why}; "
+                     f"nothing {'cleared' if args.action == 'clear' else 'to show'} (polyjit compiles into a "
+                     "private temporary directory while it is refused)", sys.stderr), file=sys.stderr)
         return 1
     if args.action == "clear":
-        print(f"removed {cache_clear()} entries from {cache_info()['directory']}")
+        print(f"removed {cache_clear()} entries from {_shown(cache_dir(), sys.stdout)}")
         return 0
     info = cache_info()
-    print(f"compile cache: {info['directory']}")
+    print(f"compile cache: {_shown(info['directory'], sys.stdout)}")
     for space, counts in info["namespaces"].items():  # type: ignore[attr-defined]
         line = f"  {space:10s} {counts['entries']:6d} entries  {fmt_bytes(counts['bytes'])}"
         if counts.get("orphans"):  # an entry without its hash, or a hash without its entry

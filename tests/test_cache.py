@@ -957,3 +957,23 @@ def test_clear_removes_old_temporary_files_and_info_shows_them(cache_root: Path)
     assert cache_mod.cache_clear() == 0
     assert sorted(p.name for p in space.iterdir()) == sorted(live)
     assert cache_mod.cache_info()["namespaces"] == {"cpu": _counts(0, 0, temporary=2, temporary_bytes=3300)}
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="needs a file system that takes any bytes in a name")
+@pytest.mark.parametrize("action", ["info", "clear"])
+def test_cache_commands_print_a_path_that_is_not_utf8(tmp_path: Path, action: str) -> None:
+    """Found by review: under a strict UTF-8 stdout, a cache directory whose name is not UTF-8
+    made `cache info` and `cache clear` (after clearing) end in a UnicodeEncodeError traceback.
+    The name is printed with the bytes escaped."""
+    root = os.fsdecode(os.fsencode(str(tmp_path)) + b"/bad\xff")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "POLYJIT_CACHE_DIR": root, "PYTHONIOENCODING": "utf-8:strict"}
+    made = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        from polyjit.core.cache import BinaryCache
+        BinaryCache("t", ".bin").put("{K}", b"data")
+    """)], env=env, capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    proc = subprocess.run([sys.executable, "-m", "polyjit", "cache", action], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert "bad\\xff" in proc.stdout, proc.stdout
+    assert ("removed 1 entries" if action == "clear" else "1 entries") in proc.stdout
