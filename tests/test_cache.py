@@ -238,25 +238,50 @@ def test_fifo_in_place_of_an_entry_or_its_hash_is_rebuilt_not_waited_on(cache_ro
 def test_memory_layer_skips_rehash_but_notices_replacement(
     cache_root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(cache_mod, "_UNCHANGED_AFTER_NS", 0)  # nanosecond timestamps (ext4, tmpfs)
     cache = BinaryCache("t", ".bin")
     path = cache.get_or_build(K, _writer(b"AAAA"))
     checks: list[Path] = []
     real = cache_mod._verified
 
-    def counting(p: Path) -> tuple[bytes, cache_mod._Ident] | None:
+    def counting(p: Path) -> tuple[bytes, cache_mod._Ident, int] | None:
         checks.append(p)
         return real(p)
 
     monkeypatch.setattr(cache_mod, "_verified", counting)
     assert cache.get_or_build(K, _writer(b"AAAA")) == path
-    assert checks == []  # verified by this process and unchanged: not hashed again
+    assert checks == [path]  # written, not yet read back: hashed
+    assert cache.get_or_build(K, _writer(b"AAAA")) == path
+    assert checks == [path]  # verified by this process and unchanged since: not hashed again
 
     # Rewritten in place, same size, mtime put back: the ctime still tells.
     st = os.stat(path)
     path.write_bytes(b"BBBB")
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert cache.get_or_build(K, _writer(b"AAAA")) == path
-    assert set(checks) == {path} and cache.compiles == 2 and path.read_bytes() == b"AAAA"
+    assert checks[1:] and set(checks) == {path} and cache.compiles == 2 and path.read_bytes() == b"AAAA"
+
+
+def test_a_rewrite_in_the_same_second_is_noticed_on_a_one_second_file_system(
+    cache_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: on a file system with one-second timestamps (ext4 with 128-byte inodes,
+    ext3, FAT, many NFS servers) a same-size rewrite in the same second keeps every part of
+    the identity, and get_or_build returned the rewritten file unhashed (300 of 300). A file
+    changed less than _UNCHANGED_AFTER_NS before it was verified is hashed again when used."""
+    real = cache_mod._ident
+
+    def one_second(st: os.stat_result) -> cache_mod._Ident:  # what such a file system reports
+        i = real(st)
+        return i._replace(mtime_ns=i.mtime_ns // 10**9 * 10**9, ctime_ns=i.ctime_ns // 10**9 * 10**9)
+
+    monkeypatch.setattr(cache_mod, "_ident", one_second)
+    cache = BinaryCache("t", ".bin")
+    path = cache.get_or_build(K, _writer(b"AAAA"))
+    assert cache.get_or_build(K, _writer(b"AAAA")) == path  # read back and verified
+    path.write_bytes(b"BBBB")  # the same size, almost surely in the same second
+    assert cache.get_or_build(K, _writer(b"AAAA")) == path
+    assert cache.compiles == 2 and path.read_bytes() == b"AAAA"
 
 
 def test_put_publishes_with_a_hash(cache_root: Path) -> None:
