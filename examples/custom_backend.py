@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from polyjit.core.codegen import Dialect, KernelSpec, Source
-from polyjit.core.compile_cache import CachingCompiler, Target
+from polyjit.core.compile_cache import CachingCompiler, SharedLibrary, Target
 from polyjit.core.errors import BackendUnavailableError, CompileError
 from polyjit.core.protocol import DeviceInfo, Driver
 from polyjit.core.runtime import Backend
@@ -152,19 +152,22 @@ class SyncDriver:
         ctypes.memmove(dst[1].address + dst[2], src[1].address + src[2], nbytes)
 
     # code
-    def compile(self, source: Source) -> Path:
-        """The C compiler, through polyjit's verified, content-addressed compile cache: a
-        file, since ctypes loads a path."""
-        return self.compiler.path(source.text)
+    def compile(self, source: Source) -> bytes:
+        """The C compiler, through polyjit's verified, content-addressed compile cache: the
+        binary's verified bytes (never its file's path, which could change before a load)."""
+        return self.compiler.data(source.text)
 
-    def load(self, ordinal: int, binary: Path) -> ctypes.CDLL:
-        return ctypes.CDLL(str(binary))
+    def load(self, ordinal: int, binary: bytes) -> SharedLibrary:
+        return SharedLibrary(binary, "sync")  # dlopen of those very bytes (a sealed memfd)
 
-    def prepare(self, ordinal: int, module: ctypes.CDLL,
+    def unload(self, ordinal: int, module: SharedLibrary) -> None:
+        module.close()
+
+    def prepare(self, ordinal: int, module: SharedLibrary,
                 kernels: Sequence[tuple[KernelSpec, Sequence[tuple[Pool, int]]]]) -> list[tuple[Any, Any]]:
         prepared = []
         for spec, args in kernels:
-            fn = getattr(module, spec.name)
+            fn = getattr(module.lib, spec.name)
             fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
             fn.restype = None
             pointers = (ctypes.c_void_p * max(len(args), 1))(*[pool.address + off for pool, off in args])
