@@ -430,7 +430,7 @@ def test_graph_building_misuse_raises_typed_errors_naming_the_culprit() -> None:
         x.transpose((0, 0))
     assert x.transpose((1, 0)).shape == x.transpose(1, 0).shape == x.T.shape == (4, 3)
     for bad in (lambda: x @ 2.0, lambda: 2.0 @ x, lambda: x @ np.ones((4, 2), np.float32)):
-        with pytest.raises(DTypeMismatchError, match="matmul takes Tensors"):
+        with pytest.raises(DTypeMismatchError, match="matmul takes a Tensor, got"):
             bad()
     mlp = pt.MLP("zero_width", [4, 0, 2])  # a layer with no values initialises (no 1/0)
     assert [p.shape for p in mlp.params][:2] == [(4, 0), (0,)]
