@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import stat
+import struct
 import subprocess
 import sys
 import textwrap
@@ -371,3 +372,16 @@ def test_two_streams_on_one_device(backend: Backend) -> None:
     reader.run()  # on the second stream: waits (device side) for the writes on the first
     np.testing.assert_array_equal(reader.context.read(out), np.full(n, 16, np.float32))
     ctx.finalize()
+
+
+@pytest.mark.parametrize("data", [b"\x01\x02", struct.pack("<Q", 4) + b"ab", b"", struct.pack("<Q", 0),
+                                  struct.pack("<Q", 2) + b"ab" + b"\x07"])
+def test_a_malformed_group_entry_is_a_value_error_the_loader_rebuilds_on(data: bytes) -> None:
+    """Found by the cache review: an entry that matched its hash but was cut inside a length
+    raised struct.error, which the loader (it rebuilds on ValueError) let through: a DriverError
+    on every run, the entry never rebuilt."""
+    from polyjit.backends.opencl.programs import _pack, _unpack
+
+    with pytest.raises(ValueError, match="cached OpenCL entry"):
+        _unpack(data, 1)
+    assert _unpack(_pack([b"one", b"two"]), 2) == [b"one", b"two"]

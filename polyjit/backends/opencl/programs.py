@@ -169,8 +169,12 @@ def _pack(blobs: Sequence[bytes]) -> bytes:
 
 
 def _unpack(data: bytes, count: int) -> list[bytes]:
+    """The device binaries of a group's entry; ValueError (the caller rebuilds) for an entry
+    that is not ``count`` length-prefixed binaries, however it is cut."""
     out, at = [], 0
     while at < len(data):
+        if at + 8 > len(data):  # a length cut short: struct.error, which no caller rebuilt on
+            raise ValueError("a cached OpenCL entry cut short inside a length")
         (n,) = struct.unpack_from("<Q", data, at)
         out.append(data[at + 8 : at + 8 + n])
         at += 8 + n
