@@ -1077,3 +1077,30 @@ def test_a_device_count_below_one_or_not_a_number_is_a_typed_error(monkeypatch: 
     monkeypatch.setenv("POLYJIT_CPU_DEVICES", "two")
     with pytest.raises(BackendUnavailableError, match="whole number, got 'two'"):
         create_backend()
+
+
+_ARM_CORE = """processor\t: {n}
+BogoMIPS\t: 50.00
+Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid{extra}
+CPU implementer\t: 0x41
+CPU architecture: 8
+CPU variant\t: 0x{variant}
+CPU part\t: 0x{part}
+CPU revision\t: 1
+"""
+
+
+def test_arm_hosts_are_told_apart_by_their_cores() -> None:
+    """Found by the cache review: the host's digest (in every kernel's cache key, since kernels
+    are built with -march=native) read only x86's "model name" and "flags", so every Arm host
+    had the same one and a cache copied between two would load code for the other's CPU."""
+    from polyjit.backends.cpu.host import parse_cpuinfo
+
+    a72 = parse_cpuinfo(_ARM_CORE.format(n=0, extra="", variant="0", part="d08"))
+    n1 = parse_cpuinfo(_ARM_CORE.format(n=0, extra=" asimddp sve", variant="3", part="d0c"))
+    big_little = parse_cpuinfo(_ARM_CORE.format(n=0, extra="", variant="0", part="d03")
+                               + "\n" + _ARM_CORE.format(n=1, extra="", variant="0", part="d08"))
+    digests = {a72.digest, n1.digest, big_little.digest}
+    assert len(digests) == 3 and "asimd" in a72.flags and "CPU part 0xd0c" in n1.model
+    x86 = parse_cpuinfo("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx2\n")
+    assert x86.model == "AMD EPYC" and x86.flags == {"fpu", "sse2", "avx2"}

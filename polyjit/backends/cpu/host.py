@@ -39,18 +39,35 @@ class HostCpu:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+# What names an Arm core in /proc/cpuinfo, which has no "model name" or "flags" there (a
+# big.LITTLE system lists two kinds of core: both go into the model).
+_ARM_IDS = ("CPU implementer", "CPU architecture", "CPU variant", "CPU part", "CPU revision")
+
+
+def parse_cpuinfo(text: str) -> HostCpu:
+    """The model and feature flags of ``/proc/cpuinfo``'s text: x86's ``model name`` and
+    ``flags``, Arm's ``Features`` and the ids of each kind of core."""
+    model, flags = "", ""
+    arm: set[str] = set()
+    for line in text.splitlines():
+        key, _, value = (part.strip() for part in line.partition(":"))
+        if key == "model name" and not model:
+            model = value
+        elif key in ("flags", "Features") and not flags:
+            flags = value
+        elif key in _ARM_IDS:
+            arm.add(f"{key} {value}")
+    if not model and arm:
+        model = "; ".join(sorted(arm))
+    return HostCpu(model or platform.processor() or platform.machine(), frozenset(flags.split()))
+
+
 @functools.cache
 def host_cpu() -> HostCpu:
-    model, flags = "", ""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and not model:
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = line.split(":", 1)[1]
+        return parse_cpuinfo(Path("/proc/cpuinfo").read_text())
     except OSError:
-        pass
-    return HostCpu(model or platform.processor() or platform.machine(), frozenset(flags.split()))
+        return parse_cpuinfo("")
 
 
 def cpu_model() -> str:
