@@ -251,3 +251,35 @@ def test_a_binary_replaced_between_compile_and_link_never_runs(tmp_path: Path) -
     assert not marker.exists(), "the replaced file's code ran"
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[9. 9.]"
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+def test_a_child_forked_while_another_thread_held_a_compilers_lock_still_compiles(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """os.fork() copies only the calling thread: a compiler's lock that another thread held at
+    the fork stayed held in the child, whose first compile waited for ever."""
+    import os
+    import time
+
+    monkeypatch.setenv("POLYJIT_CACHE_DIR", str(tmp_path / "cache"))
+    up = Upper()
+    up.data("warm")
+    with up._lock:  # as another thread would hold it, at the moment of the fork
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                code = 0 if up.data("in the child") == b"IN THE CHILD|" else 2
+            finally:
+                os._exit(code)
+    deadline = time.monotonic() + 30
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung on the compiler's lock")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(status) == 0

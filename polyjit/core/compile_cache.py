@@ -28,6 +28,7 @@ import os
 import shutil
 import tempfile
 import threading
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import ClassVar, TypeVar
@@ -39,6 +40,9 @@ __all__ = ["CachingCompiler", "SharedLibrary", "Target"]
 
 Target = tuple[str, ...]  # what one compile is for (the host, an arch, a device group), as strings
 T = TypeVar("T")
+
+
+_compilers: weakref.WeakSet[CachingCompiler] = weakref.WeakSet()  # their locks, new in a forked child
 
 
 class CachingCompiler:
@@ -58,6 +62,7 @@ class CachingCompiler:
         self._memory: collections.OrderedDict[str, bytes] = collections.OrderedDict()
         self._memory_only = 0  # builds kept out of the disk cache (see built_in_memory)
         self._lock = threading.Lock()
+        _compilers.add(self)
 
     # -- what a subclass gives ------------------------------------------------------------
 
@@ -204,4 +209,17 @@ def _private() -> str:
             _private_dir = tempfile.mkdtemp(prefix="polyjit-load-")
             atexit.register(shutil.rmtree, _private_dir, True)
         return _private_dir
+
+
+def _new_locks_in_child() -> None:
+    """os.fork() copies only the calling thread: a lock another thread held at the fork would
+    stay held in the child for ever."""
+    global _private_lock
+    _private_lock = threading.Lock()
+    for compiler in list(_compilers):
+        compiler._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_locks_in_child)
 
