@@ -35,6 +35,7 @@ from polyjit.core.errors import (
     ShapeMismatchError,
     UnknownDeviceError,
 )
+from polyjit.core.interrupts import whole
 from polyjit.core.protocol import MergeBuffer
 from polyjit.core.runtime import (
     Backend,
@@ -304,9 +305,10 @@ class DataParallel:
 
     def _update(self) -> float:
         peeked = self._global_loss
-        for rep in self.replicas:
-            assert rep.update_replay is not None
-            rep.update_replay.replay(None, None if peeked is not None else [rep.loss])  # and the loss out
+        with whole():  # every replica's update or none: Ctrl-C between two would part them for good
+            for rep in self.replicas:
+                assert rep.update_replay is not None
+                rep.update_replay.replay(None, None if peeked is not None else [rep.loss])  # and the loss out
         total = 0.0
         for rep in self.replicas:
             rep.linked.stream.synchronize()

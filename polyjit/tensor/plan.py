@@ -31,6 +31,7 @@ from polyjit.core.errors import (
     ShapeMismatchError,
 )
 from polyjit.core.interop import Exported, dlpack_device
+from polyjit.core.interrupts import whole
 from polyjit.core.ir import MemoryMode, Node
 from polyjit.core.runtime import Backend, Context, Device, Event, Replay, Routine
 from polyjit.tensor.autograd import grad, topo_order
@@ -112,26 +113,28 @@ class _Linked:
         them on the device); the event behind it all."""
         if self.captured is not None:
             return self.captured.full._replay_prepared(arrays, results or ())
-        for node, arr in zip(self.feeds, arrays):
-            base.from_host(node, arr)
-        for r in self.routines:
-            r.run()
-        ctx = self.context
-        for node, arr in zip(self.outputs, results or ()):
-            enqueue_to_host(ctx, node, arr)
-        return ctx.stream.record()
+        with whole():  # routines one by one: Ctrl-C between two would leave a training run half done
+            for node, arr in zip(self.feeds, arrays):
+                base.from_host(node, arr)
+            for r in self.routines:
+                r.run()
+            ctx = self.context
+            for node, arr in zip(self.outputs, results or ()):
+                enqueue_to_host(ctx, node, arr)
+            return ctx.stream.record()
 
     def step(self, base: Context, arrays: Sequence[Array], loss_node: Node, loss: Array) -> Event:
         """A training step: the event behind the loss's copy into ``loss`` (a split step's
         backward pass and update are enqueued behind it)."""
         split = self.captured.split if self.captured is not None else None
-        if split is None:  # the whole, then the loss's copy
-            self.run(base, arrays, None)
-            enqueue_to_host(self.context, loss_node, loss)
-            return self.context.stream.record()
-        head, tail = split
-        ready = head._replay_prepared(arrays, (loss,))
-        tail._replay_prepared()
+        with whole():  # Ctrl-C between the parts would leave the step half applied
+            if split is None:  # the whole, then the loss's copy
+                self.run(base, arrays, None)
+                enqueue_to_host(self.context, loss_node, loss)
+                return self.context.stream.record()
+            head, tail = split
+            ready = head._replay_prepared(arrays, (loss,))
+            tail._replay_prepared()
         return ready
 
     def finalize(self) -> None:
