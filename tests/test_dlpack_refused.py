@@ -9,17 +9,16 @@ import gc
 import os
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 import pytest
+from forking import exit_code
 
 from polyjit import get_backend
 from polyjit.backends.cpu.compiler import c_compiler
@@ -202,17 +201,7 @@ def test_a_child_forked_while_another_thread_held_the_locks_still_exports() -> N
     finally:
         for lock in held:
             lock.release()
-    deadline = time.monotonic() + 30
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            pytest.fail("the forked child hung on a lock its parent's thread held")
-        time.sleep(0.05)
-    assert os.waitstatus_to_exitcode(status) == 0
+    assert exit_code(pid, "on a lock its parent's thread held") == 0
 
 
 def _context_with(node: Node) -> Any:
