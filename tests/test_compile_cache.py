@@ -199,19 +199,28 @@ def _which(value: int) -> str:
 
 def test_libraries_load_their_verified_bytes_and_are_told_apart(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """Loaded from a sealed memfd (or a private file), never the cache's path. The dynamic
-    loader knows a library by the name it was opened by: a memfd whose number an earlier,
-    closed one had was taken for it (/proc/self/fd/N), so each keeps its fd until closed."""
+    """Loaded from a sealed memfd, never the cache's path. The dynamic loader knows a library
+    by the name it was opened by: under /proc/self/fd/N, a later memfd that got the number N
+    was taken for the earlier library (a forked child that closed its fds ran its parent's
+    old code; found by review). Each is opened through a link of a new name, and no fd stays
+    open: loading many libraries keeps the process's fds as they were."""
+    import os
+
     from polyjit.backends.cpu.compiler import CCompiler
+    from polyjit.core import compile_cache
 
     monkeypatch.setenv("POLYJIT_CACHE_DIR", str(tmp_path / "cache"))
     cc = CCompiler(("-O1", "-fPIC", "-shared"), ())
-    one, two = cc.library(_which(1), name="one"), cc.library(_which(2), name="two")
-    one.close()
-    three = cc.library(_which(3), name="three")  # may get the number one had
-    assert (two.lib.which(), three.lib.which()) == (2, 3)
-    two.close()
-    three.close()
+    fds = len(os.listdir("/proc/self/fd"))
+    libs = [cc.library(_which(k), name=f"which{k}") for k in range(40)]
+    assert [lib.lib.which() for lib in libs] == list(range(40))
+    assert len(os.listdir("/proc/self/fd")) == fds
+    for lib in libs:
+        lib.close()
+    # without memfd or /proc (a chroot): through a file of the private directory
+    monkeypatch.setattr(compile_cache, "_through_memfd", lambda *a: (_ for _ in ()).throw(OSError("no /proc")))
+    assert cc.library(_which(77), name="nofd").lib.which() == 77
+    assert not os.listdir(compile_cache._private())  # nothing left there once loaded
 
 
 def test_a_binary_replaced_between_compile_and_link_never_runs(tmp_path: Path) -> None:
@@ -273,3 +282,38 @@ def test_a_child_forked_while_another_thread_held_a_compilers_lock_still_compile
             finally:
                 os._exit(code)
     assert exit_code(pid, "on the compiler's lock") == 0
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+def test_a_child_that_closed_its_fds_loads_its_own_library(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review: a forked child that closed the fds it inherited (as a daemon does)
+    and then loaded new code got its parent's library back, the same /proc/self/fd/N name."""
+    import os
+
+    from polyjit.backends.cpu.compiler import CCompiler
+
+    monkeypatch.setenv("POLYJIT_CACHE_DIR", str(tmp_path / "cache"))
+    cc = CCompiler(("-O1", "-fPIC", "-shared"), ())
+    parents = cc.library(_which(1), name="parents")
+    assert parents.lib.which() == 1
+    two = cc.data(_which(2))  # compiled before the fork: the child only loads
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            from polyjit.core.compile_cache import SharedLibrary
+
+            top = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+            os.closerange(3, top + 1)
+            got = []
+            for low in range(3, top + 2):  # the next fd is each number in turn, the parent's too
+                held = [os.open(os.devnull, os.O_RDONLY) for _ in range(3, low)]
+                lib = SharedLibrary(two, "childs")
+                got.append(lib.lib.which())
+                lib.close()
+                for fd in held:
+                    os.close(fd)
+            code = 0 if set(got) == {2} else 2
+        finally:
+            os._exit(code)
+    assert exit_code(pid, "loading a library") == 0

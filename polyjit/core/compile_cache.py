@@ -139,7 +139,7 @@ class CachingCompiler:
                 self._memory.popitem(last=False)
 
 
-_private_dir: str | None = None
+_private_dir: tuple[int, str] | None = None  # (the process that made it, the directory)
 _private_lock = threading.Lock()
 _library_ids = itertools.count()
 
@@ -150,49 +150,58 @@ class SharedLibrary:
     and ``dlopen`` (another process, a sync tool). ``lib`` is the ctypes handle;
     :meth:`close` dlcloses it.
 
-    On Linux the bytes go into a sealed memfd that ``dlopen`` reads through
-    ``/proc/self/fd/N``. The fd stays open until :meth:`close`: the dynamic loader knows a
-    library by the name it was opened by, and a later memfd that reused the number N would
-    be taken for this one. Elsewhere they go into a file of a private directory (mode 0700)
-    that is removed once loaded."""
+    The bytes go into a sealed memfd, which ``dlopen`` opens through a symbolic link of a
+    private directory (mode 0700) to ``/proc/self/fd/N``; link and fd go once it is loaded.
+    The link's name is new for every library: the dynamic loader knows a library by the name
+    it was opened by, and a later memfd that reused the number N would be taken for an
+    earlier one under ``/proc/self/fd/N``. Without memfd or ``/proc`` (a chroot, a minimal
+    container), the bytes go into a file of that directory instead, removed once loaded."""
 
     def __init__(self, data: bytes, name: str) -> None:
         self.name = name
-        self._fd: int | None = None
-        memfd = getattr(os, "memfd_create", None)
-        if memfd is not None:
-            fd = memfd(f"polyjit-{name}", os.MFD_CLOEXEC | getattr(os, "MFD_ALLOW_SEALING", 0))
-            try:
-                _write_all(fd, data)
-                seals = getattr(os, "F_SEAL_SHRINK", 0) | getattr(os, "F_SEAL_GROW", 0) | \
-                    getattr(os, "F_SEAL_WRITE", 0) | getattr(os, "F_SEAL_SEAL", 0)
-                if seals and hasattr(os, "F_ADD_SEALS"):
-                    import fcntl
-
-                    fcntl.fcntl(fd, os.F_ADD_SEALS, seals)
-                self.lib = ctypes.CDLL(f"/proc/self/fd/{fd}")
-            except BaseException:
-                os.close(fd)
-                raise
-            self._fd = fd
-            return
-        path = os.path.join(_private(), f"{next(_library_ids)}-{os.getpid()}-{name}")
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o700)
+        unique = os.path.join(_private(), f"{os.getpid()}-{next(_library_ids)}-{name}.so")
         try:
-            _write_all(fd, data)
-        finally:
-            os.close(fd)
-        try:
-            self.lib = ctypes.CDLL(path)
-        finally:
-            os.unlink(path)
+            self.lib = _through_memfd(data, name, unique)
+        except OSError:
+            self.lib = _through_file(data, unique)
 
     def close(self) -> None:
-        """dlclose the library (nothing of it may run any more), and let its bytes go."""
+        """dlclose the library: nothing of it may run any more."""
         _ctypes.dlclose(self.lib._handle)
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)
+
+
+def _through_memfd(data: bytes, name: str, link: str) -> ctypes.CDLL:
+    memfd = getattr(os, "memfd_create", None)
+    if memfd is None:
+        raise OSError("no memfd_create here")
+    fd = memfd(f"polyjit-{name}", os.MFD_CLOEXEC | getattr(os, "MFD_ALLOW_SEALING", 0))
+    try:
+        _write_all(fd, data)
+        seals = (getattr(os, "F_SEAL_SHRINK", 0) | getattr(os, "F_SEAL_GROW", 0)
+                 | getattr(os, "F_SEAL_WRITE", 0) | getattr(os, "F_SEAL_SEAL", 0))
+        if seals and hasattr(os, "F_ADD_SEALS"):
+            import fcntl
+
+            fcntl.fcntl(fd, os.F_ADD_SEALS, seals)
+        os.symlink(f"/proc/self/fd/{fd}", link)
+        try:
+            return ctypes.CDLL(link)
+        finally:
+            os.unlink(link)
+    finally:
+        os.close(fd)  # the mapping keeps the memfd's pages
+
+
+def _through_file(data: bytes, path: str) -> ctypes.CDLL:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o700)
+    try:
+        _write_all(fd, data)
+    finally:
+        os.close(fd)
+    try:
+        return ctypes.CDLL(path)
+    finally:
+        os.unlink(path)
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -202,13 +211,21 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def _private() -> str:
-    """A directory only this process made (mode 0700), for loaders without memfd."""
+    """A directory only this process made (mode 0700), removed at its exit: a forked child
+    makes its own (its parent's goes when the parent exits)."""
     global _private_dir
+    pid = os.getpid()
     with _private_lock:
-        if _private_dir is None:
-            _private_dir = tempfile.mkdtemp(prefix="polyjit-load-")
-            atexit.register(shutil.rmtree, _private_dir, True)
-        return _private_dir
+        if _private_dir is None or _private_dir[0] != pid:
+            path = tempfile.mkdtemp(prefix="polyjit-load-")
+            atexit.register(_remove_private, pid, path)
+            _private_dir = (pid, path)
+        return _private_dir[1]
+
+
+def _remove_private(pid: int, path: str) -> None:
+    if os.getpid() == pid:  # a forked child runs its parent's exit hooks too
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _new_locks_in_child() -> None:
