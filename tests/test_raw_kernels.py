@@ -515,3 +515,23 @@ def test_a_raw_kernel_that_writes_part_of_a_new_node_leaves_the_rest_zero(cpu: B
             want = np.zeros(4096)
             want[0], want[-1] = 1.0, 2.0
             np.testing.assert_array_equal(r.context.read(out), want)
+
+
+def test_a_dialect_with_its_own_calling_convention_must_say_how_users_kernels_bind() -> None:
+    """Found by the review of this session's change: the default binding is C's trampoline,
+    which a dialect that spells its own kernel_open would have appended, silently, to its
+    users' kernels. It refuses such a dialect, naming what to override."""
+    from polyjit.core.codegen import Dialect, KernelPlan, KernelSpec, LaunchShape, Names
+    from polyjit.core.errors import UnsupportedError
+
+    class Mine(Dialect):
+        name = "mine"
+
+        def kernel_open(self, spec: KernelSpec, names: Names) -> list[str]:
+            return [f"kernel void {spec.name}(...) {{"]
+
+    spec = KernelSpec("k", (), None, (), LaunchShape(), (), (), KernelPlan(raw.RAW, LaunchShape()))
+    with pytest.raises(UnsupportedError, match=r"override Dialect\.raw_binding"):
+        Mine().raw_binding("kernel void k() {}", spec)
+    text, entry = Dialect().raw_binding("void k(void) {}", spec)
+    assert entry == "pj_raw_k" and "k();" in text

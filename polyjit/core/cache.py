@@ -111,8 +111,9 @@ _KEY_RE = re.compile(r"[0-9a-f]{40}")
 # `cache clear` look in those directories only (and in KNOWN_NAMESPACES and HANDED_OVER), never
 # in the root's other subdirectories: the root may be a directory that holds other files.
 NAMESPACES_FILE = ".polyjit-namespaces"
-# The backends' namespaces, which caches written before NAMESPACES_FILE existed hold.
-KNOWN_NAMESPACES = frozenset({"cpu", "opencl", "cuda"})
+# The namespaces polyjit's own compilers wrote before NAMESPACES_FILE existed: the backends'
+# and the custom-backend example's (examples/custom_backend.py, SyncCompiler).
+KNOWN_NAMESPACES = frozenset({"cpu", "opencl", "cuda", "syncdriver"})
 _NAMESPACES_MAX = 1 << 16  # bytes of NAMESPACES_FILE read
 
 

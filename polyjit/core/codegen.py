@@ -374,7 +374,12 @@ class Dialect:
         calling convention :meth:`kernel_open` spells: the source to compile and its entry
         point. C's passes argument arrays, so a trampoline calls the user's function with
         them unpacked; a dialect whose kernels take their parameters as declared (OpenCL,
-        CUDA) returns the text as it is. A dialect that overrides one overrides both."""
+        CUDA) returns the text as it is. A dialect that overrides one overrides both: this
+        default refuses a dialect whose kernel_open is its own."""
+        if type(self).kernel_open is not Dialect.kernel_open:
+            raise UnsupportedError(
+                f"dialect {self.name!r} spells its own calling convention (kernel_open) but not how a "
+                "user's kernel is bound to it: override Dialect.raw_binding to take users' kernels")
         return c_trampoline(text, spec, ranged=self.ranged)
 
     def emit_kernel(self, em: Emitter, kernel: Kernel, spec: KernelSpec, names: Names) -> list[str]:

@@ -7,7 +7,7 @@ step half applied (an optimizer's step count advanced without its update; one re
 updated and not the others, for good). Inside :func:`whole`, the interrupt is held and
 raised when the block ends, with every part enqueued.
 
-The mechanism costs a step under half a microsecond (two thread-id checks and a counter). The first time a block runs on the main
+The mechanism costs a step about half a microsecond (two thread-id checks and a counter). The first time a block runs on the main
 thread while SIGINT has Python's default handler, a handler of this module takes its place
 for good: outside a block it raises KeyboardInterrupt as the default does (so
 ``signal.getsignal(SIGINT)`` is this module's ``_on_sigint``); a program that set its own
@@ -31,7 +31,7 @@ _installed = False
 
 def _on_sigint(signum: int, frame: FrameType | None) -> None:
     global _held
-    if _depth:
+    if _depth and _held is None:  # a second Ctrl-C is not held: a part stuck in a wait can be left
         _held = (signum, frame)
         return
     signal.default_int_handler(signum, frame)
