@@ -31,6 +31,7 @@ from polyjit.core import ir
 from polyjit.core.dtypes import DType, as_dtype, is_int
 from polyjit.core.errors import (
     DTypeMismatchError,
+    FinalizedError,
     InvalidProgramError,
     ShapeMismatchError,
     UnknownDeviceError,
@@ -171,6 +172,7 @@ class DataParallel:
         self._broadcast: list[TransferRoutine] = []
         self._link_allreduce()
         self.steps = 0
+        self._closed = False
         self.timings: dict[str, list[float]] = {"compute": [], "allreduce": [], "update": []}
         if self.comm is not None:
             self.timings["mpi"] = []  # the MPI all-reduce alone (inside "allreduce")
@@ -328,6 +330,7 @@ class DataParallel:
         ``comm``, an error on one rank before the all-reduce between the ranks is raised on
         every rank in this step: that rank's own error there, CollectiveRefusedError naming it
         elsewhere; no replica applies the step."""
+        self._check_open("step()")
         self._guarded(lambda: self._compute(inputs))
         self._allreduce()
         return self._update()
@@ -335,6 +338,7 @@ class DataParallel:
     @serialized
     def step_profiled(self, **inputs: Any) -> float:
         """Like step(), with a sync between phases; the times go to ``self.timings``."""
+        self._check_open("step_profiled()")
         t0 = time.perf_counter()
         self._guarded(lambda: self._compute(inputs, sync=True))
         t1 = time.perf_counter()
@@ -356,19 +360,29 @@ class DataParallel:
     @serialized
     def state_dict(self, replica: int = 0) -> dict[str, Array]:
         """Parameters and optimizer state of one replica, by name."""
+        self._check_open("state_dict()")
         return self._replica(replica).state.state_dict(self.persistent)
 
     @serialized
     def load_state_dict(self, values: Mapping[str, Any], strict: bool = True) -> None:
         """Set parameters and optimizer state on every replica (checked as Plan.load_state_dict
         checks them: on an error nothing has changed)."""
+        self._check_open("load_state_dict()")
         stage_state(self.persistent, values, strict, "this data_parallel")  # check first
         for rep in self.replicas:
             rep.state.load_state_dict(self.persistent, values, strict, "this data_parallel")
 
     @serialized
     def parameters(self, replica: int = 0) -> dict[str, Array]:
+        self._check_open("parameters()")
         return self._replica(replica).state.state_dict(self.params)
+
+    def _check_open(self, call: str) -> None:
+        """Refuse ``call`` on a closed data_parallel by the name of what was called, as a
+        Plan's calls are (its replicas' memory was freed)."""
+        if self._closed:
+            raise FinalizedError(f"{self!r}: {call} after close(): its replicas' device memory was freed; "
+                                 "make a new data_parallel")
 
     def _replica(self, k: int) -> _Replica:
         n = len(self.replicas)
@@ -381,6 +395,7 @@ class DataParallel:
         """The largest difference of any parameter between the ranks (0.0: equal; NaN when a
         parameter is NaN on any rank: MPI's max and min may drop a NaN, so it is counted
         apart); a collective call with ``comm`` (every rank calls it), 0.0 without."""
+        self._check_open("rank_spread()")
         if self.comm is None:
             return 0.0
         diffs, nan = [0.0], False
@@ -399,6 +414,7 @@ class DataParallel:
         """The largest difference of any parameter between replica 0 and another of this
         process (0.0: equal; NaN when a parameter of any replica is NaN);
         :meth:`rank_spread` compares the ranks."""
+        self._check_open("replica_spread()")
         ref = self.parameters(0)
         diffs = [0.0]
         for k in range(len(self.replicas)):  # replica 0 against itself: NaN where it holds one
@@ -410,6 +426,8 @@ class DataParallel:
         """Put the parameters and optimizer state back to their initial values on every
         replica, and the state of every plan compiled with ``share=`` this (their own
         parameters and optimizer state)."""
+        self._check_open("reset()")
+
         def replicas() -> None:
             for rep in self.replicas:
                 rep.state.reset(self.persistent)
@@ -417,6 +435,7 @@ class DataParallel:
 
     @serialized
     def close(self) -> None:
+        self._closed = True
         for rep in self.replicas:
             rep.device.synchronize()
             for replay in (rep.compute_replay, rep.update_replay):

@@ -3,6 +3,7 @@ one device."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -306,3 +307,24 @@ def test_ctrl_c_between_two_replicas_updates_keeps_them_equal(three_devices: Bac
         np.testing.assert_array_equal(dp.parameters()[k], v, err_msg=k)
     dp.close()
     ref.close()
+
+
+def test_calls_on_a_closed_data_parallel_name_the_call(three_devices: Backend) -> None:
+    """As a Plan's do: a FinalizedError saying which call came after close() (they named an
+    internal replay or context)."""
+    from polyjit.core.errors import FinalizedError
+
+    w = pt.param("closed_w", (4, 1))
+    dp = pt.data_parallel(lambda x: pt.mean((x @ w) ** 2), {"x": ((4, 4), "float32")},
+                          optimizer=pt.SGD(0.1), devices=three_devices.devices()[:2])
+    x = np.ones((4, 4), np.float32)
+    dp.step(x=x)
+    dp.close()
+    calls = {"step()": lambda: dp.step(x=x), "step_profiled()": lambda: dp.step_profiled(x=x),
+             "state_dict()": dp.state_dict, "load_state_dict()": lambda: dp.load_state_dict({}, strict=False),
+             "parameters()": dp.parameters, "rank_spread()": dp.rank_spread,
+             "replica_spread()": dp.replica_spread, "reset()": dp.reset}
+    for call, fn in calls.items():
+        with pytest.raises(FinalizedError, match=rf"{re.escape(call)} after close\(\)"):
+            fn()
+    dp.close()  # again: fine
