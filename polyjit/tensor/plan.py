@@ -358,9 +358,11 @@ class Plan:
         check_names(inputs, self._input_names, "plan inputs")
         arrays = []
         for f in self._feeds:
-            given = inputs[f.name]
-            arr = f.host_array(given, np.empty_like(f.staging))
-            arrays.append(arr.copy() if arr is given else arr)
+            mine = np.empty_like(f.staging)
+            arr = f.host_array(inputs[f.name], mine)
+            if arr is not mine:  # the caller's own array, which fits: copied into ours
+                np.copyto(mine, arr)
+            arrays.append(mine)
         return arrays
 
     def _run(self, arrays: Sequence[Array], results: Sequence[Array] | None) -> Event:
