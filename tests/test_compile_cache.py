@@ -76,6 +76,25 @@ def test_keys_cover_source_target_and_identity() -> None:
     assert len(list(Path(c.disk.directory()).glob("*.up"))) == 2
 
 
+class Parts(Upper):
+    """An Upper whose identity is any tuple of parts (say, a list of libraries)."""
+
+    def __init__(self, *parts: str) -> None:
+        super().__init__()
+        self.parts = parts
+
+    def identity(self) -> tuple[str, ...]:
+        return self.parts
+
+
+def test_no_two_identities_and_targets_share_a_key() -> None:
+    # the key once put a "|" part between identity, target and source: an identity ending in
+    # "|" and a target starting with one made the same parts
+    assert Parts("a", "|").key("x", ()) != Parts("a").key("x", ("|",))
+    assert Parts("a", "|", "b").key("x", ()) != Parts("a").key("x", ("b",))
+    assert Parts().key("x", ("a",)) != Parts("a").key("x", ())
+
+
 def test_a_damaged_entry_is_rebuilt_never_used(cache_dir: Path) -> None:
     c = Upper()
     c.data("abc")

@@ -83,7 +83,10 @@ class CachingCompiler:
         return self.disk.compiles + self._memory_only
 
     def key(self, text: str, target: Target = ()) -> str:
-        return content_key(self.namespace, *self.identity(), "|", *target, "|", text)
+        # each run of parts led by its count: no identity and target can split into another's
+        # (a "|" between them could: identity (a, |) and target (|) made the same parts)
+        identity = self.identity()
+        return content_key(self.namespace, str(len(identity)), *identity, str(len(target)), *target, text)
 
     def path(self, text: str, target: Target = ()) -> Path:
         """The file of the binary, verified now. A loader that takes a path (``dlopen``) must not
