@@ -134,21 +134,29 @@ def _shown(text: object, stream: object) -> str:
     return plain.encode(encoding, "backslashreplace").decode(encoding)
 
 
+_REFUSED_SAYS = {"info": "to show", "clear": "cleared", "trim": "trimmed"}
+
+
 def cmd_cache(args: argparse.Namespace) -> int:
-    from polyjit.core.cache import cache_clear, cache_dir, cache_info, refused_cache_dir
+    from polyjit.core.cache import cache_clear, cache_dir, cache_info, cache_trim, refused_cache_dir
 
     refused = refused_cache_dir()
     if refused is not None:  # not the private temporary directory a process would use instead
         place, why = refused
         print(_shown(f"polyjit cache: refusing the configured cache directory {place}: {why}; "
-                     f"nothing {'cleared' if args.action == 'clear' else 'to show'} (polyjit compiles into a "
+                     f"nothing {_REFUSED_SAYS[args.action]} (polyjit compiles into a "
                      "private temporary directory while it is refused)", sys.stderr), file=sys.stderr)
         return 1
     if args.action == "clear":
         print(f"removed {cache_clear()} entries from {_shown(cache_dir(), sys.stdout)}")
         return 0
+    if args.action == "trim":
+        print(f"removed {cache_trim()} least recently used entries from {_shown(cache_dir(), sys.stdout)}")
+        return 0
     info = cache_info()
-    print(f"compile cache: {_shown(info['directory'], sys.stdout)}")
+    bound = info["max_bytes"]
+    limit = "no bound" if bound is None else f"bound {fmt_bytes(bound)}"  # type: ignore[arg-type]
+    print(f"compile cache: {_shown(info['directory'], sys.stdout)} ({limit}, $POLYJIT_CACHE_MAX_BYTES)")
     for space, counts in info["namespaces"].items():  # type: ignore[attr-defined]
         line = f"  {space:10s} {counts['entries']:6d} entries  {fmt_bytes(counts['bytes'])}"
         if counts.get("orphans"):  # an entry without its hash, or a hash without its entry
@@ -212,8 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(m)
     m.set_defaults(func=cmd_demo)
-    c = sub.add_parser("cache", help="what the compile cache holds (info), or empty it (clear)")
-    c.add_argument("action", choices=("info", "clear"), nargs="?", default="info")
+    c = sub.add_parser("cache", help="what the compile cache holds (info), empty it (clear), or remove its "
+                       "least recently used entries down to 80%% of its bound (trim)")
+    c.add_argument("action", choices=("info", "clear", "trim"), nargs="?", default="info")
     c.set_defaults(func=cmd_cache)
     g = sub.add_parser("gpucheck", help="everything a first run on a GPU checks, into one report")
     g.add_argument("rest", nargs=argparse.REMAINDER)

@@ -168,7 +168,7 @@ def test_cache_info_and_clear_see_every_namespace(cache_dir: Path) -> None:
     assert not list((cache_dir / "upper").glob("*.up"))
 
 
-@pytest.mark.parametrize("action", ["clear", "info"])
+@pytest.mark.parametrize("action", ["clear", "info", "trim"])
 def test_cache_commands_say_a_refused_directory_is_refused(tmp_path: Path, action: str) -> None:
     """Found by review: with an unsafe POLYJIT_CACHE_DIR, ``polyjit cache clear`` printed "removed
     0 entries from /tmp/polyjit-cache-..." (the private directory it falls back to) and exit 0."""
@@ -176,13 +176,14 @@ def test_cache_commands_say_a_refused_directory_is_refused(tmp_path: Path, actio
     shared.mkdir()
     shared.chmod(0o777)
     (shared / "keep").write_text("not the cache's")
+    says = {"info": "to show", "clear": "cleared", "trim": "trimmed"}[action]
     env = {"POLYJIT_CACHE_DIR": str(shared), "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
     proc = subprocess.run([sys.executable, "-m", "polyjit", "cache", action], env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 1 and proc.stdout == "", proc.stdout
     assert proc.stderr.strip().splitlines() == [
         f"polyjit cache: refusing the configured cache directory {shared}: it is writable by group and "
-        f"others (mode 0777); nothing {'cleared' if action == 'clear' else 'to show'} (polyjit compiles "
+        f"others (mode 0777); nothing {says} (polyjit compiles "
         "into a private temporary directory while it is refused)"]
     assert (shared / "keep").exists()
 

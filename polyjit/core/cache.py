@@ -33,6 +33,7 @@ import errno
 import hashlib
 import hmac
 import os
+import random
 import re
 import shutil
 import stat
@@ -45,14 +46,16 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from polyjit.core.errors import CompileError, PolyjitError
+from polyjit.core.errors import CompileError, InvalidArgumentError, PolyjitError
 from polyjit.core.log import logger
 
 __all__ = [
+    "DEFAULT_MAX_BYTES",
     "HANDED_OVER",
     "HANDED_OVER_MARKER",
     "HASH_SUFFIX",
     "KNOWN_NAMESPACES",
+    "MAX_BYTES_ENV",
     "MAX_ENTRY_BYTES",
     "NAMESPACES_FILE",
     "POCL_NAMESPACE",
@@ -61,8 +64,10 @@ __all__ = [
     "CacheDirWarning",
     "CacheError",
     "cache_dir",
+    "cache_trim",
     "content_key",
     "hand_over",
+    "max_bytes",
 ]
 
 HASH_SUFFIX = ".sha256"
@@ -70,6 +75,15 @@ HASH_SUFFIX = ".sha256"
 # larger file is refused before a byte of it is read, and rebuilt (a sparse 64 GiB file with a
 # well-formed hash beside it was read whole into memory: a MemoryError on every run).
 MAX_ENTRY_BYTES = 1 << 30
+# The bound on what the cache's own entries (binaries and their hashes, in every namespace but
+# those handed over to another program) hold on disk: a long-running service, or a machine that
+# runs many jobs, compiles new shapes for ever. Past it, the least recently used entries go.
+MAX_BYTES_ENV = "POLYJIT_CACHE_MAX_BYTES"
+DEFAULT_MAX_BYTES = 2 << 30
+_TRIM_TO = 0.8  # a trim leaves this fraction of the bound, so the next one is not one entry away
+# An entry's last use is its hash file's mtime, set when a process verifies it from disk, at most
+# this often (a use from a process's memory is not a use of the file).
+_TOUCH_AFTER_NS = 600 * 1_000_000_000
 # Entries each BinaryCache remembers as verified by this process (700 bytes each): a long-running
 # process that builds many distinct sources keeps the newest.
 MEMORY_RECORDS = 4096
@@ -472,7 +486,20 @@ def _verified(path: Path) -> tuple[bytes, _Ident, int] | None:
         os.close(fd)
     if not data or not hmac.compare_digest(hashlib.sha256(data).hexdigest(), expected):
         return None
+    _mark_used(path, since_ns)
     return data, _ident(st), since_ns
+
+
+def _mark_used(path: Path, now_ns: int) -> None:
+    """Record a use of path's entry for the trim's LRU order: its hash file's mtime (not the
+    entry's own, whose identity tells this and other processes it is unchanged)."""
+    side = f"{path}{HASH_SUFFIX}"
+    try:
+        st = os.lstat(side)
+        if st.st_mtime_ns < now_ns - _TOUCH_AFTER_NS and not _file_problem(st):
+            os.utime(side, ns=(now_ns, now_ns), follow_symlinks=False)
+    except (OSError, NotImplementedError):  # NotImplementedError: no lutimes on this platform
+        pass  # the order is a little off: only what a trim removes first changes
 
 
 def _unchanged(seen: _Seen) -> bool:
@@ -781,6 +808,8 @@ class BinaryCache:
                 os.unlink(tmp)
         path = directory / name
         self._remember(key, _Seen(path, ident))
+        if not _in_fallback(directory):
+            _maybe_trim(len(data))
         return path, data
 
     def _write_new(self, directory: Path, name: str, data: bytes) -> _Ident:
@@ -861,6 +890,28 @@ class _Space:
                 os.unlink(self.path / name)
             else:
                 os.unlink(name, dir_fd=self.fd)
+
+    def _lstat(self, name: str) -> os.stat_result:
+        if self.fd is None:
+            return os.lstat(self.path / name)
+        return os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+
+    def remove_entry(self, name: str, st: os.stat_result, used_ns: int) -> bool:
+        """Remove entry ``name`` (listed with stat ``st``, last used at ``used_ns``) and its hash,
+        unless it was used or published again since it was listed. The hash goes first: from then
+        on no process trusts the entry, and one that builds it again meanwhile publishes a new
+        file, which is left (only the listed inode is removed)."""
+        side = f"{name}{HASH_SUFFIX}"
+        try:
+            if self._lstat(side).st_mtime_ns > used_ns:
+                return False  # used (or published) since it was listed
+            self.unlink(side)
+            now = self._lstat(name)
+        except FileNotFoundError:
+            return False
+        if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+            self.unlink(name)
+        return True
 
 
 class _Contents(NamedTuple):
@@ -955,7 +1006,7 @@ def cache_info() -> dict[str, object]:
             "temporary": len(found.temporary),
             "temporary_bytes": sum(files[n].st_size for n in found.temporary),
         }
-    return {"directory": str(root), "namespaces": spaces}
+    return {"directory": str(root), "namespaces": spaces, "max_bytes": max_bytes()}
 
 
 def cache_clear() -> int:
@@ -994,6 +1045,83 @@ def cache_clear() -> int:
                 if files[name].st_mtime < old:  # not a build in progress
                     opened.unlink(name)
     return removed
+
+
+_SIZE_RE = re.compile(r"(\d+(?:\.\d*)?)\s*([kmgt]?)(?:i?b)?", re.IGNORECASE)
+
+
+def max_bytes() -> int | None:
+    """The bound on the cache's own entries on disk: ``$POLYJIT_CACHE_MAX_BYTES`` (bytes, or a
+    number with K, M, G or T: powers of 1024, as ccache's ``max_size``), else DEFAULT_MAX_BYTES;
+    None (no bound) for 0."""
+    text = os.environ.get(MAX_BYTES_ENV, "").strip()
+    if not text:
+        return DEFAULT_MAX_BYTES
+    m = _SIZE_RE.fullmatch(text)
+    if m is None:
+        raise InvalidArgumentError(
+            f"{MAX_BYTES_ENV}={text!r} is not a size: bytes, or a number with K, M, G or T (say 500M), "
+            "or 0 for no bound")
+    value = int(float(m.group(1)) * 1024 ** ("", "k", "m", "g", "t").index(m.group(2).lower()))
+    return value or None
+
+
+def cache_trim(limit: int | None = None) -> int:
+    """When the cache's own entries hold more than ``limit`` bytes (default :func:`max_bytes`),
+    remove the least recently used ones (last verified from disk by any process, or published)
+    until they hold at most 80% of it; returns how many went. Orphans and temporary files last
+    written TEMPORARY_AGE seconds ago go too (a killed build's). The namespaces handed over to
+    another program (PoCL's kernel cache) are not counted or trimmed. Processes running keep
+    what they loaded; one that looks up an entry removed meanwhile compiles it again."""
+    bound = max_bytes() if limit is None else limit
+    if not bound:
+        return 0
+    with contextlib.ExitStack() as stack:
+        found: list[tuple[int, int, _Space, str, os.stat_result]] = []  # (last use, bytes, ...)
+        total = 0
+        for space in _namespaces(cache_dir()):
+            if space.name in HANDED_OVER:
+                continue  # the other program's files, in its own layout
+            try:
+                opened = stack.enter_context(_Space(space))
+            except OSError:
+                continue  # removed (or swapped for a link) meanwhile
+            files = opened.files()
+            contents = _contents(files)
+            old = time.time() - TEMPORARY_AGE  # what a killed build or trim left: no one's now
+            for name in (*contents.orphans, *contents.temporary):
+                if files[name].st_mtime < old:
+                    opened.unlink(name)
+            for name in contents.entries:
+                st, side = files[name], files[f"{name}{HASH_SUFFIX}"]
+                size = st.st_size + side.st_size
+                total += size
+                found.append((max(st.st_mtime_ns, side.st_mtime_ns), size, opened, name, st))
+        if total <= bound:
+            return 0
+        found.sort(key=lambda f: f[0])
+        removed, keep = 0, int(bound * _TRIM_TO)
+        for used, size, opened, name, st in found:
+            if total <= keep:
+                break
+            if opened.remove_entry(name, st, used):
+                removed += 1
+            total -= size  # (one used again meanwhile is kept, and counted as gone: it is new)
+    logger.debug("cache trim: removed %d entries, about %d bytes left (bound %d)", removed, total, bound)
+    return removed
+
+
+def _maybe_trim(written: int) -> None:
+    """After a publish of ``written`` bytes: trim, with the chance that makes one trim for about
+    every sixteenth of the bound written, whichever processes wrote it. A trim lists every entry,
+    so it is not run on every publish, and a count of bytes written kept per process would never
+    reach its mark in processes that each compile a little."""
+    bound = max_bytes()
+    if bound and random.random() < written * 16 / bound:
+        try:
+            cache_trim(bound)
+        except OSError as e:  # a cache that cannot be trimmed still serves
+            logger.debug("cache trim failed: %s", e)
 
 
 # os.fork() copies only the calling thread: a lock another thread held at that moment (a key's
