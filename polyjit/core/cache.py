@@ -980,33 +980,47 @@ def _handed_over_files(space: Path) -> list[os.stat_result]:
     return found
 
 
+def _handed_over_spaces(root: Path) -> list[Path]:
+    """The namespaces under root that polyjit handed whole to another program (and marked)."""
+    return [space for space in _namespaces(root) if space.name in HANDED_OVER and _marked(space)]
+
+
+def _listed_spaces(root: Path, stack: contextlib.ExitStack) -> Iterator[tuple[_Space, dict[str, os.stat_result]]]:
+    """The cache's own namespaces under root (not those handed over), each opened (and closed by
+    ``stack``) and its plain files listed: what ``info``, ``clear`` and ``trim`` walk alike."""
+    handed = set(_handed_over_spaces(root))
+    for space in _namespaces(root):
+        if space in handed:
+            continue
+        try:
+            opened = stack.enter_context(_Space(space))
+        except OSError:
+            continue  # removed (or swapped for a link) meanwhile
+        yield opened, opened.files()
+
+
 def cache_info() -> dict[str, object]:
     """What the compile cache holds: its directory and, per namespace, its entries and their
     bytes, its orphans (an entry without its hash, or a hash without its entry, which
     ``clear`` removes too) and its temporary files (a build in progress, or one a killed
-    process left) and theirs; for a namespace handed over to another program, its files."""
+    process left) and theirs; for a namespace handed over to another program, its files;
+    and the bound (:func:`max_bytes`)."""
     root = cache_dir()
     spaces: dict[str, dict[str, int]] = {}
-    for space in _namespaces(root):
-        if space.name in HANDED_OVER and _marked(space):
-            sizes = [st.st_size for st in _handed_over_files(space)]
-            spaces[space.name] = {"entries": len(sizes), "bytes": sum(sizes), "orphans": 0, "orphan_bytes": 0,
-                                  "temporary": 0, "temporary_bytes": 0}
-            continue
-        try:
-            opened = _Space(space)
-        except OSError:
-            continue  # removed (or swapped for a link) meanwhile
-        with opened:
-            files = opened.files()
-        found = _contents(files)
-        spaces[space.name] = {
-            "entries": len(found.entries), "bytes": sum(files[n].st_size for n in found.entries),
-            "orphans": len(found.orphans), "orphan_bytes": sum(files[n].st_size for n in found.orphans),
-            "temporary": len(found.temporary),
-            "temporary_bytes": sum(files[n].st_size for n in found.temporary),
-        }
-    return {"directory": str(root), "namespaces": spaces, "max_bytes": max_bytes()}
+    for space in _handed_over_spaces(root):
+        sizes = [st.st_size for st in _handed_over_files(space)]
+        spaces[space.name] = {"entries": len(sizes), "bytes": sum(sizes), "orphans": 0, "orphan_bytes": 0,
+                              "temporary": 0, "temporary_bytes": 0}
+    with contextlib.ExitStack() as stack:
+        for opened, files in _listed_spaces(root, stack):
+            found = _contents(files)
+            spaces[opened.path.name] = {
+                "entries": len(found.entries), "bytes": sum(files[n].st_size for n in found.entries),
+                "orphans": len(found.orphans), "orphan_bytes": sum(files[n].st_size for n in found.orphans),
+                "temporary": len(found.temporary),
+                "temporary_bytes": sum(files[n].st_size for n in found.temporary),
+            }
+    return {"directory": str(root), "namespaces": dict(sorted(spaces.items())), "max_bytes": max_bytes()}
 
 
 def cache_clear() -> int:
@@ -1015,23 +1029,18 @@ def cache_clear() -> int:
     namespace). Its temporary files go too once last written TEMPORARY_AGE seconds ago (a younger
     one may be a build in progress). Processes running keep what they loaded."""
     removed = 0
-    for space in _namespaces(cache_dir()):
-        if space.name in HANDED_OVER and _marked(space):  # the other program's alone: all of it
-            removed += len(_handed_over_files(space))
-            for f in space.iterdir():
-                if f.name == HANDED_OVER_MARKER:
-                    continue  # still handed over: a running process's PoCL may write there
-                if stat.S_ISDIR(os.lstat(f).st_mode):
-                    shutil.rmtree(f, ignore_errors=True)  # unlinks links, never follows them
-                else:
-                    f.unlink(missing_ok=True)
-            continue
-        try:
-            opened = _Space(space)
-        except OSError:
-            continue  # removed (or swapped for a link) meanwhile
-        with opened:
-            files = opened.files()
+    root = cache_dir()
+    for space in _handed_over_spaces(root):  # the other program's alone: all of it
+        removed += len(_handed_over_files(space))
+        for f in space.iterdir():
+            if f.name == HANDED_OVER_MARKER:
+                continue  # still handed over: a running process's PoCL may write there
+            if stat.S_ISDIR(os.lstat(f).st_mode):
+                shutil.rmtree(f, ignore_errors=True)  # unlinks links, never follows them
+            else:
+                f.unlink(missing_ok=True)
+    with contextlib.ExitStack() as stack:
+        for opened, files in _listed_spaces(root, stack):
             found = _contents(files)
             for name in found.entries:
                 opened.unlink(name)
@@ -1079,14 +1088,7 @@ def cache_trim(limit: int | None = None) -> int:
     with contextlib.ExitStack() as stack:
         found: list[tuple[int, int, _Space, str, os.stat_result]] = []  # (last use, bytes, ...)
         total = 0
-        for space in _namespaces(cache_dir()):
-            if space.name in HANDED_OVER:
-                continue  # the other program's files, in its own layout
-            try:
-                opened = stack.enter_context(_Space(space))
-            except OSError:
-                continue  # removed (or swapped for a link) meanwhile
-            files = opened.files()
+        for opened, files in _listed_spaces(cache_dir(), stack):
             contents = _contents(files)
             old = time.time() - TEMPORARY_AGE  # what a killed build or trim left: no one's now
             for name in (*contents.orphans, *contents.temporary):
