@@ -256,6 +256,8 @@ class Replay:
         device = self.device
         driver, handle, pools = device.driver, self.stream.handle, device.pool_handle
         with device.lock:  # nothing may be freed, nor the merge buffer move, between the checks and the launch
+            if self.closed:  # again, under the lock: a close() in between destroyed what it launches
+                raise FinalizedError(f"{self!r} was closed")
             for r in self.routines:
                 r.context.check_alive()  # again, under the lock: a finalize() in between freed the pools
                 r.check_merge()

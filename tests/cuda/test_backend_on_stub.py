@@ -4,6 +4,7 @@ copy-out before its DMA, or a missing cross-stream wait shows up as wrong data."
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -14,6 +15,7 @@ from scenarios import f32
 
 from polyjit.backends import cuda
 from polyjit.core import ir
+from polyjit.core.errors import FinalizedError
 from polyjit.core.ir import AccumOp, Op, StaticSymbol, Symbol
 from polyjit.testing.concurrency import close_with_late_work
 
@@ -327,6 +329,35 @@ def test_a_graph_update_that_fails_midway_is_redone_whole(backend: Any, schedule
     np.testing.assert_array_equal(r.context.read(acc), hsrc[1] * 2)
     assert r.context.read(acc2) == hsrc2[1].max()
     plan.close()
+    r.context.finalize()
+    ctx.finalize()
+
+
+def test_a_graph_closed_while_a_replay_checks_is_not_launched(backend: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review: replay() checked `closed` before the device lock, and close() took no
+    lock, so a close on another thread between the two launched a destroyed graph (a
+    DriverError from cuda.core, "Graph has been closed", not FinalizedError)."""
+    x, y = f32("x", (1000,)), f32("y", (1000,))
+    ctx = backend.get_device(0).make_context().init_from_host(x, np.ones(1000, np.float32))
+    r = ctx.link(backend.compile(ir.Comp.of(ir.apply(Op.MUL, x, 2.0, into=y)), name="doubled"))
+    graph = backend.capture([r])
+    graph.replay()
+    check_alive, calls = type(r.context).check_alive, [0]
+
+    def close_meanwhile(self: Any) -> None:
+        calls[0] += 1
+        if calls[0] == 1:  # replay() has passed its first check: another thread closes the graph
+            closer = threading.Thread(target=graph.close)
+            closer.start()
+            closer.join()
+        check_alive(self)
+
+    monkeypatch.setattr(type(r.context), "check_alive", close_meanwhile)
+    with pytest.raises(FinalizedError, match="closed"):
+        graph.replay()
+    monkeypatch.undo()
+    np.testing.assert_array_equal(r.context.read(y), np.full(1000, 2, np.float32))
+    r.run()  # the routine stays usable
     r.context.finalize()
     ctx.finalize()
 

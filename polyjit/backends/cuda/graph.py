@@ -90,10 +90,12 @@ class CudaGraph(Replay):
 
     def close(self) -> None:
         """Destroy the graph once its last launch is done (the routines stay usable)."""
-        if not self.closed:
+        with self.device.lock:  # a replay checks `closed` under it: none is between check and launch
+            if self.closed:
+                return
             self.closed = True
-            self.stream.synchronize()
-            self._graph.close()
+        self.stream.synchronize()
+        self._graph.close()
 
 
 def capture(routines: Routine | Iterable[Routine], *, stream: Stream | None = None,
