@@ -266,6 +266,19 @@ def test_the_tensor_examples_fused_steps_compile_to_cubin() -> None:
         plan.close()
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+def test_the_source_compiles_with_nvcc_too(tmp_path: Path) -> None:
+    """Found by review: the prelude declared int64_t unless PJ_HAVE_STDINT was defined, and nvcc
+    declares it already, so no generated source compiled with nvcc (compute-sanitizer builds,
+    a user's own)."""
+    _, _, source, _ = _all_batches()[0]
+    path = tmp_path / "batch.cu"
+    path.write_text(source.text)
+    proc = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", str(path), "-o", str(tmp_path / "batch.cubin")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+
+
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas is not on PATH")
 def test_ptxas_accepts_the_ptx(tmp_path: Path) -> None:
     for k, (_, _, source, _) in enumerate(_all_batches()):

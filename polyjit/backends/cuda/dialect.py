@@ -100,8 +100,8 @@ class CudaDialect(Dialect):
 
     def prelude(self, batch_dtypes: set[DType]) -> list[str]:
         return [
-            "/* polyjit CUDA kernels (NVRTC) */",
-            "#ifndef PJ_HAVE_STDINT",
+            "/* polyjit CUDA kernels (NVRTC; nvcc too) */",
+            "#if defined(__CUDACC_RTC__) && !defined(PJ_HAVE_STDINT)  /* nvcc declares them itself */",
             "typedef long long int64_t;",
             "typedef int int32_t;",
             "typedef unsigned char uint8_t;",
