@@ -11,6 +11,7 @@ import pytest
 import stub
 from scenarios import f32
 
+from polyjit import device_to_device
 from polyjit.backends import cuda
 from polyjit.core import ir
 from polyjit.core.ir import Op
@@ -30,7 +31,6 @@ def test_devices_and_peers(backend: Any) -> None:
 
 
 def test_copies_across_streams_and_devices(backend: Any, schedule: str) -> None:
-    from polyjit import device_to_device
     from polyjit.core.protocol import MergeBuffer
 
     d0, d1 = backend.get_device(0), backend.get_device(1)
@@ -138,3 +138,29 @@ class TestConformanceKit(ConformanceSuite):
 
     def multi_device_backend(self) -> Any:
         return self._backend
+
+
+def test_pools_are_polyjits_own_not_the_devices_shared_pool(backend: Any) -> None:
+    """Found by review: pools came from the device's current memory pool, which other libraries
+    in the process share (cuda.core, CuPy or PyTorch with cudaMallocAsync): allocated_bytes counted
+    their memory, and a copy between devices made their pool reachable from the other device."""
+    from cuda.core import Device, DeviceMemoryResource
+
+    x = f32("x", (1000,))
+    ctx0 = backend.get_device(0).make_context().init_from_host(x, np.ones(1000, np.float32))
+    ours = backend.driver.allocated_bytes(0)
+    dev = Device(0)
+    dev.set_current()
+    theirs = DeviceMemoryResource(dev)  # another library's: the device's current pool
+    stream = dev.create_stream()
+    buf = theirs.allocate(64 << 20, stream=stream)
+    stream.sync()
+    assert backend.driver.allocated_bytes(0) == ours
+    ctx1 = backend.get_device(1).make_context().init_from_host(x, np.zeros(1000, np.float32))
+    device_to_device(x, dst=ctx1, src=ctx0)
+    np.testing.assert_array_equal(ctx1.read(x), np.ones(1000, np.float32))
+    assert list(theirs.peer_accessible_by) == []
+    buf.close(stream)
+    stream.sync()
+    ctx0.finalize()
+    ctx1.finalize()

@@ -5,8 +5,8 @@ no such feature, each use marked with which.
   device current, so a context another library switched to never leaks into polyjit's
   calls. The driver library is never touched before ``cuInit`` has succeeded: without a
   driver the backend reports zero devices and keeps the reason.
-- Memory: a pool is a ``Buffer`` of the device's ``DeviceMemoryResource`` (a stream-ordered
-  memory pool); kernels get base + offset. Host copies go through a ring of pinned memory
+- Memory: a pool is a ``Buffer`` of polyjit's own ``DeviceMemoryResource`` on the device (a
+  stream-ordered memory pool, not the one other libraries share); kernels get base + offset. Host copies go through a ring of pinned memory
   (``staging.py``), but for small host-to-device ones, which the driver stages. Copies
   between devices are raw ``cuMemcpyAsync`` calls (peer access is enabled on the pools
   where the devices allow it; where enabling fails, the pair copies without).
@@ -156,14 +156,17 @@ class CudaDriver(DriverDefaults):
         """The device's memory resource and the stream its allocations are ordered on."""
         hit = self._memory.get(ordinal)
         if hit is None:
-            from cuda.core import DeviceMemoryResource, StreamOptions
+            from cuda.core import DeviceMemoryResource, DeviceMemoryResourceOptions, StreamOptions
 
             with self._lock:
                 hit = self._memory.get(ordinal)
                 if hit is None:
                     dev = self.make_current(ordinal)
-                    hit = self._memory[ordinal] = (DeviceMemoryResource(dev),
-                                                   dev.create_stream(options=StreamOptions(nonblocking=True)))
+                    # a pool of polyjit's own (options given), not the device's current one, which
+                    # other libraries in the process share: allocated_bytes counted their memory,
+                    # and making it reachable from peers changed their pool's access
+                    mr = DeviceMemoryResource(dev, options=DeviceMemoryResourceOptions())
+                    hit = self._memory[ordinal] = (mr, dev.create_stream(options=StreamOptions(nonblocking=True)))
         return hit
 
     def alloc(self, ordinal: int, nbytes: int, alignment: int) -> Pool:
