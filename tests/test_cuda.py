@@ -158,6 +158,28 @@ def test_disabled_by_environment() -> None:
     assert out.strip() == "0 | disabled by POLYJIT_CUDA_DISABLE"
 
 
+def test_a_bad_staging_size_is_an_error_naming_it_not_a_failed_import() -> None:
+    """Found by review: $POLYJIT_CUDA_STAGING_MB was parsed at import, so "64MB" made
+    importing the CUDA backend (and get_backend("cuda")) raise a bare ValueError."""
+    bad = ("64MB", "nan", "abc", "-1", "0")
+    out = _run_isolated(f"""
+        import os
+        from polyjit.backends import cuda  # imports whatever the variable says
+        from polyjit.core.errors import InvalidArgumentError
+        for text in {bad!r}:
+            os.environ["POLYJIT_CUDA_STAGING_MB"] = text
+            try:
+                cuda.CudaDriver()
+            except InvalidArgumentError as e:
+                print(e)
+        print(cuda.CudaDriver(staging_bytes=2 << 20).staging_bytes)
+        os.environ["POLYJIT_CUDA_STAGING_MB"] = "1.5"
+        print(cuda.CudaDriver().staging_bytes)
+    """, env={"POLYJIT_CUDA_STAGING_MB": "64MB"})
+    assert out.splitlines() == [f"POLYJIT_CUDA_STAGING_MB={t!r} is not a positive number of MiB" for t in bad] + [
+        str(2 << 20), str(3 << 19)]
+
+
 def test_compile_error_carries_the_log_and_numbered_lines() -> None:
     text = 'extern "C" __global__ void k(float* x) {\n  x[0] = 1.0f;\n  x[1] = no_such_name;\n}\n'
     with pytest.raises(CompileError) as info:

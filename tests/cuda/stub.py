@@ -152,6 +152,7 @@ class Driver:
         self.lib = ctypes.CDLL("libcuda.so.1")
         self.lib.pjstub_inject_fault.argtypes = [ctypes.c_int]
         self.lib.pjstub_set_schedule.argtypes = [ctypes.c_int]
+        self.lib.pjstub_fail_launch.argtypes = [ctypes.c_int]
         self.lib.pjstub_pending.restype = ctypes.c_ulonglong
         self.lib.pjstub_count.argtypes = [ctypes.c_char_p]
         self.lib.pjstub_count.restype = ctypes.c_ulonglong
@@ -160,6 +161,11 @@ class Driver:
         """The next kernel that runs on ``device`` faults (a sticky ILLEGAL_ADDRESS)."""
         if self.lib.pjstub_inject_fault(device):
             raise ValueError(f"no stub device {device} (or cuInit has not run)")
+
+    def fail_launch(self, after: int) -> None:
+        """After ``after`` more kernel launches succeed, the next fails with
+        CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES (at the call, not sticky)."""
+        self.lib.pjstub_fail_launch(after)
 
     def set_schedule(self, schedule: int) -> int:
         """OTHERS_FIRST or TARGET_FIRST; returns the previous one."""

@@ -3196,12 +3196,21 @@ static CUresult kernel_op(func* f, ctx* c, const unsigned d[6], unsigned shmem, 
   return capture_args(f->k, params, extra, &o->u.k.params);
 }
 
+// Kernel launches to let through before one fails with LAUNCH_OUT_OF_RESOURCES (not sticky,
+// as on a GPU); -1: none fails (pjstub_fail_launch).
+static long launches_before_failure = -1;
+
 static CUresult launch(CUhandle fh, const unsigned d[6], unsigned shmem, CUhandle sh, void** params, void** extra) {
   stream* s;
   func* f;
   op o;
   TRY(work_stream(sh, &s));
   TRY(launch_function(fh, s->c, &f));
+  if (launches_before_failure == 0) {
+    launches_before_failure = -1;
+    return CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES;
+  }
+  if (launches_before_failure > 0) --launches_before_failure;
   TRY(kernel_op(f, s->c, d, shmem, params, extra, &o));
   TRY(submit(s, &o));
   ++counters.kernel_launches;
@@ -4149,6 +4158,14 @@ EXPORT int pjstub_inject_fault(int ordinal) {
   if (ok) ++devices[ordinal].faults_to_inject;
   unlock_ret("pjstub_inject_fault", 0);
   return ok ? 0 : -1;
+}
+
+// After `after` more kernel launches succeed, the next one fails (LAUNCH_OUT_OF_RESOURCES).
+EXPORT int pjstub_fail_launch(int after) {
+  lock();
+  launches_before_failure = after;
+  unlock_ret("pjstub_fail_launch", 0);
+  return 0;
 }
 
 // 0: others first (the default), 1: target first. Returns the previous schedule.

@@ -84,3 +84,31 @@ def test_a_sticky_fault_makes_later_calls_on_that_device_typed_driver_errors(
     with pytest.raises(DriverError, match="ILLEGAL_ADDRESS"):
         _works(backend, 0)
     _works(backend, 1)
+
+
+def test_kernels_queued_before_a_later_launch_failed_keep_their_memory(backend: Any, stub_driver: stub.Driver) -> None:
+    """Found by review: a routine whose second kernel failed to launch raised a plain error, so
+    its first kernel, already queued, was not tracked: finalize freed the memory it still read
+    (a sticky ILLEGAL_ADDRESS when it ran). The runtime now keeps it until an event behind it."""
+    n = 200_000
+    x, total = f32("x", (n,)), f32("total", ())
+    dev = backend.get_device(0)
+    ctx = dev.make_context().init_from_host(x, np.ones(n, np.float32))
+    r = ctx.link(backend.compile(ir.Comp.of(ir.einsum("i->", x, into=total)), name="sum"))
+    assert len(r.prepared().launches) == 2  # a split sum: partial sums, then their sum
+    r.run()
+    assert r.context.read(total) == n
+    stub_driver.fail_launch(1)
+    with pytest.raises(DriverError, match=r"launching sum_0 .*LAUNCH_OUT_OF_RESOURCES"):
+        r.run()
+    r.run()  # the context is usable
+    assert r.context.read(total) == n
+    stub_driver.fail_launch(1)
+    with pytest.raises(DriverError):
+        r.run()
+    assert stub_driver.pending() > 0  # the first kernel is queued, not run
+    r.context.finalize()
+    ctx.finalize()
+    assert dev.pending_free_memory() > 0  # its memory waits for it
+    dev.synchronize()  # it runs on live memory: no fault
+    _works(backend, 0)

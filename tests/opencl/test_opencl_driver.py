@@ -24,6 +24,7 @@ from polyjit.core.codegen import Source
 from polyjit.core.errors import (
     BackendUnavailableError,
     CompileError,
+    DriverError,
     PoolExhaustedError,
     UnsupportedError,
 )
@@ -356,6 +357,41 @@ def test_host_copies_do_not_block_and_keep_their_arrays(backend: Backend, gate: 
     np.testing.assert_array_equal(ctx.read(x), np.arange(100_000, dtype=np.float32))
     assert ctx.stream.backlog() == 0  # released once the copy is done
     ctx.finalize()
+
+
+def test_kernels_queued_before_a_later_enqueue_failed_keep_their_memory(
+        backend: Backend, gate: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review: a routine whose second kernel failed to enqueue raised a plain error and
+    left the stream's last event before its first kernel, which was queued: nothing kept what
+    that kernel used, and finalize freed it before the kernel ran."""
+    dev = backend.get_device(0)
+    n = 200_000
+    x, total = f32("x", (n,)), f32("total", ())
+    ctx = dev.make_context().init_from_host(x, np.ones(n, np.float32))
+    r = ctx.link(backend.compile(ir.Comp.of(ir.einsum("i->", x, into=total)), name="sum"))
+    assert len(r.prepared().calls) == 2  # a split sum: partial sums, then their sum
+    real, calls = cl.enqueue_nd_range_kernel, [0]
+
+    def second_fails(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 2:
+            raise cl.RuntimeError("clEnqueueNDRangeKernel failed: OUT_OF_RESOURCES (injected)")
+        return real(*args, **kwargs)
+
+    ctx.stream.synchronize()
+    _block(ctx.stream, gate)  # the first kernel stays queued until the gate opens
+    monkeypatch.setattr(cl, "enqueue_nd_range_kernel", second_fails)
+    with pytest.raises(DriverError, match="OUT_OF_RESOURCES"):
+        r.run()
+    monkeypatch.undo()
+    after = ctx.stream.record()
+    assert not after.is_done()  # the stream's event is behind the queued kernel, not before it
+    ctx.finalize()
+    assert dev.pending_free_memory() > 0  # x waits for the kernel that reads it
+    gate.set_status(cl.command_execution_status.COMPLETE)
+    after.synchronize()
+    dev.synchronize()
+    assert dev.pending_free_memory() == 0
 
 
 def test_two_streams_on_one_device(backend: Backend) -> None:

@@ -55,10 +55,12 @@ from polyjit.backends.cuda.nvrtc import (
     nvrtc_supported_archs,
     nvrtc_version,
 )
-from polyjit.backends.cuda.staging import STAGING_BYTES, Staging
+from polyjit.backends.cuda.staging import Staging
+from polyjit.backends.cuda.staging import staging_bytes as default_staging_bytes
 from polyjit.core.codegen import KernelSpec, Source
 from polyjit.core.errors import CompileError, UnknownDeviceError
 from polyjit.core.protocol import DeviceInfo, DriverDefaults
+from polyjit.core.streams import PartlyIssued
 
 __all__ = ["BASE_ALIGNMENT", "CudaDriver", "CudaDriverError", "grid_and_block", "versions"]
 
@@ -72,10 +74,10 @@ class CudaDriver(DriverDefaults):
 
     name = "cuda"
 
-    def __init__(self, *, fast_math: bool = False, staging_bytes: int = STAGING_BYTES) -> None:
+    def __init__(self, *, fast_math: bool = False, staging_bytes: int | None = None) -> None:
         self.dialect = CudaDialect()
         self.options = NVRTC_OPTIONS + (FAST_MATH_OPTIONS if fast_math else ())
-        self.staging_bytes = max(1 << 20, staging_bytes)
+        self.staging_bytes = max(1 << 20, default_staging_bytes() if staging_bytes is None else staging_bytes)
         self._lock = threading.RLock()
         self._probed = False
         self._reason: str | None = None
@@ -407,12 +409,22 @@ class CudaDriver(DriverDefaults):
         launch = _core_launch()
         tail = tuple(np.int64(v) for v in statics) if statics else ()
         self._devices[prepared.ordinal].set_current()  # cuda.core launches in the thread's current context
-        for ln in prepared.launches:
+        for k, ln in enumerate(prepared.launches):
             try:
                 launch(stream.core, ln.config, ln.kernel, *ln.pointers, *tail)
             except Exception as e:
-                raise CudaDriverError(f"launching {ln.name} (grid {ln.grid}, block {ln.block}) on "
-                                      f"cuda:{prepared.ordinal} failed: {e}") from e
+                error = CudaDriverError(f"launching {ln.name} (grid {ln.grid}, block {ln.block}) on "
+                                        f"cuda:{prepared.ordinal} failed: {e}")
+                if k == 0:
+                    raise error from e
+                # the kernels before it are queued: enqueue keeps what they use until the event
+                # it records behind them completes (a split sum's second kernel failing freed the
+                # memory its first was still reading)
+                raise PartlyIssued(error, k, []) from e
+            except BaseException as e:  # an interrupt: the same, for the kernels before it
+                if k == 0:
+                    raise
+                raise PartlyIssued(e, k, []) from e
 
 
 @functools.cache

@@ -13,17 +13,38 @@ from __future__ import annotations
 import collections
 import ctypes
 import functools
+import math
 import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
-__all__ = ["STAGING_BYTES", "Staging", "host_copy"]
+from polyjit.core.errors import InvalidArgumentError
+from polyjit.core.streams import PartlyIssued
 
-STAGING_BYTES = int(float(os.environ.get("POLYJIT_CUDA_STAGING_MB", "64")) * (1 << 20))
+__all__ = ["STAGING_BYTES", "STAGING_ENV", "Staging", "host_copy", "staging_bytes"]
+
+STAGING_ENV = "POLYJIT_CUDA_STAGING_MB"
+STAGING_BYTES = 64 << 20  # each device's ring, unless STAGING_ENV says otherwise
+
+
+def staging_bytes() -> int:
+    """The bytes of each device's ring: ``$POLYJIT_CUDA_STAGING_MB`` MiB, else STAGING_BYTES.
+    Read when a driver is made, not at import: a bad value is an error naming the variable,
+    not a failed import of the backend."""
+    text = os.environ.get(STAGING_ENV, "").strip()
+    if not text:
+        return STAGING_BYTES
+    try:
+        mib = float(text)
+    except ValueError:
+        mib = float("nan")
+    if not math.isfinite(mib) or mib <= 0:
+        raise InvalidArgumentError(f"{STAGING_ENV}={text!r} is not a positive number of MiB")
+    return int(mib * (1 << 20))
 _COPY_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
 _PARALLEL_COPY_BYTES = 4 << 20
 RECLAIM_AFTER = 16  # segments in flight before a stage asks whether the oldest are done
@@ -47,6 +68,14 @@ def host_copy(dst: np.ndarray, src: np.ndarray) -> None:
     futures = [_pool.submit(np.copyto, dst[k : k + step], src[k : k + step]) for k in range(0, n, step)]
     for f in futures:
         f.result()
+
+
+def _partly(error: BaseException, chunks: int) -> NoReturn:
+    """Raise ``error`` of a copy's chunk; after the first, as :class:`PartlyIssued`: the chunks
+    before it are queued, so enqueue keeps the device memory they use until its event."""
+    if not chunks:
+        raise error
+    raise PartlyIssued(error, chunks, []) from error
 
 
 def _drain(part: np.ndarray, view: np.ndarray) -> None:
@@ -120,27 +149,33 @@ class Staging:
         """Enqueue ``src`` (uint8, C-contiguous) -> device address ``dst``, chunk by chunk: the
         host copies a chunk into the ring, then the DMA takes it from there."""
         n, chunk = src.nbytes, self.chunk
-        for off in range(0, n, chunk):
+        for k, off in enumerate(range(0, n, chunk)):
             m = min(chunk, n - off)
-            with self.lock:
-                start = self._reserve(m)
-                host_copy(self.view[start : start + m], src[off : off + m])
-                self._copy_in(dst + off, self.ptr + start, m, stream)
-                self.segments.append([start, start + m, self._record(stream), None])
+            try:
+                with self.lock:
+                    start = self._reserve(m)
+                    host_copy(self.view[start : start + m], src[off : off + m])
+                    self._copy_in(dst + off, self.ptr + start, m, stream)
+                    self.segments.append([start, start + m, self._record(stream), None])
+            except BaseException as e:
+                _partly(e, k)
 
     def to_host(self, stream: Any, out: np.ndarray, src: int) -> None:
         """Enqueue device address ``src`` -> ``out`` (uint8); the bytes land when the stream's
         next event is found done (see the module docstring)."""
         n, chunk = out.nbytes, self.chunk
-        for off in range(0, n, chunk):
+        for k, off in enumerate(range(0, n, chunk)):
             m = min(chunk, n - off)
-            with self.lock:
-                start = self._reserve(m)
-                self._copy_out(self.ptr + start, src + off, m, stream)
-                view = self.view[start : start + m]
-                self.segments.append([start, start + m, self._record(stream),
-                                      functools.partial(_drain, out[off : off + m], view)])
-                self.pending += 1
+            try:
+                with self.lock:
+                    start = self._reserve(m)
+                    self._copy_out(self.ptr + start, src + off, m, stream)
+                    view = self.view[start : start + m]
+                    self.segments.append([start, start + m, self._record(stream),
+                                          functools.partial(_drain, out[off : off + m], view)])
+                    self.pending += 1
+            except BaseException as e:
+                _partly(e, k)
 
     def poll(self) -> None:
         """Run the completions whose events are done."""

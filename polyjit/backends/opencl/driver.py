@@ -48,6 +48,7 @@ from polyjit.core.errors import BackendUnavailableError, UnknownDeviceError, Uns
 from polyjit.core.protocol import DeviceInfo
 from polyjit.core.raw import RAW
 from polyjit.core.runtime import Backend
+from polyjit.core.streams import PartlyIssued
 
 __all__ = ["BINARY_CACHE_ENV", "PLATFORM_ENV", "OpenCLDriver", "create_backend", "pip_pocl_icd",
            "working_pocl_icd"]
@@ -343,17 +344,29 @@ class OpenCLDriver:
         queue = stream.queue
         enqueue = cl.enqueue_nd_range_kernel
         ev = None
-        if statics:
-            for ln in prepared.launches:
-                kernel = ln.kernel
-                for pos, value in enumerate(statics, ln.first_static):
-                    kernel.set_arg(pos, np.int64(value))
-                ev = enqueue(queue, kernel, ln.global_size, ln.local_size)
-        else:
-            for kernel, gsize, lsize in prepared.calls:
-                ev = enqueue(queue, kernel, gsize, lsize)
+        done = 0
+        try:
+            if statics:
+                for ln in prepared.launches:
+                    kernel = ln.kernel
+                    for pos, value in enumerate(statics, ln.first_static):
+                        kernel.set_arg(pos, np.int64(value))
+                    ev = enqueue(queue, kernel, ln.global_size, ln.local_size)
+                    done += 1
+            else:
+                for kernel, gsize, lsize in prepared.calls:
+                    ev = enqueue(queue, kernel, gsize, lsize)
+                    done += 1
+        except BaseException as e:
+            if not done:
+                raise
+            # the kernels before it are queued: the stream's event must come behind them, and
+            # enqueue keeps what they use until it completes
+            stream.seq += done
+            stream.last = ev
+            raise PartlyIssued(e, done, []) from e
         if ev is not None:
-            stream.seq += len(prepared.calls)
+            stream.seq += done
             stream.last = ev
 
 
