@@ -65,9 +65,11 @@ class LoadedModule:
         self.handle = handle
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):  # interpreter shutdown
+        try:  # not contextlib.suppress: at interpreter shutdown the module's globals may be None
             if getattr(self.device.driver, "unload", None) is not None:  # its failure: a DriverError
                 self.device.released.append(functools.partial(self.device.unload, self.handle))
+        except Exception:
+            pass
 
 
 def driver_call(where: str, what: str, fn: Callable[..., Any], *args: Any) -> Any:
