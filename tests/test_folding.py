@@ -258,6 +258,34 @@ def test_a_filled_operand_of_a_contraction_stays_a_node(backend: str) -> None:
     np.testing.assert_allclose(got, host @ np.full((64, 64), np.float32(0.1)), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["cpu", "opencl"])
+@pytest.mark.parametrize(("value", "dtype", "expected"), [
+    (300.5, dtypes.uint8, 44), (-1.5, dtypes.uint8, 255), (3e9, dtypes.int64, 3_000_000_000), (7.9, dtypes.int32, 7)])
+def test_a_filled_float_cast_to_an_integer_compiles_and_casts(backend: str, value: float, dtype: dtypes.DType,
+                                                             expected: int) -> None:
+    """Found by review: folding put the fill's value into the cast as a literal, which takes the
+    integer dtype of the cast's node, so 300.5 (which casts to uint8 as 44) failed to compile
+    with a ValueRangeError about a scalar the program never had. The cast keeps its node."""
+    f, r = Node("f", (4,), dtypes.float32), Node("r", (4,), dtype)
+    comp = ir.Comp.of(ir.fill(f, value), ir.apply(Op.CAST, f, into=r))
+    assert run_reference([comp], {})[r].tolist() == [expected] * 4
+    assert _run_batch([comp], {}, [r], backend)[r].tolist() == [expected] * 4
+
+
+@pytest.mark.parametrize("backend", ["cpu", "opencl"])
+def test_a_negative_nan_keeps_its_sign(backend: str) -> None:
+    """Found by review: a fill of -NaN was folded (the docs say a NaN never is) into a literal
+    that has no sign, so ``-f`` gave a negative NaN where numpy and the reference give a positive
+    one. A NaN fill stays a node, and a negative NaN literal is spelled with its sign."""
+    dt = dtypes.float32
+    f, y, g = Node("f", (4,), dt), Node("y", (4,), dt), Node("g", (4,), dt, MemoryMode.ON_DEVICE)
+    comp = ir.Comp.of(ir.fill(f, -np.nan), ir.apply(Op.NEG, f, into=y), ir.fill(g, -np.nan))
+    assert "f" in _writers(fold_constants([comp])[0])
+    got = _run_batch([comp], {}, [y, g], backend)
+    assert np.isnan(got[y]).all() and not np.signbit(got[y]).any()
+    assert np.isnan(got[g]).all() and np.signbit(got[g]).all()
+
+
 def test_a_float32_literal_beyond_its_range_is_infinity() -> None:
     """1e40 is finite as a double and infinite as a float32: the literal is INFINITY (it was
     ``inff``, which does not compile)."""

@@ -325,15 +325,16 @@ class Dialect:
         if dt is dtypes.float32:
             with np.errstate(over="ignore"):
                 value = float(np.float32(value))  # 1e40 is inf in float32: INFINITY, not "inff"
-        if math.isnan(value):
-            return self.special_float(dt, "nan")
+        if math.isnan(value):  # its sign kept (numpy's -nan stays negative through a copy)
+            return self.special_float(dt, "-nan" if math.copysign(1.0, value) < 0 else "nan")
         if math.isinf(value):
             return self.special_float(dt, "inf" if value > 0 else "-inf")
         return f"{value!r}f" if dt is dtypes.float32 else repr(float(value))
 
     def special_float(self, dt: DType, which: str) -> str:
-        """NaN ("nan"), or an infinity ("inf", "-inf"), of a float type, as this language spells it."""
-        return {"nan": "NAN", "inf": "INFINITY", "-inf": "(-INFINITY)"}[which]
+        """NaN ("nan", "-nan"), or an infinity ("inf", "-inf"), of a float type, as this language
+        spells it."""
+        return {"nan": "NAN", "-nan": "(-NAN)", "inf": "INFINITY", "-inf": "(-INFINITY)"}[which]
 
     def reduction_op(self, accum: ir.AccumOp, dt: DType) -> str:
         """The OpenMP reduction identifier of ``accum`` over values that compute in ``dt``: a

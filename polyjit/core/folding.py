@@ -29,6 +29,7 @@ import attrs
 import numpy as np
 
 from polyjit.core import ir
+from polyjit.core.errors import PolyjitError
 from polyjit.core.ir import MemoryMode, Node, Op
 from polyjit.core.reference import apply_op, scalar_value
 
@@ -109,7 +110,10 @@ def _substitute(a: ir.Accum, known: dict[Node, float]) -> ir.Accum:
                 continue
             projections.append(index)
         rhs.append(x)
-    folded = attrs.evolve(a, rhs=tuple(rhs), projections=attrs.evolve(a.projections, rhs=tuple(projections)))
+    try:
+        folded = attrs.evolve(a, rhs=tuple(rhs), projections=attrs.evolve(a.projections, rhs=tuple(projections)))
+    except PolyjitError:  # a cast's lone literal takes the lhs's dtype: 300.5 does not fit uint8
+        return a
     # A literal takes the dtype of the tensor values beside it, else the lhs's: where that is
     # not the node's (a comparison of two folded values would compare bools), keep the nodes.
     return folded if ir.accum_operand_dtypes(folded) == ir.accum_operand_dtypes(a) else a
@@ -122,7 +126,8 @@ def _value(leaf: ir.Accum | ir.Fetch) -> float | None:
     if isinstance(leaf, ir.Fetch):
         if not isinstance(leaf.value, ir.Fill):
             return None
-        return float(scalar_value(leaf.value.value, node.dtype).astype(np.float64))
+        filled = float(scalar_value(leaf.value.value, node.dtype).astype(np.float64))
+        return None if math.isnan(filled) else filled  # a NaN stays a node, as below
     if leaf.accum is not None or leaf.op not in FOLDABLE or leaf.tensor_operands:
         return None
     if not ir.writes_every_cell(leaf):

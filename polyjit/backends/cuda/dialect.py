@@ -121,9 +121,9 @@ class CudaDialect(Dialect):
     def special_float(self, dt: DType, which: str) -> str:
         # the bits: NVRTC has no math.h macros without a toolkit's headers
         if dt is dtypes.float32:
-            bits = {"nan": "0x7fc00000", "inf": "0x7f800000", "-inf": "0xff800000"}[which]
+            bits = {"nan": "0x7fc00000", "-nan": "0xffc00000", "inf": "0x7f800000", "-inf": "0xff800000"}[which]
             return f"__int_as_float({bits})"
-        bits = {"nan": "0x7ff8000000000000LL", "inf": "0x7ff0000000000000LL",
+        bits = {"nan": "0x7ff8000000000000LL", "-nan": "(long long)0xfff8000000000000ULL", "inf": "0x7ff0000000000000LL",
                 "-inf": "(long long)0xfff0000000000000ULL"}[which]
         return f"__longlong_as_double({bits})"
 
