@@ -394,6 +394,61 @@ def test_kernels_queued_before_a_later_enqueue_failed_keep_their_memory(
     assert dev.pending_free_memory() == 0
 
 
+def test_an_exit_while_daemon_threads_run_routines_does_not_abort(backend: Backend) -> None:
+    """Found by review: a process that exited while daemon threads ran routines on an OpenCL
+    device aborted (rc 134, "terminate called without an active exception", 6 of 6): the
+    threads went on calling into PoCL while its exit code tore it down. The driver now closes
+    its devices at exit first, so those threads get StreamClosedError instead."""
+    script = textwrap.dedent("""
+        import random, sys, threading, time
+        import numpy as np
+        from polyjit import get_backend, ir
+        a, h, o = ir.Node("a", (128, 256)), ir.Node("h", (128, 128)), ir.Node("o", (128, 128))
+        backend = get_backend("opencl")
+        dev = backend.get_device(0)
+        code = backend.compile(ir.Comp.of(ir.einsum("ik,jk->ij", a, a, into=h), ir.apply(ir.Op.TANH, h, into=o)),
+                               name="busy")
+        x = np.random.default_rng(0).standard_normal((128, 256)).astype(np.float32)
+        def run(k):
+            ctx = (dev.make_context(dev.new_stream()) if k % 2 else dev.make_context()).init_from_host(a, x)
+            r = ctx.link(code)
+            while True:
+                try:
+                    for _ in range(10):
+                        r.run()
+                    r.context.read(o)
+                except Exception:
+                    pass
+        for k in range(4):
+            threading.Thread(target=run, args=(k,), daemon=True).start()
+        time.sleep(random.random() * 0.3)
+        sys.exit(0)
+    """)
+    for _ in range(6):  # the old code aborted in most runs alone, in some beside other tests
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+    # what makes it so: the devices are closed before exit hooks registered earlier (pyopencl's)
+    closed = textwrap.dedent("""
+        import atexit
+        import numpy as np
+        from polyjit import get_backend, ir
+        from polyjit.core.errors import StreamClosedError
+        x, y = ir.Node("x", (8,)), ir.Node("y", (8,))
+        def after_polyjits_hook():
+            try:
+                r.run()
+            except StreamClosedError:
+                print("closed")
+        atexit.register(after_polyjits_hook)  # before the devices are found: runs after their hook
+        backend = get_backend("opencl")
+        r = backend.get_device(0).make_context().init_from_host(x, np.ones(8, np.float32)).link(
+            backend.compile(ir.Comp.of(ir.apply(ir.Op.NEG, x, into=y)), name="neg"))
+        r.run()
+    """)
+    done = subprocess.run([sys.executable, "-c", closed], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["closed"], done.stdout + done.stderr[-2000:]
+
+
 def test_two_streams_on_one_device(backend: Backend) -> None:
     dev = backend.get_device(0)
     comp, x, acc = slow_accumulate()
