@@ -333,7 +333,7 @@ def test_kernel_shapes_are_chosen_by_size() -> None:
     assert _plans("cuda.reduce.rows_block") == ["group_reduction"]
     assert _plans("cuda.reduce.columns_threads") == ["reduction"]
     assert _plans("cuda.reduce.columns_block") == ["group_reduction"]
-    assert _plans("cuda.reduce.full_max_1024_threads") == ["group_reduction"]
+    assert _plans("cuda.reduce.full_max_ragged") == ["reduction", "serial", "serial"]  # 256 parts of 256, a tail
     assert _plans("cuda.reduce.full_sum_split") == ["group_reduction", "serial"]  # 250 parts of 800
     assert set(_plans("reduce.add.float32")) == {"reduction", "serial"}  # short reductions: a thread per cell
     assert _plans("write.non_injective_convolution")[-1] == "serial"

@@ -142,7 +142,7 @@ def _reduction_kernels(shape: tuple[int, ...], spec: str) -> list[Kernel]:
 
 
 def _parts(kernels: list[Kernel]) -> tuple[int, int] | None:
-    """(parts, values per part) of a split reduction; None when it stayed one kernel."""
+    """(parts, values per part) of a split reduction (with no tail); None when it stayed one kernel."""
     if len(kernels) == 1:
         return None
     first, second = kernels
@@ -151,15 +151,35 @@ def _parts(kernels: list[Kernel]) -> tuple[int, int] | None:
     return parts, first.body.length
 
 
+def _tail(kernels: list[Kernel]) -> tuple[int, int, int]:
+    """(parts, values per part, values in the tail) of a split reduction with a tail."""
+    first, second, tail = kernels
+    assert isinstance(first.body, Reduce) and first.body.reassociable and not second.parallel
+    assert isinstance(tail.body, Reduce) and tail.body.init is None and not tail.parallel  # into the cell
+    ((_, parts),) = first.parallel
+    return parts, first.body.length, tail.body.length
+
+
 @pytest.mark.parametrize(("n", "parts"), [
     ((1 << 15) - 1, None),  # shorter than SPLIT_MIN_LENGTH: one kernel
     (1 << 15, (256, 128)),  # a divisor near SPLIT_PARTS...
     (200_000, (250, 800)),  # ... the closest one
-    (65_537, None),  # prime: no divisor between 32 and 1024 leaves whole chunks
     (32 * 1031, (32, 1031)),  # the only divisor in range
 ])
 def test_a_long_full_reduction_splits_into_partial_results(n: int, parts: tuple[int, int] | None) -> None:
     assert _parts(_reduction_kernels((n,), "i->")) == parts
+
+
+def test_a_length_no_divisor_splits_gets_a_tail() -> None:
+    """Found by review: a prime length (no divisor between 32 and 1024) stayed one kernel, which
+    the cpu backend shared among OpenMP threads with a reduction clause: its bits changed with
+    the team size and the order the threads finished, so from run to run and under load."""
+    assert _tail(_reduction_kernels((65_537,), "i->")) == (256, 256, 1)
+    assert _tail(_reduction_kernels(((1 << 20) + 1,), "i->")) == (256, 4096, 1)
+    # of the loops long enough, the one with the shortest tail: 1031 = 4 * 256 + 7 rows of 1031
+    assert _tail(_reduction_kernels((1031, 1031), "ij->")) == (256, 4 * 1031, 7 * 1031)
+    assert _tail(_reduction_kernels((3, 65_537), "ij->")) == (256, 3 * 256, 3)
+    assert len(_reduction_kernels((31, 31, 31, 31, 2), "ijklm->")) == 1  # no loop of 32 to 1024 values or of 256+: serial
 
 
 def test_a_split_takes_the_outermost_reduced_loop() -> None:
@@ -311,8 +331,10 @@ def test_a_big_reduction_into_many_cells() -> None:
     assert _plan(_reduce("ij->i", (1 << 16, 64), (1 << 16,)), CudaDialect()).launch.local_size == (256,)
     full = _plans(_reduce("i->", (1 << 20,), ()), CPU)  # split: partial results, then one thread
     assert [(p.kind, p.team) for p in full] == [(REDUCTION, 1), (SERIAL, 0)]
-    unsplit = _plan(_reduce("i->", (65_537 * 2,), ()), CPU)  # no divisor fits: OpenMP threads share the loop
-    assert (unsplit.kind, unsplit.team) == (REDUCTION, 1)
+    ragged = _plans(_reduce("i->", (65_537 * 2,), ()), CPU)  # no divisor fits: parts and a tail
+    assert [(p.kind, p.team) for p in ragged] == [(REDUCTION, 1), (SERIAL, 0), (SERIAL, 0)]
+    unsplit = _plan(_reduce("ijklm->", (31, 31, 31, 31, 2), ()), CPU)  # no loop to split: one thread,
+    assert (unsplit.kind, unsplit.team) == (SERIAL, 0)  # not OpenMP's reduction clause (its order varies)
 
 
 def test_few_long_reductions_get_a_group_per_cell() -> None:

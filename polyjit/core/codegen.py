@@ -144,8 +144,6 @@ class Dialect:
     # compute those iterations of their shared loops (KernelPlan.team), flattened, instead
     # of opening an OpenMP team: the runtime shares the range (the CPU's, runtime.c).
     ranged = False
-    parallel_reduction_pragma: str | None = (
-        "#pragma omp parallel for{collapse} reduction({op}:pj_acc) schedule(static)")
     # a reduction whose order is free (Reduce.reassociable): one accumulator per vector lane
     simd_reduction_pragma: str | None = "#pragma omp simd reduction({op}:pj_acc){collapse}"
     # The innermost loop of a parallel nest that only stores (its iterations are independent
@@ -274,7 +272,7 @@ class Dialect:
         q = self.function_qualifier
         out = half.helpers(self.half_spelling, batch_dtypes)
         computed = {d.compute for d in batch_dtypes}  # kernels compute half values in float32
-        openmp = self.simd_reduction_pragma is not None or self.parallel_reduction_pragma is not None
+        openmp = self.simd_reduction_pragma is not None
         for dt in sorted(computed, key=lambda d: d.name):
             t = self.type_name(dt)
             for fn, cmp in (("max", ">"), ("min", "<")):
@@ -803,9 +801,6 @@ def emit_loops(em: Emitter, kernel: Kernel, plan: KernelPlan, indent: int) -> li
     elif plan.team and nest:
         pragma = d.pragma(d.parallel_for_pragma, plan.team)
         lines += [f"{'  ' * indent}{pragma}"] if pragma else []
-    elif plan.team and isinstance(kernel.body, Reduce):
-        return em.reduce(kernel.body, indent, d.pragma(d.parallel_reduction_pragma, plan.team, kernel.body.accum,
-                                                  kernel.body.node.dtype))
     loops += [(em.names.var(s), "0", str(n), []) for s, n in nest]
     # not on a loop an OpenMP ``parallel for`` already heads (a dialect that is not ranged)
     covered = bool(plan.team) and not d.ranged and plan.team >= len(nest)

@@ -653,17 +653,29 @@ def _split_parts(loops: tuple[tuple[Symbol, int], ...]) -> tuple[int, int] | Non
     return None
 
 
+def _ragged_parts(loops: tuple[tuple[Symbol, int], ...]) -> tuple[int, int] | None:
+    """(which loop, into how many parts) for a reduction no divisor splits (a prime length):
+    SPLIT_PARTS chunks of ``extent // SPLIT_PARTS``, the rest of the loop a tail. Of the loops
+    long enough, the one whose tail holds the fewest values (the outermost of those)."""
+    length = math.prod(n for _, n in loops)
+    fits = [(n % SPLIT_PARTS * (length // n), pos) for pos, (_, n) in enumerate(loops)
+            if n >= SPLIT_PARTS and n // SPLIT_PARTS * (length // n) >= SPLIT_MIN_CHUNK]
+    return (min(fits)[1], SPLIT_PARTS) if fits else None
+
+
 def split_long_reduction(k: Kernel) -> tuple[list[Kernel], Node | None]:
     """A long full reduction as two kernels: ``parts[b] = reduce(chunk b)`` over a parallel
-    ``b``, then ``out = reduce(parts)``. Every backend then reduces in parallel (OpenMP
-    threads, work-items, blocks) with no atomics, in an order fixed by the sizes (and, within
-    a chunk, the vector width: chunks are ``reassociable``), never by the thread count.
-    Returns the kernels and the new scratch node of partial results (None: left whole)."""
+    ``b``, then ``out = reduce(parts)``, and a third for a length no divisor splits: ``out``
+    reduces the values after the last chunk into itself. Every backend then reduces in
+    parallel (OpenMP threads, work-items, blocks) with no atomics, in an order fixed by the
+    sizes (and, within a chunk, the vector width: chunks are ``reassociable``), never by the
+    thread count. Returns the kernels and the new scratch node of partial results (None:
+    left whole, which only a reduction with no loop of SPLIT_PARTS values is: serial)."""
     r = k.body
     if (k.parallel or not isinstance(r, Reduce) or r.ordered
             or math.prod(n for _, n in r.loops) < SPLIT_MIN_LENGTH):
         return [k], None
-    split = _split_parts(r.loops)
+    split = _split_parts(r.loops) or _ragged_parts(r.loops)
     if split is None:
         return [k], None
     pos, parts = split
@@ -682,7 +694,15 @@ def split_long_reduction(k: Kernel) -> tuple[list[Kernel], Node | None]:
                    f"{k.comment} (partial results)")
     second = Kernel(k.name, (), Reduce(r.node, r.index, r.accum, r.init, ((b2, parts),),
                                        Load(partial, ir.as_affine(b2))), f"{k.comment} (of {parts} partial results)")
-    return [first, second], partial
+    tail = n - parts * chunk
+    if not tail:
+        return [first, second], partial
+    t = Symbol(f"{sym.name}_tail")
+    rest = map_expr(r.value, lambda a: a.substitute({sym: ir.as_affine(t) + ir.fixed(parts * chunk)}))
+    last = Kernel(f"{k.name}_tail", (), Reduce(r.node, r.index, r.accum, None,
+                                                (*r.loops[:pos], (t, tail), *r.loops[pos + 1:]), rest),
+                  f"{k.comment} (and the {tail} values after the last part)")
+    return [first, second, last], partial
 
 
 # ---------------------------------------------------------------------------

@@ -326,13 +326,15 @@ def _contraction(kernel: Kernel, d: Dialect) -> Contraction | None:
 # ---------------------------------------------------------------------------
 # LOOPS (C): OpenMP teams and the CPU's shapes
 
-# A full reduction (no parallel nest) at least this long is shared among OpenMP threads.
-OMP_REDUCTION_MIN_LENGTH = 65536
 # Outputs of a column reduction accumulated together (a local array of this many).
 COLUMN_BLOCK = 512
 # Values worth staging: what the vector unit computes much faster than a scalar loop.
 STAGED_OPS = frozenset({ir.Op.EXP, ir.Op.TANH, ir.Op.SIGMOID, ir.Op.SQRT, ir.Op.DIV})
 STAGED_MAX_LENGTH = 4096  # the local array: 16 KiB of float32
+# ... and at most this many bytes of it: it is on the stack of whichever thread runs the grain,
+# a helping host thread's too, whose stack may be small (Python's smallest, 32 KiB: a row of
+# 4096 float64 values, 32 KiB, crashed it)
+STAGED_MAX_BYTES = 16 << 10
 # Streaming stores bypass the cache: only worth it for outputs far larger than it.
 STREAMING_MIN_BYTES = 8 << 20
 # A transpose's square blocks: eight 32-byte vectors of 4-byte values.
@@ -380,7 +382,7 @@ def _loops_plan(kernel: Kernel, d: Dialect) -> KernelPlan:
         big = kernel.total_work >= d.omp_min_work
         return KernelPlan(ELEMENTWISE, launch, TRANSPOSE, len(block_loops) if big else 0,
                           math.prod(block_loops) if big else 1)
-    nest, body = kernel.parallel, kernel.body
+    nest = kernel.parallel
     plain = kernel.total_work >= d.omp_min_work
     # what it calls makes it worth sharing: only while sharing pays, where the runtime times that
     costly = bool(nest) and not plain and d.optional_matmul_min_work is not None and \
@@ -389,10 +391,9 @@ def _loops_plan(kernel: Kernel, d: Dialect) -> KernelPlan:
         # a short outer loop: share the next ones too
         team = len(nest) - 1 if len(nest) > 1 and nest[0][1] < 64 else 1
         return KernelPlan(_kind(kernel), launch, shape, team, math.prod(n for _, n in nest[:team]), optional=costly)
-    if (not nest and isinstance(body, Reduce) and body.loops and body.length >= OMP_REDUCTION_MIN_LENGTH
-            and not body.ordered):
-        # OpenMP threads share the reduced loops (a reduction clause): one call, no range
-        return KernelPlan(REDUCTION, launch, shape, len(body.loops))
+    # A full reduction is serial: a long one was split (lower.split_long_reduction), and one
+    # shared by an OpenMP reduction clause summed in the order its threads finished (and its
+    # team was the tuner's): other bits from run to run, and under load.
     return KernelPlan(_kind(kernel), launch, shape)
 
 
@@ -455,7 +456,8 @@ def staged_reduction(kernel: Kernel) -> bool:
 
 def stageable(r: Reduce) -> bool:
     """The reduction's values fit the staged shape's local array."""
-    return len(r.loops) == 1 and 8 <= r.loops[0][1] <= STAGED_MAX_LENGTH
+    n = r.loops[0][1] if len(r.loops) == 1 else 0
+    return 8 <= n <= STAGED_MAX_LENGTH and n * r.node.dtype.compute.itemsize <= STAGED_MAX_BYTES
 
 
 def elementwise_stores(kernel: Kernel) -> tuple[Store, ...] | None:

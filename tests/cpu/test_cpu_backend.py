@@ -365,6 +365,40 @@ def test_packed_panels_run_on_threads_with_small_stacks() -> None:
     assert done.stdout.split() == ["[True]"], done.stdout
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_staged_rows_run_on_threads_with_the_smallest_stack(dtype: str) -> None:
+    """Found by review: a staged row reduction (``sum_j exp(x[i, j])``) kept its row in a local
+    array of up to 4096 values, 32 KiB of float64, on the stack of the thread that runs it: a
+    waiting host thread with Python's smallest stack (32 KiB) crashed the process. The array
+    is now at most 16 KiB (STAGED_MAX_BYTES); longer rows are reduced as they come."""
+    code = textwrap.dedent(f"""
+        import threading
+        import numpy as np
+        from polyjit import get_backend, ir
+        be = get_backend("cpu")
+        rows, cols = 64, 4096
+        x, e, s = ir.Node("x", (rows, cols), "{dtype}"), ir.Node("e", (rows, cols), "{dtype}"), ir.Node("s", (rows,), "{dtype}")
+        compiled = be.compile(ir.Comp.of(ir.apply(ir.Op.EXP, x, into=e), ir.einsum("ij->i", e, into=s)), name="rows")
+        xv = np.random.default_rng(0).standard_normal((rows, cols)).astype("{dtype}")
+        r = be.get_device(0).make_context().init_from_host(x, xv).link(compiled)
+        out = []
+        def work():
+            for _ in range(20):
+                r.run()
+                r.context.stream.synchronize()
+            out.append(np.allclose(r.context.read(s), np.exp(xv).sum(1), rtol=1e-4))
+        threading.stack_size(32 << 10)
+        t = threading.Thread(target=work)
+        t.start()
+        t.join()
+        print(out, "pj_vals[" in compiled.source)
+    """)
+    env = {**os.environ, "POLYJIT_CPU_CONTENTION": "on"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-3000:]}"
+    assert done.stdout.split() == ["[True]", str(dtype == "float32")], done.stdout  # float32: staged still
+
+
 @pytest.mark.parametrize(("spec", "a_shape"), [("ik,kj->ij", (64, 1000)), ("ki,kj->ij", (1000, 64))])
 def test_packed_tiles_read_in_place_without_scratch_memory(spec: str, a_shape: tuple[int, int]) -> None:
     """A module whose scratch pointer is unset (or a thread out of memory) runs its full
@@ -1001,6 +1035,36 @@ def test_long_full_reductions_split_and_vectorize_even_reading_backwards() -> No
     exact = float(xv.astype(np.float64).sum())
     assert float(r_fwd.context.read(fwd)) == exact and float(r_bwd.context.read(bwd)) == exact
     ctx.finalize()
+
+
+def test_a_sum_of_prime_length_has_the_same_bits_on_any_number_of_cores() -> None:
+    """Found by review: a long sum no divisor splits (2^20 + 1 values) ran as one kernel with an
+    OpenMP reduction clause, whose result depended on the team size (the tuner's choice, by
+    timing) and on the order its threads finished: other bits on another machine, from run to
+    run, and under load. Now it is split into parts and a tail, in an order fixed by its size.
+    Each process here sees another number of cores (as a host of that many would)."""
+    script = textwrap.dedent("""
+        import os, sys
+        cores = set(range(int(sys.argv[1])))
+        os.sched_getaffinity = lambda pid: cores  # before the backend counts them
+        import numpy as np
+        from polyjit import get_backend, ir
+        n = (1 << 20) + 1
+        x, s = ir.Node("x", (n,)), ir.Node("s", ())
+        backend = get_backend("cpu")
+        r = backend.get_device(0).make_context().init_from_host(
+            x, np.random.default_rng(0).standard_normal(n).astype(np.float32)).link(
+            backend.compile(ir.Comp.of(ir.einsum("i->", x, into=s)), name="sum"))
+        bits = set()
+        for _ in range(50):
+            r.run()
+            bits.add(r.context.read(s).tobytes().hex())
+        print(" ".join(sorted(bits)))
+    """)
+    seen = {cores: subprocess.run([sys.executable, "-c", script, str(cores)], capture_output=True, text=True,
+                                  check=True, timeout=300).stdout.split()
+            for cores in (1, 2, 4, 7)}
+    assert len({bits for runs in seen.values() for bits in runs}) == 1, seen
 
 
 def test_where_runs_both_values_an_integer_division_too() -> None:

@@ -76,8 +76,8 @@ def cuda_programs() -> tuple[CatalogProgram, ...]:
     red("cuda.reduce.rows_block", "ij->i", (40, 3000), (40,))
     red("cuda.reduce.columns_threads", "ij->j", (600, 5000), (5000,))
     red("cuda.reduce.columns_block", "ij->j", (3000, 100), (100,))
-    # a prime length stays one kernel (a block of 1024 threads); others split into partials
-    red("cuda.reduce.full_max_1024_threads", "i->", (65_537,), (), accum=AccumOp.MAX, kind="any")
+    # a prime length splits into 256 partials and a tail; others into partials alone
+    red("cuda.reduce.full_max_ragged", "i->", (65_537,), (), accum=AccumOp.MAX, kind="any")
     red("cuda.reduce.full_sum_split", "i->", (200_000,), (), kind="quarter")
     red("cuda.reduce.rows_onto_context", "ij->i", (8, 2000), (8,), init=False, runs=({}, {}))
     red("cuda.reduce.uint8_min_block", "ij->i", (5, 1000), (5,), dt=dtypes.uint8, accum=AccumOp.MIN, kind="any")

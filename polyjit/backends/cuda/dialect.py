@@ -56,7 +56,7 @@ class CudaDialect(Dialect):
     restrict = "__restrict__"
     index_value = "({})"
     int64_suffix = ""
-    parallel_for_pragma = parallel_reduction_pragma = simd_reduction_pragma = simd_for_pragma = None  # no OpenMP
+    parallel_for_pragma = simd_reduction_pragma = simd_for_pragma = None  # no OpenMP
     ordered_float_prefix = ()  # the C dialect's GCC workaround: NVRTC is not GCC
     mapping = patterns.GRID_STRIDE
     gpu = SPELLING

@@ -43,7 +43,7 @@ class OpenCLDialect(Dialect):
     name = "opencl"
     index_value = "({})"
     int64_suffix = ""
-    parallel_for_pragma = parallel_reduction_pragma = simd_reduction_pragma = simd_for_pragma = None  # no OpenMP
+    parallel_for_pragma = simd_reduction_pragma = simd_for_pragma = None  # no OpenMP
     ordered_float_prefix = ()  # the C dialect's GCC workaround: no OpenCL compiler is GCC
     mapping = patterns.GLOBAL_IDS
     max_work_items = 2**32 - 1  # PoCL dies (SIGILL) on 2**32 work-groups in a dimension
