@@ -97,3 +97,48 @@ def test_eight_threads_times_200_mixed_operations(name: str, env: dict[str, str]
         print("ok")
     """, timeout=540, env=env)
     assert out.split()[-1] == "ok"
+
+
+@pytest.mark.parametrize(("name", "env"), CASES)
+def test_no_other_threads_copy_lands_in_a_merge_buffer_held_across_its_reader(name: str, env: dict[str, str]) -> None:
+    """Each device has one merge buffer: a copy into it and the routine that reads it are two
+    enqueues. A thread holding ``device.merge_lock`` across both gets no other thread's copy in
+    between (every copy into the merge buffer takes the lock): here the other thread's copy is
+    started inside the held section and has not landed when the reader runs (it landed in
+    between, and the reader raised MergeBufferMismatchError: found by review with two
+    data_parallels on the same devices)."""
+    _available(name)
+    out = _child(f"""
+        import threading, numpy as np
+        from polyjit import get_backend, ir
+        from polyjit.core.protocol import MergeBuffer
+        from polyjit.core.runtime import device_to_device
+        be = get_backend({name!r})
+        dev = be.get_device(0)
+        n = 1 << 12
+        x, y = ir.Node("x", (n,)), ir.Node("y", (n,))
+        reader = be.compile(ir.Comp.of(ir.apply(ir.Op.ADD, x, ir.merge(x), into=x), embedded=[x]), name="sum")
+        src = dev.make_context().init_from_host(x, np.ones(n, np.float32)).init_from_host(y, np.ones(n, np.float32))
+        dst = dev.make_context().init_from_host(x, np.zeros(n, np.float32))
+        copy_x = device_to_device(x, dst=dst, src=src, into_merge_buffer=MergeBuffer.COPY)
+        add = copy_x.context.link(reader)
+        copy_y = device_to_device(y, dst=dst, src=src, into_merge_buffer=MergeBuffer.COPY)
+        for k in range(5):
+            started, landed = threading.Event(), threading.Event()
+            def other():
+                started.set()
+                copy_y.run()
+                landed.set()
+            with dev.merge_lock:
+                copy_x.run()
+                t = threading.Thread(target=other)
+                t.start()
+                started.wait()
+                assert not landed.wait(timeout=0.1), "another thread's copy landed in a held merge buffer"
+                add.run()
+            t.join(timeout=60)
+            assert landed.is_set() and dev.merge.node is y
+        assert (add.context.read(x) == 5).all(), add.context.read(x)[:4]
+        print("ok")
+    """, timeout=120, env=env)
+    assert out.split() == ["ok"]

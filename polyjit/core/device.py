@@ -121,6 +121,11 @@ class Device:
         self.lock = threading.RLock()
         self.tracker = Tracker()
         self.merge = MergeState()
+        # Held across a copy into the merge buffer and the routines that read it, so that no
+        # other thread's copy lands in between (data_parallel's all-reduce holds it per round;
+        # every copy into the merge buffer takes it). Taken before the device locks, never
+        # while holding one, one device's at a time.
+        self.merge_lock = threading.RLock()
         self._pools: dict[int, tuple[Any, int]] = {}  # live pools: (driver handle, bytes counted as used)
         self._extent: dict[int, int] = {}  # live pools' bytes, adopted ones too (what memset_zero may reach)
         # (events, pool id, handle, bytes): freed once those events are done and it is unpinned
@@ -187,6 +192,7 @@ class Device:
         parent's buffers go with the child). Runs in the child right after the fork, on its
         only thread: the locks are replaced, since a parent thread may have held them."""
         self.lock = threading.RLock()
+        self.merge_lock = threading.RLock()
         self.forked = True
         for s in list(self._streams):
             s.reset_after_fork()

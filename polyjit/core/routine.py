@@ -488,7 +488,10 @@ class Routine:
 
 
 class TransferRoutine:
-    """A device_to_device copy as a routine: run() enqueues the copy again."""
+    """A device_to_device copy as a routine: run() enqueues the copy again. A copy into the
+    merge buffer takes the destination device's ``merge_lock`` first: a thread that holds it
+    across the copy and the routines that read it (``with device.merge_lock:``) gets no other
+    thread's copy in between."""
 
     def __init__(self, node: Node, dst: Context, src: Context, into_merge: bool, context: Context) -> None:
         self.node = node
@@ -504,6 +507,13 @@ class TransferRoutine:
         return f"TransferRoutine({self.name})"
 
     def run(self) -> None:
+        if self._into_merge:  # no copy of another thread's lands while one holds the merge buffer
+            with self._dst.device.merge_lock:
+                self._run()
+        else:
+            self._run()
+
+    def _run(self) -> None:
         node, dst, src = self.node, self._dst, self._src
         src.check_alive()
         dst.check_alive()

@@ -287,8 +287,11 @@ class DataParallel:
 
     def _tree_up(self) -> None:
         for xfer, add in self._reduce:
-            xfer.run()
-            add.run()
+            # the copy into the receiver's merge buffer and the add that reads it, as one: another
+            # data_parallel (or any thread) on the device copies into that buffer too
+            with add.context.device.merge_lock:
+                xfer.run()
+                add.run()
 
     def _allreduce(self, profile: bool = False) -> None:
         self._guarded(self._tree_up)

@@ -262,6 +262,65 @@ def test_threads_sharing_a_data_parallel_take_turns(three_devices: Backend) -> N
         dp.close()
 
 
+def test_two_data_parallels_on_the_same_devices_train_from_two_threads(three_devices: Backend,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review: each device has one merge buffer, and the all-reduce's copy into it
+    and the add that reads it were two enqueues. A second model trained from another thread
+    on the same devices copied its gradients into that buffer in between, and the step failed
+    with MergeBufferMismatchError (2-6 of 400 steps). The copy and its add are one unit now
+    (``Device.merge_lock``). Here the other model's step starts right after the first model's
+    copy, and is given a second to copy into the buffer before the first model's add runs: both
+    steps apply, and leave each model's state as a step alone leaves it."""
+    import threading
+
+    devs = three_devices.devices()[:2]
+    xs, ys = two_spirals(BATCH, seed=7)
+
+    def build(seed: int) -> Any:
+        mlp = pt.MLP("mlp", [2, 16, 2], seed=seed)
+        return pt.data_parallel(lambda x, y: pt.cross_entropy(mlp(x), y),
+                                {"x": ((BATCH, 2), "float32"), "y": ((BATCH,), "int32")},
+                                optimizer=pt.SGD(0.1, momentum=0.9), devices=devs)
+
+    first, second, first_alone, second_alone = build(8), build(9), build(8), build(9)
+    (xfer, _), = first._reduce
+    (other, _), = second._reduce
+    copy_first, copy_other = xfer.run, other.run
+    copied, results, threads = threading.Event(), [], []
+
+    def other_copies() -> None:
+        copy_other()
+        copied.set()
+
+    def second_steps() -> None:
+        try:
+            results.append(second.step(x=xs, y=ys))
+        except BaseException as e:  # reported below
+            results.append(e)
+
+    def then_the_other_model_steps() -> None:
+        copy_first()
+        if not threads:  # the first model's gradient is in cpu:0's merge buffer: the second model steps
+            threads.append(threading.Thread(target=second_steps))
+            threads[0].start()
+            copied.wait(timeout=1.0)  # its copy into that buffer lands here, or waits for the add
+
+    monkeypatch.setattr(xfer, "run", then_the_other_model_steps)
+    monkeypatch.setattr(other, "run", other_copies)
+    loss = first.step(x=xs, y=ys)
+    threads[0].join(timeout=60)
+    monkeypatch.undo()
+    assert copied.is_set() and results and not isinstance(results[0], BaseException), results
+    assert loss == first_alone.step(x=xs, y=ys)
+    assert results[0] == second_alone.step(x=xs, y=ys)
+    for dp, alone in ((first, first_alone), (second, second_alone)):
+        assert dp.replica_spread() == 0.0
+        for name, value in alone.state_dict().items():
+            np.testing.assert_array_equal(dp.state_dict()[name], value, err_msg=name)
+        dp.close()
+        alone.close()
+
+
 def test_ctrl_c_between_two_replicas_updates_keeps_them_equal(three_devices: Backend,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Found by the concurrency review: a KeyboardInterrupt after replica 0's update was queued
