@@ -632,6 +632,104 @@ def test_a_run_racing_finalize_from_another_thread_raises_and_never_launches_int
     assert out.split() == ["[]"], out
 
 
+@pytest.mark.parametrize("operation", ["link", "init_from_host", "init_from_device", "with_stream"])
+def test_an_operation_whose_context_is_finalized_after_its_check_is_a_finalized_error(
+        backend: Backend, operation: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review: Context.link checked liveness before the device lock, and a finalize()
+    on another thread in between freed the pools the new routine binds: InvalidProgramError
+    ("cpu:0 has no pool N (freed?)", 3% of 3000 races) in place of FinalizedError naming the
+    context. init_from_host, init_from_device and with_stream returned a live child of the
+    finalized context (whose first link failed the same way). Here the finalize comes right
+    after the operation's first check; nothing it made is left behind."""
+    from polyjit.core.context import Context
+    from polyjit.core.runtime import init_from_device
+
+    dev = backend.get_device(0)
+    n = 1024
+    a, _out, code = _exp_code(backend, n)
+    b = Node("race_b", (n,))
+    base = settled_memory(dev)
+    other = dev.make_context().init_from_host(b, np.ones(n, np.float32))
+    ctx = dev.make_context().init_from_host(a, np.ones(n, np.float32))
+    check = Context.check_alive
+    fired: list[Context] = []
+
+    def finalized_meanwhile(self: Context) -> None:
+        check(self)
+        if self is ctx and not fired:  # the first check passes; another thread finalizes right after it
+            fired.append(self)
+            ctx.finalize()
+
+    stream = dev.new_stream()
+    run = {"link": lambda: ctx.link(code),
+           "init_from_host": lambda: ctx.init_from_host(b, np.ones(n, np.float32)),
+           "init_from_device": lambda: init_from_device(b, dst=ctx, src=other),
+           "with_stream": lambda: ctx.with_stream(stream)}[operation]
+    monkeypatch.setattr(Context, "check_alive", finalized_meanwhile)
+    with pytest.raises(FinalizedError, match=r"Context\(.*finalized"):
+        run()
+    monkeypatch.undo()
+    assert fired
+    other.finalize()
+    stream.close()
+    assert settled_memory(dev) == base
+
+
+def test_a_merge_reader_run_while_its_context_is_finalized_is_a_finalized_error(
+        backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same race in a merge buffer reader's run(): once the merge buffer moved (grown by a
+    larger copy), the run binds the routine's buffers again under the device lock, and a
+    finalize() that came just before the lock (the run checks liveness before it) made that
+    InvalidProgramError ("no pool (freed?)"), not FinalizedError. Routine.prepared() (what a
+    CUDA graph capture reads) too."""
+    from polyjit.core.protocol import MergeBuffer
+    from polyjit.core.runtime import device_to_device
+
+    dev = backend.get_device(0)
+    n = 1024
+    x, big = Node("race_x", (n,)), Node("race_big", (4 * n,))
+    reader = backend.compile(ir.Comp.of(ir.apply(Op.ADD, x, ir.merge(x), into=x), embedded=[x]), name="race_sum")
+    src = dev.make_context().init_from_host(x, np.ones(n, np.float32)).init_from_host(big, np.ones(4 * n, np.float32))
+    dst = dev.make_context().init_from_host(x, np.zeros(n, np.float32))
+    copy_x = device_to_device(x, dst=dst, src=src, into_merge_buffer=MergeBuffer.COPY)
+    assert copy_x is not None
+    add = copy_x.context.link(reader)
+    add.run()
+    device_to_device(big, dst=dst, src=src, into_merge_buffer=MergeBuffer.COPY)  # grows (moves) the buffer
+    copy_x.run()  # x again: the add's check passes, its binding is stale
+    lock = dev.lock
+
+    class FinalizedBeforeTheLock:
+        """The device lock, with the context that holds x (add's ancestor) finalized, by
+        "another thread", right before its first taker gets it."""
+
+        fired = False
+
+        def __enter__(self) -> bool:
+            if not self.fired:
+                self.fired = True
+                dst.finalize()
+            return lock.__enter__()
+
+        def __exit__(self, *exc: object) -> None:
+            lock.__exit__(*exc)
+
+        def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+            return lock.acquire(blocking, timeout)
+
+        def release(self) -> None:
+            lock.release()
+
+    monkeypatch.setattr(dev, "lock", FinalizedBeforeTheLock())
+    with pytest.raises(FinalizedError):
+        add.run()
+    monkeypatch.undo()
+    with pytest.raises(FinalizedError):
+        add.prepared()
+    for ctx in (src, dst):
+        ctx.finalize()
+
+
 def test_an_export_dropped_in_a_cycle_while_threads_run_does_not_deadlock() -> None:
     """The garbage collector ran Exported.__del__, which took the device lock, on a thread that
     held a stream's lock, while another thread held the device lock and wanted that stream's.

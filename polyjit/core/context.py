@@ -76,6 +76,11 @@ class Context:
             self._release.atexit = False
         if parent is not None:
             with device.lock:
+                if parent.finalized:  # finalized after the caller's check: this child is born dead
+                    self.finalized = True
+                    if self._release is not None and self._release.detach() is not None:
+                        device.release(self._own_pools, self._own_constants)  # what was made for it
+                    parent.check_alive()  # FinalizedError naming the parent
                 parent._children.add(self)
 
     def __repr__(self) -> str:
@@ -165,6 +170,7 @@ class Context:
         new_nodes, requests = _plan_requests(comps, batch.source.kernels, self.buffers, dev.info.base_alignment)
         plan = slab.plan(requests, dev.info.base_alignment)
         with dev.lock:
+            self.check_alive()  # again, under the lock: a finalize() in between freed the pools the routines bind
             pools: list[int] = []
             constants: list[BufferLoc] = []
             try:

@@ -375,12 +375,14 @@ class Routine:
 
     def _prepare(self, specs: Sequence[KernelSpec] | None = None) -> Any:
         device = self.context.device
-        kernels = [self._kernel_args(spec) for spec in (self._specs if specs is None else specs)]
-        prepared = driver_call(device.label, f"prepare of {self.name}", device.driver.prepare,
-                               device.ordinal, self._module.handle, kernels)
-        if specs is None:
-            self._prepared = prepared
-            self._merge_generation = device.merge.generation
+        with device.lock:  # the pools it binds must not be freed between the check and the binding
+            self.context.check_alive()  # a finalize() freed them: FinalizedError, not "no pool (freed?)"
+            kernels = [self._kernel_args(spec) for spec in (self._specs if specs is None else specs)]
+            prepared = driver_call(device.label, f"prepare of {self.name}", device.driver.prepare,
+                                   device.ordinal, self._module.handle, kernels)
+            if specs is None:
+                self._prepared = prepared
+                self._merge_generation = device.merge.generation
         return prepared
 
     @property
