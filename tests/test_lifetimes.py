@@ -632,7 +632,7 @@ def test_a_run_racing_finalize_from_another_thread_raises_and_never_launches_int
     assert out.split() == ["[]"], out
 
 
-@pytest.mark.parametrize("operation", ["link", "init_from_host", "init_from_device", "with_stream"])
+@pytest.mark.parametrize("operation", ["link", "init_from_host", "init_from_device", "with_stream", "init_from_dlpack"])
 def test_an_operation_whose_context_is_finalized_after_its_check_is_a_finalized_error(
         backend: Backend, operation: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Found by review: Context.link checked liveness before the device lock, and a finalize()
@@ -664,7 +664,8 @@ def test_an_operation_whose_context_is_finalized_after_its_check_is_a_finalized_
     run = {"link": lambda: ctx.link(code),
            "init_from_host": lambda: ctx.init_from_host(b, np.ones(n, np.float32)),
            "init_from_device": lambda: init_from_device(b, dst=ctx, src=other),
-           "with_stream": lambda: ctx.with_stream(stream)}[operation]
+           "with_stream": lambda: ctx.with_stream(stream),
+           "init_from_dlpack": lambda: ctx.init_from_dlpack(b, np.ones(n, np.float32))}[operation]
     monkeypatch.setattr(Context, "check_alive", finalized_meanwhile)
     with pytest.raises(FinalizedError, match=r"Context\(.*finalized"):
         run()

@@ -200,13 +200,15 @@ def _refuse_overlap(ctx: Context, node: Node, address: int, nbytes: int) -> None
     """Raise when ``[address, address + nbytes)`` overlaps the buffer of another node of
     ``ctx``: two nodes on one memory would break every kernel's no-alias assumption."""
     device = ctx.device
-    for other, loc in ctx.buffers.items():
-        if other is node or not other.nbytes:
-            continue
-        start = device.driver.address(device.pool_handle(loc.pool_id), loc.offset)  # type: ignore[attr-defined]
-        if start < address + nbytes and address < start + other.nbytes:
-            raise AliasedMemoryError(f"init_from_dlpack of {node.label} on {device.device_id}: the tensor's memory "
-                                     f"overlaps {other.label}'s buffer in this context; use that node")
+    with device.lock:  # the pools must not be freed between the check and the lookups
+        ctx.check_alive()  # a finalize() since the caller's check: FinalizedError, not "no pool (freed?)"
+        for other, loc in ctx.buffers.items():
+            if other is node or not other.nbytes:
+                continue
+            start = device.driver.address(device.pool_handle(loc.pool_id), loc.offset)  # type: ignore[attr-defined]
+            if start < address + nbytes and address < start + other.nbytes:
+                raise AliasedMemoryError(f"init_from_dlpack of {node.label} on {device.device_id}: the tensor's "
+                                         f"memory overlaps {other.label}'s buffer in this context; use that node")
 
 
 @contextlib.contextmanager
