@@ -658,7 +658,8 @@ class BinaryCache:
     # -- lookups ----------------------------------------------------------------------
 
     def get_or_build(self, key: str, build: Callable[[Path], None]) -> Path:
-        """The verified cached file for key; else call build(tmp_path), publish it, return it."""
+        """The verified cached file for key; else call build(tmp_path), publish it, return it.
+        A trim (:func:`cache_trim`, by any process) may remove the file later."""
         return self._get(key, build, want_bytes=False)[0]
 
     def get_or_build_bytes(self, key: str, build: Callable[[Path], None]) -> bytes:

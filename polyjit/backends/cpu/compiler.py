@@ -182,7 +182,9 @@ def build_shared(
     target: Target = (),
 ) -> Path:
     """Compile ``source`` to a shared library and return its path (cached by content): for
-    tools that need the file. Do not ``dlopen`` it: load :func:`load_shared` instead.
+    tools that need the file. Do not ``dlopen`` it: load :func:`load_shared` instead. A trim of
+    the cache (over ``$POLYJIT_CACHE_MAX_BYTES``, by any process) may remove the file later:
+    copy it to keep it.
 
     Raises :class:`CompileError` (with the compiler log and the numbered source
     lines it points at) when the compiler rejects the source.
