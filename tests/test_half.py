@@ -418,6 +418,21 @@ def test_long_half_reductions_split_into_float32_partials(backend: Backend) -> N
     assert float(got) == n  # one rounding of the exact float32 sum; bfloat16 steps would stop at 256
 
 
+@pytest.mark.parametrize("dt", [F16, BF16])
+def test_a_half_sum_no_divisor_splits_is_rounded_once(backend: Backend, dt: dtypes.DType) -> None:
+    """Found by the review of session 34's change: the tail of a length no divisor splits was
+    added into the half-typed cell after the partial results, a second rounding (2048 + 1 + 1
+    gave 2048, not 2050). The tail is now one more float32 partial result."""
+    n = 32_771  # prime
+    x, s = Node("x", (n,), dt), Node("s", (), dt)
+    comp = ir.Comp.of(ir.einsum("i->", x, into=s))
+    v = np.zeros(n)
+    v[0], v[1], v[-1] = (2048.0 if dt is F16 else 256.0), 1.0, 1.0  # the last value is in the tail
+    xv = dtypes.to_half(v, dt)
+    (got,) = _run_comp(backend, comp, {x: xv}, [s])
+    assert float(np.float32(got)) == float(v.sum()) == float(np.float32(run_reference([comp], {x: xv})[s]))
+
+
 # ---------------------------------------------------------------------------
 # Plans and generated code
 

@@ -152,11 +152,13 @@ def _parts(kernels: list[Kernel]) -> tuple[int, int] | None:
 
 
 def _tail(kernels: list[Kernel]) -> tuple[int, int, int]:
-    """(parts, values per part, values in the tail) of a split reduction with a tail."""
-    first, second, tail = kernels
-    assert isinstance(first.body, Reduce) and first.body.reassociable and not second.parallel
-    assert isinstance(tail.body, Reduce) and tail.body.init is None and not tail.parallel  # into the cell
+    """(parts, values per part, values in the tail) of a split reduction with a tail: the tail
+    is one more partial result, which the last kernel reduces with the others."""
+    first, tail, last = kernels
+    assert isinstance(first.body, Reduce) and first.body.reassociable and not tail.parallel
+    assert isinstance(tail.body, Reduce) and tail.body.node is first.body.node  # the last partial
     ((_, parts),) = first.parallel
+    assert isinstance(last.body, Reduce) and last.body.length == parts + 1
     return parts, first.body.length, tail.body.length
 
 

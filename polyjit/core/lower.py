@@ -665,12 +665,13 @@ def _ragged_parts(loops: tuple[tuple[Symbol, int], ...]) -> tuple[int, int] | No
 
 def split_long_reduction(k: Kernel) -> tuple[list[Kernel], Node | None]:
     """A long full reduction as two kernels: ``parts[b] = reduce(chunk b)`` over a parallel
-    ``b``, then ``out = reduce(parts)``, and a third for a length no divisor splits: ``out``
-    reduces the values after the last chunk into itself. Every backend then reduces in
-    parallel (OpenMP threads, work-items, blocks) with no atomics, in an order fixed by the
-    sizes (and, within a chunk, the vector width: chunks are ``reassociable``), never by the
-    thread count. Returns the kernels and the new scratch node of partial results (None:
-    left whole, which only a reduction with no loop of SPLIT_PARTS values is: serial)."""
+    ``b``, then ``out = reduce(parts)``; for a length no divisor splits, a kernel between them
+    reduces the values after the last chunk into one more partial result. Every backend then
+    reduces in parallel (OpenMP threads, work-items, blocks) with no atomics, in an order
+    fixed by the sizes (and, within a chunk, the vector width: chunks are ``reassociable``),
+    never by the thread count, and rounds the cell once. Returns the kernels and the new
+    scratch node of partial results (None: left whole, which only a reduction with no loop to
+    split is: serial)."""
     r = k.body
     if (k.parallel or not isinstance(r, Reduce) or r.ordered
             or math.prod(n for _, n in r.loops) < SPLIT_MIN_LENGTH):
@@ -681,28 +682,28 @@ def split_long_reduction(k: Kernel) -> tuple[list[Kernel], Node | None]:
     pos, parts = split
     sym, n = r.loops[pos]
     chunk = n // parts
+    tail = n - parts * chunk
     b, c, b2 = Symbol(f"{sym.name}_part"), Symbol(f"{sym.name}_in"), Symbol(f"{sym.name}_parts")
     whole = ir.as_affine(b).scale(chunk) + ir.as_affine(c)
     # LOCAL: lower() records it. A half type's partial results stay float32 (its accumulator's
-    # type): the cell is rounded once, as an unsplit reduction rounds it.
-    partial = Node(f"{r.node.name}_parts", (parts,), r.node.dtype.compute)
+    # type): the cell is rounded once, as an unsplit reduction rounds it (the tail's too).
+    partial = Node(f"{r.node.name}_parts", (parts + (1 if tail else 0),), r.node.dtype.compute)
     loops = (*r.loops[:pos], (c, chunk), *r.loops[pos + 1:])
     value = map_expr(r.value, lambda a: a.substitute({sym: whole}))
     neutral = Const(r.accum.neutral(partial.dtype), partial.dtype)
-    first = Kernel(f"{k.name}_parts", ((b, parts),),
-                   Reduce(partial, ir.as_affine(b), r.accum, neutral, loops, value, reassociable=True),
-                   f"{k.comment} (partial results)")
-    second = Kernel(k.name, (), Reduce(r.node, r.index, r.accum, r.init, ((b2, parts),),
-                                       Load(partial, ir.as_affine(b2))), f"{k.comment} (of {parts} partial results)")
-    tail = n - parts * chunk
-    if not tail:
-        return [first, second], partial
-    t = Symbol(f"{sym.name}_tail")
-    rest = map_expr(r.value, lambda a: a.substitute({sym: ir.as_affine(t) + ir.fixed(parts * chunk)}))
-    last = Kernel(f"{k.name}_tail", (), Reduce(r.node, r.index, r.accum, None,
-                                                (*r.loops[:pos], (t, tail), *r.loops[pos + 1:]), rest),
-                  f"{k.comment} (and the {tail} values after the last part)")
-    return [first, second, last], partial
+    kernels = [Kernel(f"{k.name}_parts", ((b, parts),),
+                      Reduce(partial, ir.as_affine(b), r.accum, neutral, loops, value, reassociable=True),
+                      f"{k.comment} (partial results)")]
+    if tail:
+        t = Symbol(f"{sym.name}_tail")
+        rest = map_expr(r.value, lambda a: a.substitute({sym: ir.as_affine(t) + ir.fixed(parts * chunk)}))
+        kernels.append(Kernel(f"{k.name}_tail", (), Reduce(partial, ir.fixed(parts), r.accum, neutral,
+                                                           (*r.loops[:pos], (t, tail), *r.loops[pos + 1:]), rest),
+                              f"{k.comment} (the {tail} values after the last part)"))
+    kernels.append(Kernel(k.name, (), Reduce(r.node, r.index, r.accum, r.init, ((b2, partial.shape[0]),),
+                                             Load(partial, ir.as_affine(b2))),
+                          f"{k.comment} (of {partial.shape[0]} partial results)"))
+    return kernels, partial
 
 
 # ---------------------------------------------------------------------------
