@@ -99,6 +99,22 @@ def test_the_bound_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None
             cache_mod.max_bytes()
         with pytest.raises(InvalidArgumentError, match=MAX_BYTES_ENV):  # said at the next build
             cache.put(content_key("bad"), b"x")
+        with pytest.raises(InvalidArgumentError, match=MAX_BYTES_ENV):  # before it, not after
+            cache.get_or_build_bytes(content_key("bad"), lambda out: pytest.fail("built"))
+        assert not cache.path_for(content_key("bad")).exists()  # (a hit later did not say it)
+
+
+def test_an_entry_over_the_bound_is_kept_by_its_own_publish(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by the review of session 34's change: a publish's trim removed the entry it had
+    just published when the bound was under 1.25 entries, so build_shared returned a path that
+    was gone. The entry just published is counted, never removed."""
+    monkeypatch.setenv(MAX_BYTES_ENV, "1K")
+    cache = BinaryCache("t", ".bin")
+    older = cache.path_for(content_key("older"))
+    cache.put(content_key("older"), b"o" * 2000)
+    path = cache.path_for(content_key("big"))
+    assert cache.get_or_build(content_key("big"), lambda out: out.write_bytes(b"b" * 2000) and None) == path
+    assert path.read_bytes() == b"b" * 2000 and not older.exists()
 
 
 def test_a_trim_leaves_what_is_not_the_caches(cache_root: Path) -> None:

@@ -765,6 +765,7 @@ class BinaryCache:
         self, directory: Path, name: str, key: str, write: Callable[[Path], object]
     ) -> tuple[Path, bytes]:
         """Run write(tmp) in directory (or the fallback, if directory fails us) and publish."""
+        bound = max_bytes()  # a bad $POLYJIT_CACHE_MAX_BYTES is said before the build, not after it
         directory, tmp = self._new_tmp(directory, name)
         try:
             try:
@@ -810,7 +811,7 @@ class BinaryCache:
         path = directory / name
         self._remember(key, _Seen(path, ident))
         if not _in_fallback(directory):
-            _maybe_trim(len(data))
+            _maybe_trim(len(data), bound, path)
         return path, data
 
     def _write_new(self, directory: Path, name: str, data: bytes) -> _Ident:
@@ -1076,13 +1077,14 @@ def max_bytes() -> int | None:
     return value or None
 
 
-def cache_trim(limit: int | None = None) -> int:
+def cache_trim(limit: int | None = None, keep: Path | None = None) -> int:
     """When the cache's own entries hold more than ``limit`` bytes (default :func:`max_bytes`),
     remove the least recently used ones (last verified from disk by any process, or published)
     until they hold at most 80% of it; returns how many went. Orphans and temporary files last
     written TEMPORARY_AGE seconds ago go too (a killed build's). The namespaces handed over to
     another program (PoCL's kernel cache) are not counted or trimmed. Processes running keep
-    what they loaded; one that looks up an entry removed meanwhile compiles it again."""
+    what they loaded; one that looks up an entry removed meanwhile compiles it again. ``keep``:
+    an entry never removed (the one a publish just returned the path of)."""
     bound = max_bytes() if limit is None else limit
     if not bound:
         return 0
@@ -1099,13 +1101,14 @@ def cache_trim(limit: int | None = None) -> int:
                 st, side = files[name], files[f"{name}{HASH_SUFFIX}"]
                 size = st.st_size + side.st_size
                 total += size
-                found.append((max(st.st_mtime_ns, side.st_mtime_ns), size, opened, name, st))
+                if keep is None or opened.path / name != keep:  # (counted, never removed)
+                    found.append((max(st.st_mtime_ns, side.st_mtime_ns), size, opened, name, st))
         if total <= bound:
             return 0
         found.sort(key=lambda f: f[0])
-        removed, keep = 0, int(bound * _TRIM_TO)
+        removed, target = 0, int(bound * _TRIM_TO)
         for used, size, opened, name, st in found:
-            if total <= keep:
+            if total <= target:
                 break
             if opened.remove_entry(name, st, used):
                 removed += 1
@@ -1114,15 +1117,15 @@ def cache_trim(limit: int | None = None) -> int:
     return removed
 
 
-def _maybe_trim(written: int) -> None:
+def _maybe_trim(written: int, bound: int | None, keep: Path) -> None:
     """After a publish of ``written`` bytes: trim, with the chance that makes one trim for about
     every sixteenth of the bound written, whichever processes wrote it. A trim lists every entry,
     so it is not run on every publish, and a count of bytes written kept per process would never
-    reach its mark in processes that each compile a little."""
-    bound = max_bytes()
+    reach its mark in processes that each compile a little. ``keep``: the entry just published,
+    whose path its caller returns."""
     if bound and random.random() < written * 16 / bound:
         try:
-            cache_trim(bound)
+            cache_trim(bound, keep)
         except OSError as e:  # a cache that cannot be trimmed still serves
             logger.debug("cache trim failed: %s", e)
 
