@@ -15,6 +15,7 @@ import contextlib
 import functools
 import itertools
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
@@ -220,6 +221,30 @@ class Device:
                 self.forget_stream(default)
                 default.completed(default.seq)
                 self.close_stream_handle(default.handle)
+
+    def close_at_exit(self, wait_s: float = 1.0) -> None:
+        """For an exit hook: refuse new work on every stream at once (a thread that enqueues
+        more gets StreamClosedError), then give what is queued up to ``wait_s`` seconds to
+        finish. Not :meth:`close`, which waits for all of it: a daemon thread that went on
+        running routines queued more than it could finish, and the process never exited."""
+        with self.lock:
+            newest = [s.newest for s in self._streams if not s.closed and s.newest is not None]
+            for s in self._streams:
+                s.closed = True  # enqueue refuses; a host wait returns at once
+            streams = list(self._streams)
+        deadline = time.monotonic() + wait_s
+        for s in streams:  # threads inside a driver call on a stream (a host wait) return first
+            with s._lock:
+                while s._users and time.monotonic() < deadline:
+                    s._idle.wait(max(0.0, deadline - time.monotonic()))
+        for handle in newest:
+            while time.monotonic() < deadline:
+                try:
+                    if self.driver.event_done(handle):
+                        break
+                except Exception:
+                    break
+                time.sleep(0.001)
 
     def make_context(self, stream: Stream | None = None) -> Context:
         """A root context on this device (on ``stream``, default: the device's). Use it as

@@ -427,6 +427,31 @@ def test_an_exit_while_daemon_threads_run_routines_does_not_abort(backend: Backe
     for _ in range(6):  # the old code aborted in most runs alone, in some beside other tests
         done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr[-2000:]
+    # a thread that queues more than the device can run: the exit refuses new work, gives the
+    # queue a second, and goes (the first version of the hook waited for all of it: for ever)
+    endless = textwrap.dedent("""
+        import threading, time
+        import numpy as np
+        from polyjit import get_backend, ir
+        n = 1 << 20
+        x, y = ir.Node("x", (n,)), ir.Node("y", (n,))
+        backend = get_backend("opencl")
+        r = backend.get_device(0).make_context().init_from_host(x, np.ones(n, np.float32)).link(
+            backend.compile(ir.Comp.of(ir.apply(ir.Op.EXP, x, into=y)), name="exp"))
+        def run():
+            while True:
+                try:
+                    r.run()
+                except Exception as e:
+                    print(type(e).__name__, flush=True)
+                    return
+        threading.Thread(target=run, daemon=True).start()
+        time.sleep(1)
+    """)
+    t0 = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", endless], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["StreamClosedError"], done.stdout + done.stderr[-2000:]
+    assert time.perf_counter() - t0 < 60
     # what makes it so: the devices are closed before exit hooks registered earlier (pyopencl's)
     closed = textwrap.dedent("""
         import atexit

@@ -396,7 +396,7 @@ def _close_devices() -> None:
     for dev in live_devices():
         if isinstance(dev.driver, OpenCLDriver):
             with contextlib.suppress(Exception):
-                dev.close()
+                dev.close_at_exit()
 
 
 def create_backend(platform: str | None = None, matmul_variant: str = "auto",
