@@ -86,7 +86,8 @@ def test_publishing_past_the_bound_trims(monkeypatch: pytest.MonkeyPatch) -> Non
 
 def test_the_bound_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     for text, value in (("", cache_mod.DEFAULT_MAX_BYTES), ("0", None), ("4096", 4096), ("1.5K", 1536),
-                        ("500M", 500 << 20), ("2GiB", 2 << 30), ("1t", 1 << 40)):
+                        ("500M", 500 << 20), ("2GiB", 2 << 30), ("1t", 1 << 40), ("0.5", 1), ("0.0", None),
+                        ("9" * 400, 1 << 62)):  # (found by review: an OverflowError, and "no bound")
         monkeypatch.setenv(MAX_BYTES_ENV, text)
         assert cache_mod.max_bytes() == value, text
     monkeypatch.setenv(MAX_BYTES_ENV, "0")

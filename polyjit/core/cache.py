@@ -1073,8 +1073,10 @@ def max_bytes() -> int | None:
         raise InvalidArgumentError(
             f"{MAX_BYTES_ENV}={text!r} is not a size: bytes, or a number with K, M, G or T (say 500M), "
             "or 0 for no bound")
-    value = int(float(m.group(1)) * 1024 ** ("", "k", "m", "g", "t").index(m.group(2).lower()))
-    return value or None
+    number = float(m.group(1)) * 1024 ** ("", "k", "m", "g", "t").index(m.group(2).lower())
+    if not number:
+        return None
+    return max(1, int(min(number, 1 << 62)))  # 0.5 is a bound of a byte, not none; 10^400 fits
 
 
 def cache_trim(limit: int | None = None, keep: Path | None = None) -> int:
