@@ -112,3 +112,33 @@ def test_kernels_queued_before_a_later_launch_failed_keep_their_memory(backend: 
     assert dev.pending_free_memory() > 0  # its memory waits for it
     dev.synchronize()  # it runs on live memory: no fault
     _works(backend, 0)
+
+
+def test_a_staged_copy_whose_event_fails_keeps_its_ring_segment(backend: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review: a chunk of a staged host copy whose copy was queued but whose event
+    failed to record was left out of the staging ring, so the next copy could reuse that part
+    of the ring while the queued one still read it. It stays in the ring now, until the whole
+    stream is done, and the copy counts as issued."""
+    n = (3 << 20) // 4  # three 1 MiB chunks through a 1 MiB ring
+    x, y = f32("big_x", (n,)), f32("big_y", (n,))
+    dev = backend.get_device(0)
+    ctx = dev.make_context().init_from_host(x, np.zeros(n, np.float32)).init_from_host(y, np.zeros(n, np.float32))
+    ctx.stream.synchronize()
+    ring = backend.driver._staging[0]
+    record, calls = ring._record, [0]
+
+    def second_fails(stream: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("injected: recording the event failed")
+        return record(stream)
+
+    xs, ys = np.arange(n, dtype=np.float32), -np.arange(n, dtype=np.float32)
+    monkeypatch.setattr(ring, "_record", second_fails)
+    with pytest.raises(DriverError, match="after 2 of its operations"):
+        ctx.from_host(x, xs)
+    monkeypatch.undo()
+    ctx.from_host(y, ys)  # reuses the ring: after the queued copies of x's first two chunks
+    np.testing.assert_array_equal(ctx.read(x)[: 2 * n // 3], xs[: 2 * n // 3])
+    np.testing.assert_array_equal(ctx.read(y), ys)
+    ctx.finalize()

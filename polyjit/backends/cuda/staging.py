@@ -78,6 +78,18 @@ def _partly(error: BaseException, chunks: int) -> NoReturn:
     raise PartlyIssued(error, chunks, []) from error
 
 
+class _StreamDone:
+    """Stands for the event of a copy whose record failed: done once the whole stream is."""
+
+    is_done = False
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def sync(self) -> None:
+        getattr(self.stream, "core", self.stream).sync()
+
+
 def _drain(part: np.ndarray, view: np.ndarray) -> None:
     host_copy(part, view)
 
@@ -119,6 +131,19 @@ class Staging:
         while self.segments and self.segments[0][2].is_done:
             self._complete(self.segments.popleft())
 
+    def _segment(self, start: int, n: int, stream: Any, chunks: int) -> list[Any]:
+        """The ring's segment of a chunk's copy, just queued (lock held), with the event behind
+        it. If recording that fails, the segment stays the copy's until the whole stream is done
+        (one left out of the ring was reused while the queued copy still used it), and the copy
+        counts as issued: ``chunks`` of them are (PartlyIssued)."""
+        seg = [start, start + n, _StreamDone(stream), None]
+        self.segments.append(seg)
+        try:
+            seg[2] = self._record(stream)
+        except BaseException as e:
+            raise PartlyIssued(e, chunks, []) from e
+        return seg
+
     def _retire_oldest(self) -> None:
         seg = self.segments.popleft()
         seg[2].sync()
@@ -151,14 +176,14 @@ class Staging:
         n, chunk = src.nbytes, self.chunk
         for k, off in enumerate(range(0, n, chunk)):
             m = min(chunk, n - off)
-            try:
-                with self.lock:
+            with self.lock:
+                try:
                     start = self._reserve(m)
                     host_copy(self.view[start : start + m], src[off : off + m])
                     self._copy_in(dst + off, self.ptr + start, m, stream)
-                    self.segments.append([start, start + m, self._record(stream), None])
-            except BaseException as e:
-                _partly(e, k)
+                except BaseException as e:
+                    _partly(e, k)
+                self._segment(start, m, stream, k + 1)
 
     def to_host(self, stream: Any, out: np.ndarray, src: int) -> None:
         """Enqueue device address ``src`` -> ``out`` (uint8); the bytes land when the stream's
@@ -166,16 +191,15 @@ class Staging:
         n, chunk = out.nbytes, self.chunk
         for k, off in enumerate(range(0, n, chunk)):
             m = min(chunk, n - off)
-            try:
-                with self.lock:
+            with self.lock:
+                try:
                     start = self._reserve(m)
                     self._copy_out(self.ptr + start, src + off, m, stream)
-                    view = self.view[start : start + m]
-                    self.segments.append([start, start + m, self._record(stream),
-                                          functools.partial(_drain, out[off : off + m], view)])
-                    self.pending += 1
-            except BaseException as e:
-                _partly(e, k)
+                except BaseException as e:
+                    _partly(e, k)
+                seg = self._segment(start, m, stream, k + 1)
+                seg[3] = functools.partial(_drain, out[off : off + m], self.view[start : start + m])
+                self.pending += 1
 
     def poll(self) -> None:
         """Run the completions whose events are done."""
