@@ -21,7 +21,7 @@ import contextlib
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from polyjit.core.errors import (
     DeviceFaultError,
@@ -605,6 +605,21 @@ class PartlyIssued(Exception):
         self.error, self.count, self.tokens = error, count, tokens
 
 
+def partly_issued(error: BaseException, count: int, tokens: list[Any] | None = None,
+                  cause: BaseException | None = None) -> NoReturn:
+    """Raise ``error`` of an operation after ``count`` others of one unit of work reached the
+    stream: as it is when none did, else as :class:`PartlyIssued`, so that ``enqueue`` keeps
+    what those use until an event behind them (``cause``: what the driver raised, if ``error``
+    wraps it). Every driver call that issues several operations (``issue``, a launch of
+    several kernels, a copy in chunks) raises its failure through this."""
+    cause = error if cause is None else cause
+    if count:
+        raise PartlyIssued(error, count, tokens or []) from cause
+    if cause is error:
+        raise error
+    raise error from cause
+
+
 def issue(ops: Sequence[Operation]) -> list[Any] | None:
     """Call driver operations in order: several as one unit of work,
     ``enqueue(stream, reads, writes, what, issue, (ops,), keep)`` (a replay's copies in, launches
@@ -616,9 +631,7 @@ def issue(ops: Sequence[Operation]) -> list[Any] | None:
         try:
             token = fn(*args)
         except BaseException as e:  # an interrupt too: the operations before it are queued
-            if k == 0:
-                raise
-            raise PartlyIssued(e, k, tokens) from e
+            partly_issued(e, k, tokens)
         if token is not None:
             tokens.append(token)
     return tokens or None

@@ -60,7 +60,7 @@ from polyjit.backends.cuda.staging import staging_bytes as default_staging_bytes
 from polyjit.core.codegen import KernelSpec, Source
 from polyjit.core.errors import CompileError, UnknownDeviceError
 from polyjit.core.protocol import DeviceInfo, DriverDefaults
-from polyjit.core.streams import PartlyIssued
+from polyjit.core.streams import partly_issued
 
 __all__ = ["BASE_ALIGNMENT", "CudaDriver", "CudaDriverError", "grid_and_block", "versions"]
 
@@ -412,19 +412,13 @@ class CudaDriver(DriverDefaults):
         for k, ln in enumerate(prepared.launches):
             try:
                 launch(stream.core, ln.config, ln.kernel, *ln.pointers, *tail)
-            except Exception as e:
-                error = CudaDriverError(f"launching {ln.name} (grid {ln.grid}, block {ln.block}) on "
-                                        f"cuda:{prepared.ordinal} failed: {e}")
-                if k == 0:
-                    raise error from e
+            except BaseException as e:  # an interrupt too
+                error = e if not isinstance(e, Exception) else CudaDriverError(
+                    f"launching {ln.name} (grid {ln.grid}, block {ln.block}) on cuda:{prepared.ordinal} failed: {e}")
                 # the kernels before it are queued: enqueue keeps what they use until the event
                 # it records behind them completes (a split sum's second kernel failing freed the
                 # memory its first was still reading)
-                raise PartlyIssued(error, k, []) from e
-            except BaseException as e:  # an interrupt: the same, for the kernels before it
-                if k == 0:
-                    raise
-                raise PartlyIssued(e, k, []) from e
+                partly_issued(error, k, cause=e)
 
 
 @functools.cache

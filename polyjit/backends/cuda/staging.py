@@ -18,12 +18,12 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NoReturn
+from typing import Any
 
 import numpy as np
 
 from polyjit.core.errors import InvalidArgumentError
-from polyjit.core.streams import PartlyIssued
+from polyjit.core.streams import partly_issued
 
 __all__ = ["STAGING_BYTES", "STAGING_ENV", "Staging", "host_copy", "staging_bytes"]
 
@@ -68,14 +68,6 @@ def host_copy(dst: np.ndarray, src: np.ndarray) -> None:
     futures = [_pool.submit(np.copyto, dst[k : k + step], src[k : k + step]) for k in range(0, n, step)]
     for f in futures:
         f.result()
-
-
-def _partly(error: BaseException, chunks: int) -> NoReturn:
-    """Raise ``error`` of a copy's chunk; after the first, as :class:`PartlyIssued`: the chunks
-    before it are queued, so enqueue keeps the device memory they use until its event."""
-    if not chunks:
-        raise error
-    raise PartlyIssued(error, chunks, []) from error
 
 
 class _StreamDone:
@@ -141,7 +133,7 @@ class Staging:
         try:
             seg[2] = self._record(stream)
         except BaseException as e:
-            raise PartlyIssued(e, chunks, []) from e
+            partly_issued(e, chunks)
         return seg
 
     def _retire_oldest(self) -> None:
@@ -182,7 +174,7 @@ class Staging:
                     host_copy(self.view[start : start + m], src[off : off + m])
                     self._copy_in(dst + off, self.ptr + start, m, stream)
                 except BaseException as e:
-                    _partly(e, k)
+                    partly_issued(e, k)  # the chunks before it are queued
                 self._segment(start, m, stream, k + 1)
 
     def to_host(self, stream: Any, out: np.ndarray, src: int) -> None:
@@ -196,7 +188,7 @@ class Staging:
                     start = self._reserve(m)
                     self._copy_out(self.ptr + start, src + off, m, stream)
                 except BaseException as e:
-                    _partly(e, k)
+                    partly_issued(e, k)  # the chunks before it are queued
                 seg = self._segment(start, m, stream, k + 1)
                 seg[3] = functools.partial(_drain, out[off : off + m], self.view[start : start + m])
                 self.pending += 1

@@ -50,7 +50,7 @@ from polyjit.core.errors import BackendUnavailableError, UnknownDeviceError, Uns
 from polyjit.core.protocol import DeviceInfo
 from polyjit.core.raw import RAW
 from polyjit.core.runtime import Backend
-from polyjit.core.streams import PartlyIssued
+from polyjit.core.streams import partly_issued
 
 __all__ = ["BINARY_CACHE_ENV", "PLATFORM_ENV", "OpenCLDriver", "create_backend", "pip_pocl_icd",
            "working_pocl_icd"]
@@ -361,13 +361,10 @@ class OpenCLDriver:
                     ev = enqueue(queue, kernel, gsize, lsize)
                     done += 1
         except BaseException as e:
-            if not done:
-                raise
-            # the kernels before it are queued: the stream's event must come behind them, and
-            # enqueue keeps what they use until it completes
-            stream.seq += done
-            stream.last = ev
-            raise PartlyIssued(e, done, []) from e
+            if done:  # the kernels before it are queued: the stream's event must come behind them
+                stream.seq += done
+                stream.last = ev
+            partly_issued(e, done)  # and enqueue keeps what they use until it completes
         if ev is not None:
             stream.seq += done
             stream.last = ev
