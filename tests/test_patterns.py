@@ -181,7 +181,24 @@ def test_a_length_no_divisor_splits_gets_a_tail() -> None:
     # of the loops long enough, the one with the shortest tail: 1031 = 4 * 256 + 7 rows of 1031
     assert _tail(_reduction_kernels((1031, 1031), "ij->")) == (256, 4 * 1031, 7 * 1031)
     assert _tail(_reduction_kernels((3, 65_537), "ij->")) == (256, 3 * 256, 3)
-    assert len(_reduction_kernels((31, 31, 31, 31, 2), "ijklm->")) == 1  # no loop of 32 to 1024 values or of 256+: serial
+
+
+def test_a_reduction_of_short_loops_splits_over_its_outer_ones() -> None:
+    """No loop of 32 to 1024 values, none of 256 or more (30^4): such a sum ran on one thread,
+    at 12x numpy's time. Its outer loops, the fewest whose product reaches 32, now index the
+    parts, and the loops each part reduces merge where they walk memory as one."""
+    first, last = _reduction_kernels((31, 31, 31, 31, 2), "ijklm->")
+    assert isinstance(first.body, Reduce) and first.body.reassociable and not last.parallel
+    assert [n for _, n in first.parallel] == [961] and [n for _, n in first.body.loops] == [1922]
+    first, _ = _reduction_kernels((30, 30, 30, 30), "ijkl->")
+    assert [n for _, n in first.parallel] == [900] and [n for _, n in first.body.loops] == [900]
+    x, y = Node("x", (30, 30, 30)), Node("y", (30, 30))
+    first, _ = lower.lower([ir.Comp.of(ir.einsum("ijk,kl->", x, y, into=Node("o", ())))], ["r"]).kernels
+    assert isinstance(first.body, Reduce)  # y's rows are not x's: k and l stay two loops
+    assert [n for _, n in first.parallel] == [900] and [n for _, n in first.body.loops] == [30, 30]
+    first, _ = _reduction_kernels((2, 2, 31, 31, 31), "ijklm->")
+    assert [n for _, n in first.parallel] == [124] and [n for _, n in first.body.loops] == [961]
+    assert len(_reduction_kernels((20, 20, 20, 5), "ijkl->")) == 1  # 400 parts of 100 values: left whole
 
 
 def test_a_split_takes_the_outermost_reduced_loop() -> None:
@@ -335,7 +352,9 @@ def test_a_big_reduction_into_many_cells() -> None:
     assert [(p.kind, p.team) for p in full] == [(REDUCTION, 1), (SERIAL, 0)]
     ragged = _plans(_reduce("i->", (65_537 * 2,), ()), CPU)  # no divisor fits: parts and a tail
     assert [(p.kind, p.team) for p in ragged] == [(REDUCTION, 1), (SERIAL, 0), (SERIAL, 0)]
-    unsplit = _plan(_reduce("ijklm->", (31, 31, 31, 31, 2), ()), CPU)  # no loop to split: one thread,
+    short = _plans(_reduce("ijklm->", (31, 31, 31, 31, 2), ()), CPU)  # every loop short: parts over the outer ones
+    assert [(p.kind, p.team) for p in short] == [(REDUCTION, 1), (SERIAL, 0)]
+    unsplit = _plan(_reduce("ijkl->", (20, 20, 20, 5), ()), CPU)  # parts would be too short: one thread,
     assert (unsplit.kind, unsplit.team) == (SERIAL, 0)  # not OpenMP's reduction clause (its order varies)
 
 

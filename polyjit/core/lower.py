@@ -630,6 +630,22 @@ def _merge_parallel(k: Kernel) -> Kernel:
     return k
 
 
+def _merge_reduced(k: Kernel) -> Kernel:
+    """A top-level reduction's adjacent loops merged where they walk memory like one loop (as
+    _merge_parallel merges the parallel nest's): one long vector loop, not a collapsed nest."""
+    r = k.body
+    if not isinstance(r, Reduce):
+        return k
+    affs = list(affines_of(k))
+    for pos in range(len(r.loops) - 1):
+        (so, no), (si, ni) = r.loops[pos], r.loops[pos + 1]
+        if all(a.coeff(so) == ni * a.coeff(si) for a in affs):
+            loops = r.loops[:pos] + ((si, no * ni),) + r.loops[pos + 2:]
+            body = map_stmt(attrs.evolve(r, loops=loops), functools.partial(Affine.substitute, env={so: Affine()}))
+            return _merge_reduced(attrs.evolve(k, body=body))
+    return k
+
+
 def simplify(k: Kernel) -> Kernel:
     return _merge_parallel(_drop_unit_loops(k))
 
@@ -663,6 +679,18 @@ def _ragged_parts(loops: tuple[tuple[Symbol, int], ...]) -> tuple[int, int] | No
     return (min(fits)[1], SPLIT_PARTS) if fits else None
 
 
+def _outer_loops_as_parts(loops: tuple[tuple[Symbol, int], ...]) -> int | None:
+    """How many outer loops, taken together, index the parts of a reduction whose loops are
+    each too short to split alone (under 32 values): the fewest whose product reaches 32 (so
+    under 32 * 32 parts), where each part still reduces SPLIT_MIN_CHUNK values or more."""
+    length, parts = math.prod(n for _, n in loops), 1
+    for count, (_, n) in enumerate(loops, 1):
+        parts *= n
+        if parts >= 32:
+            return count if count < len(loops) and length // parts >= SPLIT_MIN_CHUNK else None
+    return None
+
+
 def split_long_reduction(k: Kernel) -> tuple[list[Kernel], Node | None]:
     """A long full reduction as two kernels: ``parts[b] = reduce(chunk b)`` over a parallel
     ``b``, then ``out = reduce(parts)``; for a length no divisor splits, a kernel between them
@@ -678,7 +706,7 @@ def split_long_reduction(k: Kernel) -> tuple[list[Kernel], Node | None]:
         return [k], None
     split = _split_parts(r.loops) or _ragged_parts(r.loops)
     if split is None:
-        return [k], None
+        return _split_outer_loops(k, r)
     pos, parts = split
     sym, n = r.loops[pos]
     chunk = n // parts
@@ -704,6 +732,28 @@ def split_long_reduction(k: Kernel) -> tuple[list[Kernel], Node | None]:
                                              Load(partial, ir.as_affine(b2))),
                           f"{k.comment} (of {partial.shape[0]} partial results)"))
     return kernels, partial
+
+
+def _split_outer_loops(k: Kernel, r: Reduce) -> tuple[list[Kernel], Node | None]:
+    """A long full reduction whose loops are all short (30^4, say): its outer loops become the
+    parallel nest of the partial results, one part per point of them (see split_long_reduction)."""
+    count = _outer_loops_as_parts(r.loops)
+    if count is None:
+        return [k], None
+    outer = r.loops[:count]
+    parts = math.prod(n for _, n in outer)
+    index, stride = ir.fixed(0), parts
+    for sym, n in outer:  # the parts in the loops' row-major order
+        stride //= n
+        index = index + ir.as_affine(sym).scale(stride)
+    partial = Node(f"{r.node.name}_parts", (parts,), r.node.dtype.compute)
+    neutral = Const(r.accum.neutral(partial.dtype), partial.dtype)
+    b = Symbol(f"{r.node.name}_parts")
+    return [_merge_reduced(simplify(Kernel(f"{k.name}_parts", outer,
+                            Reduce(partial, index, r.accum, neutral, r.loops[count:], r.value, reassociable=True),
+                            f"{k.comment} (partial results)"))),
+            Kernel(k.name, (), Reduce(r.node, r.index, r.accum, r.init, ((b, parts),), Load(partial, ir.as_affine(b))),
+                   f"{k.comment} (of {parts} partial results)")], partial
 
 
 # ---------------------------------------------------------------------------

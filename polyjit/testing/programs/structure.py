@@ -196,6 +196,17 @@ def large() -> list[CatalogProgram]:
                               ir.Comp.of(ir.einsum("ij->", xs, into=sn, accum=AccumOp.MIN, init_neutral=False))],
                        inputs=[(xs, values(dtypes.int64, xs.shape)), (sn, values(dtypes.int64, ()))],
                        outputs=[ss, sx, sn]))
+    # every loop too short to split alone (under 32 values): the outer ones index the parts
+    xq = Node("xq", (16, 16, 16, 16), dtypes.int64)
+    qs, qx = Node("qs", (), dtypes.int64), Node("qx", (), dtypes.int64)
+    ca, cb, cs = f32("ca", (16, 16, 16)), f32("cb", (16, 16)), f32("cs", ())
+    out.append(program("large.full_reductions_of_short_loops",
+                       comps=[ir.Comp.of(ir.einsum("ijkl->", xq, into=qs)),
+                              ir.Comp.of(ir.einsum("ijkl->", xq, into=qx, accum=AccumOp.MAX)),
+                              ir.Comp.of(ir.einsum("ijk,kl->", ca, cb, into=cs))],
+                       inputs=[(xq, values(dtypes.int64, xq.shape)), (ca, values(dtypes.float32, ca.shape, "quarter")),
+                               (cb, values(dtypes.float32, cb.shape, "quarter"))],
+                       outputs=[qs, qx, cs]))
     y = f32("y", (400, 250))
     ys = f32("ys", ())
     out.append(program("large.full_sum_float32", ir.einsum("ij->", y, into=ys),
