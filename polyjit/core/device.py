@@ -10,6 +10,7 @@ allocation), so a finalizer never re-enters the runtime in the middle of an oper
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import functools
@@ -33,6 +34,7 @@ from polyjit.core.errors import (
     InvalidProgramError,
     PolyjitError,
     PoolExhaustedError,
+    StreamClosedError,
     UnknownDeviceError,
 )
 from polyjit.core.ir import Node
@@ -92,6 +94,33 @@ def live_devices() -> list[Device]:
     return list(_LIVE)
 
 
+_exit_lock = threading.Lock()
+_closed_at_exit: set[type[Driver]] = set()
+
+
+def close_devices_at_exit(driver_type: type[Driver]) -> None:
+    """Have every device of ``driver_type`` closed at exit (:meth:`Device.close_at_exit`) by an
+    exit hook registered now, once per type. Call it right after the driver's library loads:
+    exit hooks run last first, so the devices close before that library's own exit code runs,
+    and a daemon thread still running routines gets StreamClosedError, not a library torn
+    down under it (PoCL aborted the process; the cpu runtime's workers were joined)."""
+    with _exit_lock:
+        if driver_type not in _closed_at_exit:
+            _closed_at_exit.add(driver_type)
+            atexit.register(_close_devices, driver_type)
+
+
+def _close_devices(driver_type: type[Driver], wait_s: float = 1.0) -> None:
+    devices = [dev for dev in live_devices() if isinstance(dev.driver, driver_type)]
+    deadline = time.monotonic() + wait_s
+    for backend in {id(dev.backend): dev.backend for dev in devices}.values():
+        with contextlib.suppress(Exception):  # the exit goes on
+            backend.close_compiles_at_exit(deadline)
+    for dev in devices:
+        with contextlib.suppress(Exception):
+            dev.close_at_exit(wait_s)
+
+
 _scope = threading.local()  # the thread's stack of devices entered with ``with device:``
 
 
@@ -139,6 +168,7 @@ class Device:
         self._pool_ids = slab.PoolIds()
         self._streams: weakref.WeakSet[Stream] = weakref.WeakSet()
         self.forked = False  # this process is a fork of the one that made the device
+        self.exiting = False  # closed at exit (close_at_exit): nothing new reaches the driver
         _LIVE.add(self)
         self._stream_index = itertools.count()
         self._modules: weakref.WeakValueDictionary[int, LoadedModule] = weakref.WeakValueDictionary()
@@ -171,6 +201,7 @@ class Device:
     def new_stream(self) -> Stream:
         """A new in-order queue on this device; ``close()`` it (or use ``with``) when done."""
         with self.lock:
+            self.check_open("new_stream")
             self.reap(poll=True)  # streams dropped with work in flight end once it is done
             handle = driver_call(self.label, "new_stream", self.driver.new_stream, self.ordinal)
             s = Stream(self, handle, next(self._stream_index))
@@ -222,21 +253,33 @@ class Device:
                 default.completed(default.seq)
                 self.close_stream_handle(default.handle)
 
-    def close_at_exit(self, wait_s: float = 1.0) -> None:
+    def check_open(self, what: str) -> None:
+        """Refuse a driver call that would start after close_at_exit (the device lock held)."""
+        if self.exiting:
+            raise StreamClosedError(f"{self.device_id}: {what} refused: the process is exiting, and the "
+                                    "device was closed at exit")
+
+    def close_at_exit(self, wait_s: float = 1.0, calls_wait_s: float = 10.0) -> None:
         """For an exit hook: refuse new work on every stream at once (a thread that enqueues
-        more gets StreamClosedError), then give what is queued up to ``wait_s`` seconds to
-        finish. Not :meth:`close`, which waits for all of it: a daemon thread that went on
-        running routines queued more than it could finish, and the process never exited."""
+        more gets StreamClosedError), and new streams, pools, loads and bindings of kernels (the
+        driver calls made under the device lock, so none is under way once it holds it); give
+        threads inside a host wait up to ``calls_wait_s`` seconds to return (what they wait for
+        can no longer grow; one still inside the driver when its library's exit code runs may
+        crash the process), and what is queued up to ``wait_s`` seconds to finish. Not
+        :meth:`close`, which waits for all of it: a daemon thread that went on running routines
+        queued more than it could finish, and the process never exited."""
         with self.lock:
+            self.exiting = True
             newest = [s.newest for s in self._streams if not s.closed and s.newest is not None]
             for s in self._streams:
-                s.closed = True  # enqueue refuses; a host wait returns at once
+                s.closed = True  # enqueue refuses; a host wait not yet begun returns at once
             streams = list(self._streams)
-        deadline = time.monotonic() + wait_s
+        calls_deadline = time.monotonic() + calls_wait_s
         for s in streams:  # threads inside a driver call on a stream (a host wait) return first
             with s._lock:
-                while s._users and time.monotonic() < deadline:
-                    s._idle.wait(max(0.0, deadline - time.monotonic()))
+                while s._users and time.monotonic() < calls_deadline:
+                    s._idle.wait(max(0.0, calls_deadline - time.monotonic()))
+        deadline = time.monotonic() + wait_s
         for handle in newest:
             while time.monotonic() < deadline:
                 try:
@@ -394,6 +437,7 @@ class Device:
             raise InvalidArgumentError(f"alloc_pool of pool {pool_id} on {self.device_id}: the alignment is at "
                                        f"least 1, got {alignment}")
         with self.lock:
+            self.check_open(f"alloc of pool {pool_id}")
             self.reap(poll=True)
             if pool_id in self._pools:
                 raise InvalidProgramError(f"pool {pool_id} already exists on {self.device_id}")
@@ -542,6 +586,7 @@ class Device:
         with self.lock:
             hit = self._modules.get(id(binary))
             if hit is None or hit.binary is not binary:
+                self.check_open("load")
                 handle = driver_call(self.label, "load", self.driver.load, self.ordinal, binary)
                 hit = LoadedModule(self, binary, handle)
                 self._modules[id(binary)] = hit

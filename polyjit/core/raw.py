@@ -34,7 +34,6 @@ from polyjit.core.codegen import (
     Source,
     c_trampoline,
 )
-from polyjit.core.device import driver_call
 from polyjit.core.dtypes import is_int
 from polyjit.core.errors import BindingError, CompileError, InvalidArgumentError
 from polyjit.core.ir import Node, StaticSymbol
@@ -188,7 +187,7 @@ def raw_code(backend: Backend, source: str | os.PathLike[str], name: str, params
     src = Source(text, driver.dialect.name, ((spec,),))
     log_source(f"{backend.name} raw kernel {name}", text, _SUFFIX.get(src.dialect, ".txt"))
     try:
-        binary = driver_call(f"backend {backend.name}", f"compile of raw kernel {name}", driver.compile, src)
+        binary = backend.driver_compile(f"compile of raw kernel {name}", src)
     except CompileError as e:
         raise CompileError(f"raw kernel {name} from {origin}: {e}", source=e.source, log=e.log) from e
     comp = LoweredComp(name, (), reads, written, (), (), None, written)  # a user's kernel may write any cells

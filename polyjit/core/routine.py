@@ -377,6 +377,7 @@ class Routine:
         device = self.context.device
         with device.lock:  # the pools it binds must not be freed between the check and the binding
             self.context.check_alive()  # a finalize() freed them: FinalizedError, not "no pool (freed?)"
+            device.check_open(f"prepare of {self.name}")
             kernels = [self._kernel_args(spec) for spec in (self._specs if specs is None else specs)]
             prepared = driver_call(device.label, f"prepare of {self.name}", device.driver.prepare,
                                    device.ordinal, self._module.handle, kernels)

@@ -16,12 +16,13 @@ import hashlib
 import os
 import re
 import threading
+import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from polyjit.core import ir
-from polyjit.core.codegen import generate
+from polyjit.core.codegen import Source, generate
 from polyjit.core.context import Context
 from polyjit.core.device import Device, LoadedModule, driver_call
 from polyjit.core.dtypes import is_int
@@ -29,6 +30,7 @@ from polyjit.core.errors import (
     BindingError,
     InvalidArgumentError,
     InvalidProgramError,
+    StreamClosedError,
     UnknownDeviceError,
 )
 from polyjit.core.ir import Node, StaticSymbol
@@ -120,7 +122,33 @@ class Backend:
         self.name: str = driver.name
         self._devices: dict[int, Device] = {}
         self._lock = threading.Lock()
+        self._compiles = threading.Condition()  # guards the two below
+        self._compiling = 0  # driver compiles under way (a daemon thread's, at exit)
+        self._exiting = False
         _BACKENDS.add(self)
+
+    def driver_compile(self, what: str, source: Source) -> Any:
+        """``driver.compile(source)``, refused once the process is exiting (an exit hook waits
+        for compiles under way: a thread inside the driver's compiler while its library's exit
+        code ran crashed the process)."""
+        with self._compiles:
+            if self._exiting:
+                raise StreamClosedError(f"backend {self.name}: {what} refused: the process is exiting")
+            self._compiling += 1
+        try:
+            return driver_call(f"backend {self.name}", what, self.driver.compile, source)
+        finally:
+            with self._compiles:
+                self._compiling -= 1
+                self._compiles.notify_all()
+
+    def close_compiles_at_exit(self, deadline: float) -> None:
+        """For an exit hook: refuse new compiles, and wait for those under way until ``deadline``
+        (``time.monotonic()``)."""
+        with self._compiles:
+            self._exiting = True
+            while self._compiling and time.monotonic() < deadline:
+                self._compiles.wait(deadline - time.monotonic())
 
     @property
     def unavailable_reason(self) -> str | None:
@@ -226,7 +254,7 @@ class Backend:
         source = generate(lowered, dialect)
         log_source(f"{self.name} batch {', '.join(c_names[:3])}{'...' if len(c_names) > 3 else ''}", source.text,
                    {"c": ".c", "opencl": ".cl", "cuda": ".cu"}.get(source.dialect, ".txt"))
-        binary = driver_call(f"backend {self.name}", "compile", self.driver.compile, source)
+        binary = self.driver_compile("compile", source)
         return CodeBatch(self, lowered, source, binary, c_names, tuple(checked[k] for k in keep))
 
     def raw_kernel(

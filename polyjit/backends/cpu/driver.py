@@ -33,6 +33,7 @@ from polyjit.backends.cpu.native import (
 )
 from polyjit.core.codegen import KernelSpec, Source
 from polyjit.core.compile_cache import SharedLibrary
+from polyjit.core.device import close_devices_at_exit
 from polyjit.core.dtypes import is_int
 from polyjit.core.errors import BackendUnavailableError, UnsupportedError
 from polyjit.core.protocol import DeviceInfo
@@ -111,9 +112,7 @@ class CpuDriver:
     def rt(self) -> NativeRuntime:
         if self._rt is None:
             rt = load_runtime()
-            with _hook_lock:  # one hook for every driver (one each grew the list for ever)
-                if _close_devices not in rt.before_shutdown:
-                    rt.before_shutdown.append(_close_devices)
+            close_devices_at_exit(CpuDriver)  # after the runtime's exit code, so it runs first
             self._rt = rt
         return self._rt
 
@@ -257,20 +256,6 @@ class CpuDriver:
             self.rt.launch_seq(stream, prepared.descs, prepared.count, arr, len(statics))
         else:
             self.rt.launch_seq(stream, prepared.descs, prepared.count, None, 0)
-
-
-_hook_lock = threading.Lock()
-
-
-def _close_devices() -> None:
-    """At exit, before the runtime destroys its streams: close the cpu drivers' devices, so
-    that a thread or an exit hook still holding one of their streams gets StreamClosedError."""
-    from polyjit.core.device import live_devices
-
-    for dev in live_devices():
-        if isinstance(dev.driver, CpuDriver):
-            with contextlib.suppress(Exception):
-                dev.close()
 
 
 def create_backend(num_devices: int | None = None) -> Backend:

@@ -16,7 +16,6 @@ around them would add a frame per kernel run.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import ctypes
 import os
 import sys
@@ -179,7 +178,6 @@ class NativeRuntime:
         self.library = library  # loaded from its verified bytes; kept (and never closed) for the process
         # Run at exit before the streams are destroyed: the drivers close their devices, so
         # that their Python streams are closed too (a use after exit raises, not segfaults).
-        self.before_shutdown: list[Callable[[], None]] = []
         lib = library.lib
         self._lib = lib
         self._create = _bind(
@@ -372,9 +370,6 @@ class NativeRuntime:
 
     def shutdown(self) -> None:
         """Sync and destroy every stream still alive (registered with atexit)."""
-        for hook in self.before_shutdown:
-            with contextlib.suppress(Exception):  # the exit goes on
-                hook()
         for stream in self.live_streams():
             self.sync(stream, self.last_ticket(stream))
             self.stream_destroy(stream)

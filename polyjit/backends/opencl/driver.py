@@ -24,8 +24,6 @@ CPU devices.
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import os
 import threading
 from collections.abc import Sequence
@@ -46,6 +44,7 @@ from polyjit.backends.opencl.platforms import (
 )
 from polyjit.backends.opencl.programs import ClBinary, OpenCLCompiler
 from polyjit.core.codegen import KernelSpec, Source
+from polyjit.core.device import close_devices_at_exit
 from polyjit.core.errors import BackendUnavailableError, UnknownDeviceError, UnsupportedError
 from polyjit.core.protocol import DeviceInfo
 from polyjit.core.raw import RAW
@@ -152,7 +151,8 @@ class OpenCLDriver:
 
     def _discover(self) -> list[ClDevice]:
         devices, self.unavailable_reason = discover(self.platform_filter, self.matmul_variant == "auto")
-        _close_at_exit()
+        # after pyopencl's import: its exit code (PoCL's) runs after the devices close
+        close_devices_at_exit(OpenCLDriver)
         return devices
 
     def _dev(self, ordinal: int) -> ClDevice:
@@ -368,32 +368,6 @@ class OpenCLDriver:
         if ev is not None:
             stream.seq += done
             stream.last = ev
-
-
-_exit_hook_lock = threading.Lock()
-_exit_hook = False
-
-
-def _close_at_exit() -> None:
-    """Close the OpenCL devices at exit, before the OpenCL library's own exit code runs (once,
-    after pyopencl is imported: exit hooks run last first). A daemon thread still running
-    routines on one then gets StreamClosedError at its next call, where it went on calling
-    into PoCL while PoCL's exit tore its threads down (the process aborted: "terminate called
-    without an active exception", as a plain pyopencl program's does)."""
-    global _exit_hook
-    with _exit_hook_lock:
-        if not _exit_hook:
-            atexit.register(_close_devices)
-            _exit_hook = True
-
-
-def _close_devices() -> None:
-    from polyjit.core.device import live_devices
-
-    for dev in live_devices():
-        if isinstance(dev.driver, OpenCLDriver):
-            with contextlib.suppress(Exception):
-                dev.close_at_exit()
 
 
 def create_backend(platform: str | None = None, matmul_variant: str = "auto",
