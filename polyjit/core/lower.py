@@ -682,12 +682,17 @@ def _ragged_parts(loops: tuple[tuple[Symbol, int], ...]) -> tuple[int, int] | No
 def _outer_loops_as_parts(loops: tuple[tuple[Symbol, int], ...]) -> int | None:
     """How many outer loops, taken together, index the parts of a reduction whose loops are
     each too short to split alone (under 32 values): the fewest whose product reaches 32 (so
-    under 32 * 32 parts), where each part still reduces SPLIT_MIN_CHUNK values or more."""
-    length, parts = math.prod(n for _, n in loops), 1
+    under 32 * 32 parts), where each part still reduces SPLIT_MIN_CHUNK values or more; else
+    one loop fewer, fewer parts of more values ((20, 20, 20, 5): 20 parts of 2000)."""
+    length, parts, fewer = math.prod(n for _, n in loops), 1, None
     for count, (_, n) in enumerate(loops, 1):
         parts *= n
+        if count == len(loops) or length // parts < SPLIT_MIN_CHUNK:
+            return fewer
         if parts >= 32:
-            return count if count < len(loops) and length // parts >= SPLIT_MIN_CHUNK else None
+            return count
+        if parts > 1:
+            fewer = count
     return None
 
 
@@ -698,8 +703,9 @@ def split_long_reduction(k: Kernel) -> tuple[list[Kernel], Node | None]:
     reduces in parallel (OpenMP threads, work-items, blocks) with no atomics, in an order
     fixed by the sizes (and, within a chunk, the vector width: chunks are ``reassociable``),
     never by the thread count, and rounds the cell once. Returns the kernels and the new
-    scratch node of partial results (None: left whole, which only a reduction with no loop to
-    split is: serial)."""
+    scratch node of partial results (None: left whole, and serial: a reduction whose parts would
+    be too short). A part's loops merge where they walk memory as one (an (N, 3) array's rows
+    and columns: a collapsed simd nest with 3 inner trips ran 10x slower than one loop)."""
     r = k.body
     if (k.parallel or not isinstance(r, Reduce) or r.ordered
             or math.prod(n for _, n in r.loops) < SPLIT_MIN_LENGTH):
@@ -719,9 +725,9 @@ def split_long_reduction(k: Kernel) -> tuple[list[Kernel], Node | None]:
     loops = (*r.loops[:pos], (c, chunk), *r.loops[pos + 1:])
     value = map_expr(r.value, lambda a: a.substitute({sym: whole}))
     neutral = Const(r.accum.neutral(partial.dtype), partial.dtype)
-    kernels = [Kernel(f"{k.name}_parts", ((b, parts),),
-                      Reduce(partial, ir.as_affine(b), r.accum, neutral, loops, value, reassociable=True),
-                      f"{k.comment} (partial results)")]
+    kernels = [_merge_reduced(Kernel(f"{k.name}_parts", ((b, parts),),
+                                     Reduce(partial, ir.as_affine(b), r.accum, neutral, loops, value, reassociable=True),
+                                     f"{k.comment} (partial results)"))]
     if tail:
         t = Symbol(f"{sym.name}_tail")
         rest = map_expr(r.value, lambda a: a.substitute({sym: ir.as_affine(t) + ir.fixed(parts * chunk)}))

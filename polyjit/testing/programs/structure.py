@@ -200,13 +200,16 @@ def large() -> list[CatalogProgram]:
     xq = Node("xq", (16, 16, 16, 16), dtypes.int64)
     qs, qx = Node("qs", (), dtypes.int64), Node("qx", (), dtypes.int64)
     ca, cb, cs = f32("ca", (16, 16, 16)), f32("cb", (16, 16)), f32("cs", ())
+    cc, ct = f32("cc", (16, 16, 16)), f32("ct", ())  # parts kernel: a tiled contraction
     out.append(program("large.full_reductions_of_short_loops",
                        comps=[ir.Comp.of(ir.einsum("ijkl->", xq, into=qs)),
                               ir.Comp.of(ir.einsum("ijkl->", xq, into=qx, accum=AccumOp.MAX)),
-                              ir.Comp.of(ir.einsum("ijk,kl->", ca, cb, into=cs))],
+                              ir.Comp.of(ir.einsum("ijk,kl->", ca, cb, into=cs)),
+                              ir.Comp.of(ir.einsum("ikl,klj->", ca, cc, into=ct))],
                        inputs=[(xq, values(dtypes.int64, xq.shape)), (ca, values(dtypes.float32, ca.shape, "quarter")),
-                               (cb, values(dtypes.float32, cb.shape, "quarter"))],
-                       outputs=[qs, qx, cs]))
+                               (cb, values(dtypes.float32, cb.shape, "quarter")),
+                               (cc, values(dtypes.float32, cc.shape, "quarter"))],
+                       outputs=[qs, qx, cs, ct]))
     y = f32("y", (400, 250))
     ys = f32("ys", ())
     out.append(program("large.full_sum_float32", ir.einsum("ij->", y, into=ys),
