@@ -951,6 +951,26 @@ def test_a_device_closed_at_exit_refuses_new_driver_calls() -> None:
         be.compile(ir.Comp.of(ir.apply(Op.EXP, x, into=y)), name="exp")
 
 
+def test_a_forked_child_does_not_wait_for_its_parents_compiles() -> None:
+    """Found by the review of session 35's change: a child forked while the parent compiled
+    counted that compile as its own, and its exit waited for it (1 s; for ever had the fork
+    come while the count's lock was held)."""
+    from polyjit.backends.cpu import create_backend
+
+    be = create_backend()
+    with be._compiles:
+        be._compiling += 1  # a compile under way on another thread of the parent
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: no pytest teardown
+            os._exit(0 if be._compiling == 0 else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        with be._compiles:
+            be._compiling -= 1
+
+
 def test_an_exit_while_daemon_threads_run_routines_does_not_abort(backend: Backend) -> None:
     """Found by review: a process that exited while daemon threads ran routines on an OpenCL
     device aborted (rc 134, "terminate called without an active exception", 6 of 6): the

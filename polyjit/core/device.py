@@ -110,15 +110,20 @@ def close_devices_at_exit(driver_type: type[Driver]) -> None:
             atexit.register(_close_devices, driver_type)
 
 
-def _close_devices(driver_type: type[Driver], wait_s: float = 1.0) -> None:
-    devices = [dev for dev in live_devices() if isinstance(dev.driver, driver_type)]
-    deadline = time.monotonic() + wait_s
-    for backend in {id(dev.backend): dev.backend for dev in devices}.values():
-        with contextlib.suppress(Exception):  # the exit goes on
-            backend.close_compiles_at_exit(deadline)
-    for dev in devices:
-        with contextlib.suppress(Exception):
-            dev.close_at_exit(wait_s)
+def _close_devices(driver_type: type[Driver], calls_wait_s: float = 10.0) -> None:
+    """The exit hook: the devices first (new work refused at once), then compiles under way
+    get what threads inside a host wait get (Device.close_at_exit)."""
+    from polyjit.core.runtime import live_backends
+
+    for dev in live_devices():
+        if isinstance(dev.driver, driver_type) and not dev.forked:
+            with contextlib.suppress(Exception):  # the exit goes on
+                dev.close_at_exit(calls_wait_s=calls_wait_s)
+    deadline = time.monotonic() + calls_wait_s
+    for backend in live_backends():  # those that made no device compile too
+        if isinstance(backend.driver, driver_type):
+            with contextlib.suppress(Exception):
+                backend.close_compiles_at_exit(deadline)
 
 
 _scope = threading.local()  # the thread's stack of devices entered with ``with device:``

@@ -104,7 +104,12 @@ def _after_fork_in_child() -> None:
         backend.after_fork_in_child()
 
 
-_BACKENDS: weakref.WeakSet[Backend] = weakref.WeakSet()  # every Backend made: for the fork hook
+_BACKENDS: weakref.WeakSet[Backend] = weakref.WeakSet()  # every Backend made: for the fork and exit hooks
+
+
+def live_backends() -> list[Backend]:
+    return list(_BACKENDS)
+
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
@@ -177,6 +182,8 @@ class Backend:
         """This process is a fork of the one that made the backend: its devices refuse work
         (Device.after_fork_in_child)."""
         self._lock = threading.Lock()
+        self._compiles = threading.Condition()  # the parent's compiles under way are not this process's
+        self._compiling = 0
         for dev in self._devices.values():
             dev.after_fork_in_child()
 
