@@ -762,6 +762,30 @@ def _split_outer_loops(k: Kernel, r: Reduce) -> tuple[list[Kernel], Node | None]
                    f"{k.comment} (of {parts} partial results)")], partial
 
 
+def transpose_y(k: Kernel, y: Load, ks: Symbol, js: Symbol) -> tuple[list[Kernel], Node]:
+    """A contraction whose ``y`` is not contiguous along the output's columns ``js`` (``a @ b.T``)
+    as two kernels: ``y`` copied to a new scratch node laid out ``[.., ks, js]`` (its other
+    symbols first, in ``y``'s order), then the contraction reading the copy, which the dialect
+    tiles (patterns.transposable_contraction). The copy moves each value of ``y`` once; the
+    products read each ``m`` times. Returns the kernels and the scratch node."""
+    r = k.body
+    assert isinstance(r, Reduce) and isinstance(r.value, Call)
+    extent = dict((*k.parallel, *r.loops))
+    outer = [v for v, _ in sorted(y.index.terms, key=lambda t: -abs(t[1]))
+             if isinstance(v, Symbol) and v not in (ks, js)]  # statics: never (transposable_contraction)
+    order = [*outer, ks, js]
+    shape = tuple(extent[v] for v in order)
+    laid = Node(f"{y.node.name}_t", shape, y.node.dtype)  # LOCAL: lower() records it
+    index, stride = ir.fixed(0), math.prod(shape)
+    for v in order:
+        stride //= extent[v]
+        index = index + ir.as_affine(v).scale(stride)
+    copy = Kernel(f"{k.name}_t", tuple((v, extent[v]) for v in order), Store(laid, index, y),
+                  f"{y.node.label} laid out [.., k, j] for a product")
+    value = attrs.evolve(r.value, args=tuple(Load(laid, index) if a == y else a for a in r.value.args))
+    return [simplify(copy), attrs.evolve(k, body=attrs.evolve(r, value=value))], laid
+
+
 # ---------------------------------------------------------------------------
 # The batch
 
@@ -775,14 +799,17 @@ def lower(comps: Sequence[ir.Comp], names: Sequence[str], horizontal: bool = Tru
           epilogues: Callable[[Kernel], bool] | None = None,
           rows: Callable[[Kernel], bool] | None = None,
           segments: Callable[[Kernel], bool] | None = None,
-          scatter_scan: int = 0) -> LoweredBatch:
+          scatter_scan: int = 0,
+          transposes: Callable[[Kernel], tuple[Load, Symbol, Symbol] | None] | None = None) -> LoweredBatch:
     """Lower a batch of computations into kernels (the names must be C identifiers);
     ``horizontal``: merge elementwise kernels of one iteration space; ``epilogues``: the
     contractions the target tiles with an epilogue, each merged with the elementwise kernel
     after it that reads it; ``rows``: the kernels the target runs in row groups, adjacent ones
     over one outer loop merged; ``segments``: the kernels the target batches, independent ones
     run as segments of one launch (core/fusion.py); ``scatter_scan``: scatters of at most this
-    many rows x updates are computed by row (:meth:`_Lowerer.scatter_by_owner`)."""
+    many rows x updates are computed by row (:meth:`_Lowerer.scatter_by_owner`); ``transposes``:
+    for a contraction the target tiles only once its ``y`` is laid out ``[.., k, j]``, that
+    load and the k and j symbols (:func:`transpose_y`)."""
     if len(names) != len(comps):  # zip would drop the computations without a name
         raise InvalidProgramError(f"lower: {len(comps)} computations but {len(names)} names")
     for k, c in enumerate(comps):
@@ -836,8 +863,15 @@ def lower(comps: Sequence[ir.Comp], names: Sequence[str], horizontal: bool = Tru
                                                    f"{target.label} = 0"))
                 zeroed.append(target)
             raw = lowerer.lower_fetch(kname, leaf) if isinstance(leaf, ir.Fetch) else lowerer.lower_accum(kname, leaf)
-            for kern in raw:
-                pieces, partial = split_long_reduction(simplify(kern))
+            for kern in map(simplify, raw):
+                moved = transposes(kern) if transposes is not None else None
+                if moved is not None:
+                    pieces, laid = transpose_y(kern, *moved)
+                    kernels.extend(pieces)
+                    partials.append(laid)
+                    inference.modes[laid] = MemoryMode.LOCAL
+                    continue
+                pieces, partial = split_long_reduction(kern)
                 kernels.extend(pieces)
                 if partial is not None:
                     partials.append(partial)

@@ -312,13 +312,37 @@ def _contraction(kernel: Kernel, d: Dialect) -> Contraction | None:
     if not d.matmul:
         return None
     c = match_contraction(kernel)
-    if c is not None and c.epilogue and not d.matmul_epilogues:
+    if c is None or (d.matmul_rows and not c.row_major) or not _tiles(c, d):
         return None
-    if c is None or c.reduce.node.dtype not in d.matmul_dtypes or (d.matmul_rows and not c.row_major):
-        return None
+    return c
+
+
+def _tiles(c: Contraction, d: Dialect) -> bool:
+    """Whether the dialect tiles ``c``, its layout aside."""
+    if c.epilogue and not d.matmul_epilogues:
+        return False
+    if c.reduce.node.dtype not in d.matmul_dtypes:
+        return False
     if c.reduce.node.dtype.is_half:  # the tiles hold and load the stored type: no half conversions
+        return False
+    return min(c.m, c.n) >= max(1, d.matmul_min_side) and c.m * c.n * c.kk >= d.matmul_min_work  # no empty tiles
+
+
+def transposable_contraction(kernel: Kernel, d: Dialect) -> Contraction | None:
+    """A contraction the dialect would tile but for ``y``'s layout (``y`` not contiguous along
+    the output's columns: ``a @ b.T`` as ``einsum("ik,jk->ij")``): the lowering copies ``y``
+    to a scratch node laid out ``[.., k, j]`` first (lower.transpose_y). Without the copy each
+    cell was an in-order dot product: 34-327x numpy's time."""
+    if not (d.matmul and d.matmul_rows):
         return None
-    if min(c.m, c.n) < max(1, d.matmul_min_side) or c.m * c.n * c.kk < d.matmul_min_work:  # no empty tiles
+    c = match_contraction(kernel)
+    if c is None or c.row_major or not _tiles(c, d):
+        return None
+    (pi, _), (pj, _) = kernel.parallel[-2:]
+    if (pi, pj) != (c.i, c.j) or c.reduce.index.coeff(c.j) != 1:  # the output's layout is the tiles' too
+        return None
+    loops = {s for s, _ in (*kernel.parallel, *c.reduce.loops)}
+    if c.y.merge or c.y.row is not None or any(v not in loops for v in c.y.index.vars):  # statics
         return None
     return c
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from polyjit.core import ir
-from polyjit.core.codegen import Source, generate
+from polyjit.core.codegen import Dialect, Source, generate
 from polyjit.core.context import Context
 from polyjit.core.device import Device, LoadedModule, driver_call
 from polyjit.core.dtypes import is_int
@@ -33,10 +33,11 @@ from polyjit.core.errors import (
     StreamClosedError,
     UnknownDeviceError,
 )
-from polyjit.core.ir import Node, StaticSymbol
+from polyjit.core.ir import Node, StaticSymbol, Symbol
 from polyjit.core.log import log_source
+from polyjit.core.loops import Kernel, Load
 from polyjit.core.lower import lower
-from polyjit.core.patterns import plan_kernel, row_fusable, segmentable
+from polyjit.core.patterns import plan_kernel, row_fusable, segmentable, transposable_contraction
 from polyjit.core.protocol import Driver
 from polyjit.core.raw import Param, raw_code
 from polyjit.core.routine import (
@@ -97,6 +98,11 @@ def _as_comp(comp: Any, k: int) -> ir.Comp:
     raise InvalidArgumentError(
         f"computation {k} is a {type(comp).__name__}; compile takes an ir.Comp or one assignment "
         "(ir.Accum, ir.Fetch, ir.Seq, ir.Block)")
+
+
+def _transposed_y(k: Kernel, dialect: Dialect) -> tuple[Load, Symbol, Symbol] | None:
+    c = transposable_contraction(k, dialect)
+    return None if c is None else (c.y, c.k, c.j)
 
 
 def _after_fork_in_child() -> None:
@@ -257,7 +263,7 @@ class Backend:
         tiled = (lambda k: plan_kernel(k, dialect).contraction is not None) if dialect.matmul_epilogues else None
         lowered = lower([comp_list[k] for k in keep], c_names, epilogues=tiled,
                         rows=lambda k: row_fusable(k, dialect), segments=lambda k: segmentable(k, dialect),
-                        scatter_scan=dialect.scatter_scan)
+                        scatter_scan=dialect.scatter_scan, transposes=lambda k: _transposed_y(k, dialect))
         source = generate(lowered, dialect)
         log_source(f"{self.name} batch {', '.join(c_names[:3])}{'...' if len(c_names) > 3 else ''}", source.text,
                    {"c": ".c", "opencl": ".cl", "cuda": ".cu"}.get(source.dialect, ".txt"))

@@ -222,4 +222,13 @@ def large() -> list[CatalogProgram]:
     out.append(program("large.matmul", ir.einsum("ik,kj->ij", ma, mb, into=mc),
                        inputs=[(ma, values(dtypes.float32, ma.shape, "quarter")),
                                (mb, values(dtypes.float32, mb.shape, "quarter"))], outputs=[mc]))
+    # b not contiguous along the output's columns (a @ b.T, a.T @ b.T, attention's q @ k.T): b is
+    # laid out [.., k, j] in scratch first, then tiled (lower.transpose_y)
+    for name, spec, sa, sb, so in (("b_transposed", "ik,jk->ij", (96, 80), (72, 80), (96, 72)),
+                                   ("both_transposed", "ki,jk->ij", (80, 96), (72, 80), (96, 72)),
+                                   ("batched_b_transposed", "bik,bjk->bij", (3, 40, 24), (3, 36, 24), (3, 40, 36))):
+        ta, tb, tc = f32("ta", sa), f32("tb", sb), f32("tc", so)
+        out.append(program(f"large.matmul_{name}", ir.einsum(spec, ta, tb, into=tc),
+                           inputs=[(ta, values(dtypes.float32, sa, "quarter")),
+                                   (tb, values(dtypes.float32, sb, "quarter"))], outputs=[tc]))
     return out

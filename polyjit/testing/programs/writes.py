@@ -203,6 +203,15 @@ def epilogues() -> list[CatalogProgram]:
             inputs=[(x, q(x.shape)), (w, q(w.shape)), (bias, q(bias.shape))], outputs=[h, act],
             virtual=(biased,),
         ))
+        # the same with w stored [out, in] (x @ w.T): w is laid out [in, out] in scratch first
+        wt_ = Node("wt", (40, 33), dt)
+        h2, biased2, act2 = Node("h2", (20, 40), dt, ON), Node("biased2", (20, 40), dt), Node("act2", (20, 40), dt)
+        out.append(program(
+            f"epilogue.bias_relu_w_transposed.{dt}", ir.einsum("ik,jk->ij", x, wt_, into=h2),
+            ir.apply(Op.ADD, h2, bias, into=biased2), ir.apply(Op.RELU, biased2, into=act2),
+            inputs=[(x, q(x.shape)), (wt_, q(wt_.shape)), (bias, q(bias.shape))], outputs=[h2, act2],
+            virtual=(biased2,),
+        ))
         # an optimizer's update of a weight from its gradient, in place (momentum, then the
         # weight); large, the CPU's tiles prefetch their rows of the momentum and the weight
         # (tiles.PREFETCH_MIN_BYTES), with edge rows and a masked last vector
