@@ -646,6 +646,24 @@ def _merge_reduced(k: Kernel) -> Kernel:
     return k
 
 
+def _lane_sums(k: Kernel) -> Kernel:
+    """A reduction into many cells whose innermost loop reads memory contiguously (a row sum,
+    a row's max, a matrix-vector product) folds it in vector lanes, as a split reduction's
+    parts do (``reassociable``): in an order fixed by the sizes and the vector width, not by
+    the thread count. In loop order, GCC does not vectorize it: 3-9x numpy's time."""
+    r = k.body
+    if (not k.parallel or not isinstance(r, Reduce) or r.ordered or r.reassociable
+            or not r.node.dtype.is_float or r.accum not in (ir.AccumOp.ADD, ir.AccumOp.MAX, ir.AccumOp.MIN)):
+        return k
+    inner = r.loops[-1][0]
+    loads = [e for e in walk_exprs(r) if isinstance(e, Load)]
+    if not loads or any(e.row is not None or e.merge or e.index.coeff(inner) not in (0, 1) for e in loads):
+        return k
+    if all(e.index.coeff(inner) == 0 for e in loads):
+        return k
+    return _merge_reduced(attrs.evolve(k, body=attrs.evolve(r, reassociable=True)))
+
+
 def simplify(k: Kernel) -> Kernel:
     return _merge_parallel(_drop_unit_loops(k))
 
@@ -871,7 +889,7 @@ def lower(comps: Sequence[ir.Comp], names: Sequence[str], horizontal: bool = Tru
                     partials.append(laid)
                     inference.modes[laid] = MemoryMode.LOCAL
                     continue
-                pieces, partial = split_long_reduction(kern)
+                pieces, partial = split_long_reduction(_lane_sums(kern))
                 kernels.extend(pieces)
                 if partial is not None:
                     partials.append(partial)

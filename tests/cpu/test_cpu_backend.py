@@ -1055,10 +1055,16 @@ def test_a_sum_of_prime_length_has_the_same_bits_on_any_number_of_cores() -> Non
         r = backend.get_device(0).make_context().init_from_host(
             x, np.random.default_rng(0).standard_normal(n).astype(np.float32)).link(
             backend.compile(ir.Comp.of(ir.einsum("i->", x, into=s)), name="sum"))
+        m = ir.Node("m", (64, 4099))  # rows folded in vector lanes (session 35)
+        rs = ir.Node("rs", (64,))
+        rows = backend.get_device(0).make_context().init_from_host(
+            m, np.random.default_rng(1).standard_normal((64, 4099)).astype(np.float32)).link(
+            backend.compile(ir.Comp.of(ir.einsum("ij->i", m, into=rs)), name="rows"))
         bits = set()
         for _ in range(50):
             r.run()
-            bits.add(r.context.read(s).tobytes().hex())
+            rows.run()
+            bits.add(r.context.read(s).tobytes().hex() + rows.context.read(rs).tobytes().hex())
         print(" ".join(sorted(bits)))
     """)
     seen = {cores: subprocess.run([sys.executable, "-c", script, str(cores)], capture_output=True, text=True,
