@@ -245,6 +245,8 @@ def test_reductions_into_many_cells_fold_contiguous_rows_in_lanes() -> None:
     backwards = ir.Accum(rows, AccumOp.ADD, Op.ID, (x,),
                          ir.projections([(i, 64), (j, 100)], [i], [i, ir.affine((-1, j), const=99)]))
     assert not reduce_of(ir.Comp.of(backwards)).reassociable  # GCC's fold-left bug reads backwards
+    unit = Node("unit", (64, 1))  # no loop left once the unit one goes (found by review: an IndexError)
+    assert not reduce_of(ir.Comp.of(ir.einsum("ij->i", unit, into=rows, accum=AccumOp.MAX))).reassociable
     cube, first = Node("cube", (8, 16, 32)), Node("first", (8,))
     r = reduce_of(ir.Comp.of(ir.einsum("ijk->i", cube, into=first)))
     assert r.reassociable and [n for _, n in r.loops] == [16 * 32]  # one contiguous loop
@@ -285,6 +287,19 @@ def test_a_product_with_b_transposed_lays_b_out_first_and_tiles(
     assert patterns.plan_kernel(product, CPU).contraction is not None
     (untiled,) = lower.lower([comp], ["k"]).kernels  # without the callback: one kernel, not tiled
     assert patterns.plan_kernel(untiled, CPU).contraction is None
+
+
+def test_a_copy_larger_than_b_is_not_made() -> None:
+    """Found by review: b read through a window (``b[3 * j + k]``, a strided convolution as a
+    product) would be laid out as every window, 8 MB from 28 KB; such a product stays as it was."""
+    from polyjit.core.runtime import _transposed_y
+
+    i, j, k = ir.Symbol("i"), ir.Symbol("j"), ir.Symbol("k")
+    a, b, c = Node("a", (64, 48)), Node("b", (3 * 40 + 48,)), Node("c", (64, 40))
+    conv = ir.Accum(c, AccumOp.ADD, Op.MUL, (a, b),
+                    ir.projections([(i, 64), (j, 40), (k, 48)], [i, j], [i, k], [ir.affine((3, j), (1, k))]))
+    (kernel,) = lower.lower([ir.Comp.of(conv)], ["k"], transposes=lambda kk: _transposed_y(kk, CPU)).kernels
+    assert isinstance(kernel.body, Reduce)
 
 
 def test_the_matcher_finds_roles_in_any_operand_order() -> None:

@@ -652,7 +652,7 @@ def _lane_sums(k: Kernel) -> Kernel:
     parts do (``reassociable``): in an order fixed by the sizes and the vector width, not by
     the thread count. In loop order, GCC does not vectorize it: 3-9x numpy's time."""
     r = k.body
-    if (not k.parallel or not isinstance(r, Reduce) or r.ordered or r.reassociable
+    if (not k.parallel or not isinstance(r, Reduce) or not r.loops or r.ordered or r.reassociable
             or not r.node.dtype.is_float or r.accum not in (ir.AccumOp.ADD, ir.AccumOp.MAX, ir.AccumOp.MIN)):
         return k
     inner = r.loops[-1][0]

@@ -341,9 +341,11 @@ def transposable_contraction(kernel: Kernel, d: Dialect) -> Contraction | None:
     (pi, _), (pj, _) = kernel.parallel[-2:]
     if (pi, pj) != (c.i, c.j) or c.reduce.index.coeff(c.j) != 1:  # the output's layout is the tiles' too
         return None
-    loops = {s for s, _ in (*kernel.parallel, *c.reduce.loops)}
-    if c.y.merge or c.y.row is not None or any(v not in loops for v in c.y.index.vars):  # statics
+    extent: dict[ir.Var, int] = dict((*kernel.parallel, *c.reduce.loops))
+    if c.y.merge or c.y.row is not None or any(v not in extent for v in c.y.index.vars):  # statics
         return None
+    if math.prod([extent[v] for v in c.y.index.vars]) > c.y.node.size:  # the copy would outgrow y
+        return None  # (y[3 * j + k], a convolution's window: 8 MB laid out from 28 KB)
     return c
 
 
