@@ -657,9 +657,9 @@ def _lane_sums(k: Kernel) -> Kernel:
         return k
     inner = r.loops[-1][0]
     loads = [e for e in walk_exprs(r) if isinstance(e, Load)]
-    if not loads or any(e.row is not None or e.merge or e.index.coeff(inner) not in (0, 1) for e in loads):
+    if any(e.row is not None or e.merge or e.index.coeff(inner) not in (0, 1) for e in loads):
         return k
-    if all(e.index.coeff(inner) == 0 for e in loads):
+    if not any(e.index.coeff(inner) == 1 for e in loads):  # nothing read along it (or no load)
         return k
     return _merge_reduced(attrs.evolve(k, body=attrs.evolve(r, reassociable=True)))
 
@@ -766,10 +766,9 @@ def _split_outer_loops(k: Kernel, r: Reduce) -> tuple[list[Kernel], Node | None]
         return [k], None
     outer = r.loops[:count]
     parts = math.prod(n for _, n in outer)
-    index, stride = ir.fixed(0), parts
-    for sym, n in outer:  # the parts in the loops' row-major order
-        stride //= n
-        index = index + ir.as_affine(sym).scale(stride)
+    index = Affine()  # the parts in the loops' row-major order
+    for (sym, _), st in zip(outer, strides(tuple(n for _, n in outer))):
+        index = index + ir.as_affine(sym).scale(st)
     partial = Node(f"{r.node.name}_parts", (parts,), r.node.dtype.compute)
     neutral = Const(r.accum.neutral(partial.dtype), partial.dtype)
     b = Symbol(f"{r.node.name}_parts")
@@ -794,10 +793,7 @@ def transpose_y(k: Kernel, y: Load, ks: Symbol, js: Symbol) -> tuple[list[Kernel
     order = [*outer, ks, js]
     shape = tuple(extent[v] for v in order)
     laid = Node(f"{y.node.name}_t", shape, y.node.dtype)  # LOCAL: lower() records it
-    index, stride = ir.fixed(0), math.prod(shape)
-    for v in order:
-        stride //= extent[v]
-        index = index + ir.as_affine(v).scale(stride)
+    index = flat_index(laid, [ir.as_affine(v) for v in order])
     copy = Kernel(f"{k.name}_t", tuple((v, extent[v]) for v in order), Store(laid, index, y),
                   f"{y.node.label} laid out [.., k, j] for a product")
     value = attrs.evolve(r.value, args=tuple(Load(laid, index) if a == y else a for a in r.value.args))
@@ -850,7 +846,7 @@ def lower(comps: Sequence[ir.Comp], names: Sequence[str], horizontal: bool = Tru
         inputs: dict[Node, None] = {}
         constants: list[tuple[Node, np.ndarray]] = []
         merges: set[Node] = set()
-        partials: list[Node] = []  # scratch the lowering adds (split reductions)
+        partials: list[Node] = []  # scratch the lowering adds (split reductions, b laid out)
         zeroed: list[Node] = []  # scratch zero-filled before its first write, which is partial
         for k, leaf in enumerate(comp.leaves()):
             target = ir.writes(leaf)
@@ -883,15 +879,10 @@ def lower(comps: Sequence[ir.Comp], names: Sequence[str], horizontal: bool = Tru
             raw = lowerer.lower_fetch(kname, leaf) if isinstance(leaf, ir.Fetch) else lowerer.lower_accum(kname, leaf)
             for kern in map(simplify, raw):
                 moved = transposes(kern) if transposes is not None else None
-                if moved is not None:
-                    pieces, laid = transpose_y(kern, *moved)
-                    kernels.extend(pieces)
-                    partials.append(laid)
-                    inference.modes[laid] = MemoryMode.LOCAL
-                    continue
-                pieces, partial = split_long_reduction(_lane_sums(kern))
+                pieces, partial = (transpose_y(kern, *moved) if moved is not None
+                                   else split_long_reduction(_lane_sums(kern)))
                 kernels.extend(pieces)
-                if partial is not None:
+                if partial is not None:  # scratch the lowering made: b laid out, partial results
                     partials.append(partial)
                     inference.modes[partial] = MemoryMode.LOCAL
         if horizontal:
