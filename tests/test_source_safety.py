@@ -233,6 +233,28 @@ def test_hostile_names_reach_no_dialect_raw(hostile_lowered: tuple[LoweredBatch,
     assert len(source.all_kernels) == len(lowered.kernels)
 
 
+@pytest.mark.parametrize("dialect", _dialects(), ids=lambda d: f"{type(d).__name__}")
+def test_hostile_names_through_the_lowerings_own_scratch(tmp_path: Path, dialect: Dialect) -> None:
+    """Session 35's lowering makes nodes and comments of its own from a node's name: b laid out
+    for a product (``<b>_t``, "<b> laid out [.., k, j]") and the parts of a reduction of short
+    loops (``<s>_parts``). Hostile names stay out of the source there too."""
+    from polyjit.core.runtime import _transposed_y
+
+    marker = tmp_path / "pwned"
+    texts = hostile_texts(marker)
+    comps = []
+    for text in texts:
+        a, b, c = Node(f"{text}a", (64, 48)), Node(text, (40, 48)), Node(f"{text}c", (64, 40))
+        x, t = Node(f"{text}x", (30, 30, 30, 30)), Node(text, ())
+        comps.append(ir.Comp.of(ir.einsum("ik,jk->ij", a, b, into=c), ir.einsum("ijkl->", x, into=t)))
+    lowered = lower(comps, [f"c{k}" for k in range(len(comps))],
+                    transposes=lambda kern: _transposed_y(kern, CpuDialect()))
+    assert any(k.name.endswith("_t") for k in lowered.kernels) and any(k.name.endswith("_parts") for k in lowered.kernels)
+    source = generate(lowered, dialect)
+    assert_safe_source(source)
+    assert str(marker) not in source.text
+
+
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc")
 def test_hostile_names_compile_in_c_without_warnings(hostile_lowered: tuple[LoweredBatch, Path],
                                                      tmp_path: Path) -> None:
