@@ -697,6 +697,45 @@ def test_narrow_matmuls_and_column_sums_stay_vectorized() -> None:
     ctx.finalize()
 
 
+@settings(max_examples=25, deadline=None)
+@given(outer=st.integers(1, 3), rows=st.integers(2, 11), cols=st.integers(4, 700),
+       accum=st.sampled_from(["add", "max", "min", "mul_add"]), dtype=st.sampled_from(["float32", "int32"]),
+       seed=st.integers(0, 99))
+def test_column_reductions_take_rows_in_fours_and_keep_each_outputs_order(
+        outer: int, rows: int, cols: int, accum: str, dtype: str, seed: int) -> None:
+    """The column shape combines COLUMN_ROWS rows a pass over its block of outputs (a
+    remainder pass for the rest): each output still folds its rows in order, two reduced
+    loops included, so the result has the bits of numpy folding the rows one at a time."""
+    backend = get_backend("cpu")
+    x, v, col = ir.Node("x", (outer, rows, cols), dtype), ir.Node("v", (rows,), dtype), ir.Node("col", (cols,), dtype)
+    op = {"add": ir.AccumOp.ADD, "max": ir.AccumOp.MAX, "min": ir.AccumOp.MIN, "mul_add": ir.AccumOp.ADD}[accum]
+    if accum == "mul_add":  # x @ W for one row: a product folded down the columns
+        comp = ir.Comp.of(ir.einsum("kij,i->j", x, v, into=col, accum=op))
+    else:
+        comp = ir.Comp.of(ir.einsum("kij->j", x, into=col, accum=op))
+    rng = np.random.default_rng(seed)
+    xv = (rng.standard_normal((outer, rows, cols)) * 100).astype(dtype)
+    vv = (rng.standard_normal(rows) * 3).astype(dtype)
+    ctx = backend.get_device(0).make_context().init_from_host(x, xv).init_from_host(v, vv)
+    code = backend.compile(comp, name="cols")
+    assert "pj_acc[pj_jj]" in code.source  # the column shape
+    routine = ctx.link(code)
+    routine.run()
+    fold = {"max": np.maximum, "min": np.minimum}.get(accum, np.add)
+    want = None
+    for k in range(outer):
+        for i in range(rows):  # the kernel's order: k, then i
+            term = xv[k, i] * vv[i] if accum == "mul_add" else xv[k, i]
+            want = term.copy() if want is None and accum != "add" and accum != "mul_add" else fold(
+                np.zeros(cols, dtype) if want is None else want, term)
+    got = routine.context.read(col)
+    if accum == "mul_add" and dtype == "float32":  # the product may fuse into its add (FMA)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-3)
+    else:
+        np.testing.assert_array_equal(got, want)
+    ctx.finalize()
+
+
 def _ulps(got: np.ndarray, exact: np.ndarray) -> float:
     """Largest error in float32 ulps of the exact value, over exact values float32 can hold."""
     held = np.isfinite(exact) & (np.abs(exact) < np.finfo(np.float32).max)

