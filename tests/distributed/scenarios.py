@@ -544,6 +544,27 @@ def abort() -> None:
     report(f"NOT ABORTED rank {me}")
 
 
+def thread_abort() -> None:
+    """Found by review: an exception that ended a thread (a server's worker) did not abort
+    the job (only sys.excepthook was replaced): rank 0 waited out its timeout. Rank 1's
+    thread raises while rank 0 waits in a collective with a long timeout."""
+    import threading
+
+    comm = Comm(timeout=120)
+    comm.barrier()
+    if me == 1:
+        def work() -> None:
+            raise ValueError("bad batch on rank 1's thread")
+
+        worker = threading.Thread(target=work)
+        worker.start()
+        worker.join()
+        time.sleep(60)  # the abort comes before
+    else:
+        comm.barrier()
+    report(f"NOT ABORTED rank {me}")
+
+
 def world_threads() -> None:
     """Found by review: world() from two threads at once made two Comms (two concurrent
     MPI_Comm_idup calls). Every thread now gets the one shared Comm."""
@@ -969,7 +990,7 @@ SCENARIOS: dict[str, Callable[[], None]] = {
     "cuda_data_parallel": cuda_data_parallel,
     "local_failure": local_failure, "dp_local_failure": dp_local_failure, "bfloat16": bfloat16,
     "spread_nan": spread_nan, "sysexit": sysexit,
-    "world_threads": world_threads,
+    "world_threads": world_threads, "thread_abort": thread_abort,
 }
 
 

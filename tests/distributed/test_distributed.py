@@ -202,6 +202,15 @@ def test_an_exception_on_one_rank_aborts_the_job_with_its_traceback(mpiexec: str
     assert not any(job.lines(r, "NOT ABORTED") for r in range(2)), job.text()
 
 
+def test_an_exception_that_ends_a_thread_aborts_the_job_too(mpiexec: str) -> None:
+    job = run_job(2, "thread_abort", timeout=120)
+    assert job.rc != 0, job.text()
+    assert job.seconds < 50, job.text()  # rank 0 waited in a collective with a 120 s timeout
+    assert "[rank 1] ValueError: bad batch on rank 1's thread" in job.err, job.text()
+    assert "aborting the job" in job.err, job.text()
+    assert not any(job.lines(r, "NOT ABORTED") for r in range(2)), job.text()
+
+
 def test_sys_exit_on_one_rank_ends_the_job_under_the_mpi4py_runner(mpiexec: str) -> None:
     """A SystemExit never reaches sys.excepthook, so the hook cannot end the job (docs: "One
     rank fails, the job ends"): under ``python -m mpi4py`` the runner aborts it with the exit
@@ -254,6 +263,12 @@ def test_one_rank_without_mpiexec_passes_the_exception_on() -> None:
     proc = subprocess.run([sys.executable, "-c", "import polyjit.distributed; raise ValueError('alone')"],
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 1 and "ValueError: alone" in proc.stderr and "[rank" not in proc.stderr
+    code = ("import threading, polyjit.distributed\n"
+            "def f(): raise ValueError('alone in a thread')\n"
+            "t = threading.Thread(target=f); t.start(); t.join(); print('carried on')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 0 and "carried on" in proc.stdout, proc
+    assert "ValueError: alone in a thread" in proc.stderr and "[rank" not in proc.stderr, proc
 
 
 def test_timeouts_are_checked() -> None:
