@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import operator
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
@@ -38,6 +40,7 @@ from typing import Any, NoReturn
 import ml_dtypes
 import numpy as np
 from mpi4py import MPI
+from mpi4py.util import dtlib
 
 from polyjit.core.context import Context
 from polyjit.core.dtypes import is_int
@@ -45,6 +48,7 @@ from polyjit.core.errors import (
     CollectiveMismatchError,
     CollectiveRefusedError,
     CollectiveTimeoutError,
+    DriverError,
     DTypeMismatchError,
     FinalizedError,
     InvalidArgumentError,
@@ -53,6 +57,7 @@ from polyjit.core.errors import (
     UnsupportedError,
 )
 from polyjit.core.ir import Node
+from polyjit.core.serial import serialized
 from polyjit.distributed import header
 from polyjit.distributed.cuda import mpi_cuda_aware, on_cuda
 from polyjit.distributed.header import OPS
@@ -94,10 +99,10 @@ def set_default_timeout(seconds: float | None) -> None:
 
 
 def _check_timeout(value: Any, what: str) -> float:
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        raise InvalidArgumentError(f"{what}: a timeout is a number of seconds, got {value!r}") from None
+    # not float(value): it takes "5" and True
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidArgumentError(f"{what}: a timeout is a number of seconds, got {value!r}")
+    seconds = float(value)
     if not seconds > 0:  # also refuses NaN
         raise InvalidArgumentError(f"{what}: a timeout must be positive, got {value!r}")
     return seconds
@@ -114,12 +119,18 @@ class Comm:
     :func:`mpi_cuda_aware`).
 
     Every call is collective over the communicator (``send`` / ``recv``: over the pair) and
-    must be made by every rank in the same order with the same shapes, dtypes, ops and roots.
+    must be made by every rank in the same order with the same nodes (by name), shapes, dtypes,
+    ops and roots.
     Argument errors of one rank (an unknown op, an ``out_node`` of the wrong shape), and
     failures while it takes the node's buffers (a device fault in the node's writer), are
     raised on that rank after the join, and every other rank raises CollectiveRefusedError
-    naming it, so no rank is left waiting and the calls stay numbered alike. Making a Comm is itself collective (``MPI_Comm_idup``,
-    tested until the timeout). One thread at a time calls a Comm (its calls are numbered).
+    naming it, so no rank is left waiting and the calls stay numbered alike. Making a Comm is
+    itself collective (``MPI_Comm_idup``, tested until the timeout). Any thread may call a
+    Comm: calls take turns, and calls that threads make at once pair between the ranks in the
+    order each rank takes them (as with MPI and NCCL, order them to pair them as you mean; a
+    call paired with another node's raises CollectiveMismatchError on every rank). ``free()``
+    (or a ``with`` block) releases its two MPI communicators, of which MPI holds about two
+    thousand.
     """
 
     def __init__(self, comm: Any = None, *, timeout: float | None = None, cuda_aware: bool | None = None) -> None:
@@ -128,6 +139,8 @@ class Comm:
             base = base.mpi
         if not isinstance(base, MPI.Comm):
             raise InvalidArgumentError(f"Comm needs an mpi4py communicator, got {type(base).__name__}")
+        if base == MPI.COMM_NULL:
+            raise InvalidArgumentError("Comm needs a communicator, got MPI.COMM_NULL (no ranks)")
         self.mpi: Any = base
         self.rank = int(base.Get_rank())
         self.size = int(base.Get_size())
@@ -135,21 +148,48 @@ class Comm:
         self.cuda_aware = mpi_cuda_aware() if cuda_aware is None else bool(cuda_aware)
         self._seconds = self.timeout
         self._data: Any = self._dup(base)
-        self._ctl: Any = self._dup(base)
+        try:
+            self._ctl: Any = self._dup(base)
+        except PolyjitError:
+            with contextlib.suppress(Exception):
+                self._data.Free()
+            raise
         tag_ub = base.Get_attr(MPI.TAG_UB)
         self._max_tag = (int(tag_ub) if tag_ub else 32767) // 2 - TAG_P2P
+        # Any thread may call: one call at a time, so a call's number, its header and its data
+        # go together. Calls that threads make at once pair between the ranks in the order each
+        # rank takes them; the header's node names catch a pairing of two different nodes.
+        self._lock = threading.RLock()
         self._seq = 0  # collective calls so far
         self._p2p_seq: dict[tuple[str, int, int], int] = {}
         self._broken: str | None = None
         self._freed = False
         self._abandoned: list[Any] = []  # buffers MPI may still touch after a timeout: never freed
         self.last_timings: dict[str, float] = {}
+        with Comm._live_lock:
+            Comm._live += 1
+
+    _live = 0  # Comms of this process not freed (each holds two MPI communicators)
+    _live_lock = threading.Lock()
+
+    def __enter__(self) -> Comm:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.free()
 
     def _dup(self, base: Any) -> Any:
         """``MPI_Comm_idup``, tested until the timeout (a rank that never makes its Comm)."""
-        new, req = base.Idup()
         deadline = time.monotonic() + self.timeout if math.isfinite(self.timeout) else math.inf
-        if poll([req], deadline, patient=True):
+        try:
+            new, req = base.Idup()
+            pending = poll([req], deadline, patient=True)
+        except MPI.Exception as e:  # out of communicators (MPICH holds about two thousand)
+            raise DriverError(
+                f"rank {self.rank}: Comm(): MPI could not duplicate the communicator ({str(e).splitlines()[0]}); "
+                f"{Comm._live} Comms of this process are not freed: free those no longer used "
+                "(Comm.free(), or `with Comm() as comm:`)") from None
+        if pending:
             raise CollectiveTimeoutError(
                 f"rank {self.rank}: Comm(): duplicating the communicator timed out after {self.timeout:g} s: "
                 "a rank did not make its Comm (every rank makes its Comms at the same point)",
@@ -172,6 +212,7 @@ class Comm:
 
     # -- collectives ----------------------------------------------------------------------
 
+    @serialized
     def all_reduce(self, ctx: Context, node: Node, op: str = "sum", *, timeout: float | None = None,
                    peek: Callable[[Array], None] | None = None) -> None:
         """Reduce the node over the ranks, in place: every rank ends with the result. ``op``:
@@ -182,7 +223,7 @@ class Comm:
         deadline, problem = self._start(timeout)
         problem = problem or _node_problem(ctx, node, "all_reduce", write=True) or _op_problem(op, node)
         with contextlib.ExitStack() as stack:
-            problem, views = self._enter(stack, problem, (ctx, node, True), reduce=True)
+            problem, views = self._enter(stack, problem, (ctx, node, True), reduce=op)
             self._refuse_on(problem, "all_reduce", node, deadline)
             ((buf, host),) = views
             self._join(self._header("all_reduce", op=op, node=node), "all_reduce", node, deadline)
@@ -195,6 +236,7 @@ class Comm:
                 peek(host)
             self.last_timings = {"data": time.perf_counter() - t0}
 
+    @serialized
     def broadcast(self, ctx: Context, node: Node, root: int = 0, *, timeout: float | None = None) -> None:
         """Every rank's node gets ``root``'s values."""
         deadline, problem = self._start(timeout)
@@ -210,6 +252,7 @@ class Comm:
             req = self._data.Ibcast(buf, root=root)
             self._complete([req], deadline, "broadcast", node, (buf, host), ctx)
 
+    @serialized
     def all_gather(self, ctx: Context, node: Node, out_node: Node, *, timeout: float | None = None) -> None:
         """Every rank's ``out_node`` gets the nodes of all ranks in rank order, along axis 0:
         ``out_node`` has shape ``(size * n, ...)`` for a node of shape ``(n, ...)``, or
@@ -226,6 +269,7 @@ class Comm:
             req = self._data.Iallgather(sbuf, rbuf)
             self._complete([req], deadline, "all_gather", node, (sbuf, shost, rbuf, rhost), ctx, out_node)
 
+    @serialized
     def reduce_scatter(self, ctx: Context, node: Node, out_node: Node, op: str = "sum", *,
                        timeout: float | None = None) -> None:
         """Reduce the node over the ranks and give rank r block r of the result along axis 0:
@@ -236,7 +280,7 @@ class Comm:
             _node_problem(ctx, out_node, "reduce_scatter (out_node)", write=True) or \
             _op_problem(op, node) or _out_problem(out_node, node, self.size, "reduce_scatter", gather=False)
         with contextlib.ExitStack() as stack:
-            problem, views = self._enter(stack, problem, (ctx, node, False), (ctx, out_node, True), reduce=True)
+            problem, views = self._enter(stack, problem, (ctx, node, False), (ctx, out_node, True), reduce=op)
             self._refuse_on(problem, "reduce_scatter", node, deadline)
             (sbuf, shost), (rbuf, rhost) = views
             self._join(self._header("reduce_scatter", op=op, node=node), "reduce_scatter", node, deadline)
@@ -249,12 +293,14 @@ class Comm:
                 _copy_device(ctx, node, out_node)
             self._finish_mean(ctx, out_node, rhost, op)
 
+    @serialized
     def barrier(self, *, timeout: float | None = None) -> None:
         """Wait for every rank (the join phase alone: it names the ranks that do not come)."""
         deadline, problem = self._start(timeout)
         self._refuse_on(problem, "barrier", None, deadline)
         self._join(self._header("barrier"), "barrier", None, deadline)
 
+    @serialized
     def send(self, ctx: Context, node: Node, dest: int, tag: int = 0, *, timeout: float | None = None) -> None:
         """Send the node to rank ``dest``, whose matching :meth:`recv` (same tag) receives it.
         Synchronous, like ``MPI_Ssend``: it returns once the receiver has the data, so two
@@ -269,6 +315,7 @@ class Comm:
             req = self._data.Isend(buf, dest=dest, tag=tag)
             self._complete([req], deadline, "send", node, (buf, host), ctx)
 
+    @serialized
     def recv(self, ctx: Context, node: Node, source: int, tag: int = 0, *, timeout: float | None = None) -> None:
         """Receive into the node what rank ``source`` sends with :meth:`send` (same tag); the
         dtype and shape must be the sender's (else both raise CollectiveMismatchError)."""
@@ -284,6 +331,7 @@ class Comm:
 
     # -- host arrays --------------------------------------------------------------------------
 
+    @serialized
     def all_reduce_array(self, array: Array, op: str = "sum", *, timeout: float | None = None) -> Array:
         """:meth:`all_reduce` of a host array (a new array: metrics, spreads, checks)."""
         deadline, problem = self._start(timeout)
@@ -302,6 +350,7 @@ class Comm:
             arr.reshape(-1)[...] = work
         return arr
 
+    @serialized
     def broadcast_array(self, array: Array, root: int = 0, *, timeout: float | None = None) -> Array:
         """:meth:`broadcast` of a host array: every rank gets a new array with root's values
         (every rank passes an array of the same shape and dtype)."""
@@ -316,6 +365,7 @@ class Comm:
             self._complete([req], deadline, "broadcast", None, arr, None)
         return arr
 
+    @serialized
     def check_same(self, what: str, values: Sequence[int], *, timeout: float | None = None) -> None:
         """Raise CollectiveMismatchError on every rank unless every rank passes the same
         integers (set-up checks: device counts, batch sizes)."""
@@ -333,6 +383,7 @@ class Comm:
         hdr = self._header("check", shape=ints, dtype=np.int64)
         self._join(hdr, "check", None, deadline, what=what)
 
+    @serialized
     def refuse(self, error: Exception, collective: str = "all_reduce", node: Node | None = None, *,
                timeout: float | None = None) -> NoReturn:
         """Take part in this rank's next call without making it, because the work before it
@@ -367,9 +418,9 @@ class Comm:
         return (time.monotonic() + seconds if math.isfinite(seconds) else math.inf), problem
 
     def _enter(self, stack: contextlib.ExitStack[Any], problem: Exception | None, *views: tuple[Context, Node, bool],
-               reduce: bool = False) -> tuple[Exception | None, list[tuple[Any, Array | None]]]:
+               reduce: str | None = None) -> tuple[Exception | None, list[tuple[Any, Array | None]]]:
         """Step 0 of a call: enter the buffers of ``(ctx, node, write)`` (the waits for the
-        node's events, the host views; ``reduce``: MPI reduces them) on ``stack``. What fails here (a device fault in the
+        node's events, the host views; ``reduce``: the op MPI reduces them with) on ``stack``. What fails here (a device fault in the
         node's writer, a copy) is this rank's own problem, returned to refuse the call with:
         every rank joins every numbered call, whatever failed on it before."""
         opened: list[tuple[Any, Array | None]] = []
@@ -394,9 +445,10 @@ class Comm:
 
     def _header(self, kind: str, *, op: str | None = None, node: Node | None = None, root: int = -1,
                 shape: Sequence[int] | None = None, dtype: Any = None, refused: bool = False) -> Array:
+        name = ""
         if node is not None:
-            shape, dtype = node.shape, node.dtype.np
-        h = header.make(self._seq, kind, op=op, root=root, dtype=dtype, shape=shape or ())
+            shape, dtype, name = node.shape, node.dtype.np, node.name
+        h = header.make(self._seq, kind, op=op, root=root, dtype=dtype, shape=shape or (), name=name)
         self._seq += 1  # once the header is made: a call numbered here joins
         if refused:
             h[header.FLAG] = 1
@@ -517,13 +569,15 @@ class Comm:
     # -- buffers ------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _buffer(self, ctx: Context, node: Node, *, write: bool, reduce: bool = False
+    def _buffer(self, ctx: Context, node: Node, *, write: bool, reduce: str | None = None
                 ) -> Iterator[tuple[Any, Array | None]]:
         """What MPI reads or writes for the node, ordered by its events: (buffer, host array or
         None when the buffer is device memory). MPI has no bfloat16: a bfloat16 node goes
         through the host, as its 16-bit patterns where MPI only moves it, as a float32 copy
-        where MPI reduces it (written back rounded once: see :func:`_mpi_array`)."""
-        if self.cuda_aware and on_cuda(ctx) and node.dtype.np != BFLOAT16:
+        where MPI reduces it (written back rounded once: see :func:`_mpi_array`). A float
+        max or min folds on the host too (its op is numpy's: :func:`_nan_op`)."""
+        device_op = reduce is None or not _folds_on_host(reduce, node.dtype.np)
+        if self.cuda_aware and on_cuda(ctx) and node.dtype.np != BFLOAT16 and device_op:
             wait_on_host(ctx, node, write=write)
             exported = ctx.export(node)
             try:
@@ -535,7 +589,7 @@ class Comm:
             flat = values.reshape(-1)
             if flat.nbytes >= HUGE_PAGES_FROM:
                 huge_pages(flat)
-            buf = _mpi_array(flat, reduce)
+            buf = _mpi_array(flat, reduce is not None)
             yield buf, buf
             if write and reduce and buf is not flat:
                 flat[...] = buf  # the reduced float32 values, rounded once to bfloat16
@@ -565,14 +619,19 @@ class Comm:
         if problem is not None:
             raise problem
 
+    @serialized
     def free(self) -> None:
         """Free the two duplicates of the communicator (collective). A Comm broken by a
         timeout keeps them: MPI may still use them."""
-        if self._broken is None and not self._freed:
+        if self._freed:
+            return
+        if self._broken is None:
             for c in (self._data, self._ctl):
                 with contextlib.suppress(Exception):
                     c.Free()
         self._freed = True
+        with Comm._live_lock:
+            Comm._live -= 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -659,7 +718,38 @@ def _mpi_op_dtype(op: str, dtype: Any) -> Any:
         if op == "mean":
             raise UnsupportedError("op 'mean' on a bool node")
         return MPI.LAND if op == "min" else MPI.LOR
+    if _folds_on_host(op, dtype):
+        return _nan_op(op)
     return {"sum": MPI.SUM, "mean": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op]
+
+
+def _folds_on_host(op: str, dtype: Any) -> bool:
+    """A float max or min: MPI's own (MPICH's ``a > b ? a : b``) drops a NaN or keeps it by
+    the order the ranks' values meet in, so ranks ended with different values (found by
+    review: ``[2, 2, nan]`` over three ranks); it folds with numpy's instead."""
+    dt = np.dtype(dtype)
+    return op in ("max", "min") and (dt.kind == "f" or dt == BFLOAT16)
+
+
+_nan_ops: dict[str, Any] = {}
+_nan_ops_lock = threading.Lock()
+
+
+def _nan_op(op: str) -> Any:
+    """An MPI op (made once) that folds with ``np.maximum`` / ``np.minimum``: NaN wins, as in
+    numpy, whatever order the values meet in, so every rank ends with the same values."""
+    with _nan_ops_lock:
+        made = _nan_ops.get(op)
+        if made is None:
+            fold = np.maximum if op == "max" else np.minimum
+
+            def combine(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
+                dtype = dtlib.to_numpy_dtype(datatype)
+                out = np.frombuffer(inoutbuf, dtype)
+                fold(np.frombuffer(inbuf, dtype), out, out=out)
+
+            made = _nan_ops[op] = MPI.Op.Create(combine, commute=True)
+        return made
 
 
 def _copy_device(ctx: Context, src: Node, dst: Node) -> None:

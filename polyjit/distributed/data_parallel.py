@@ -29,10 +29,19 @@ class RankReduce:
         from polyjit.distributed.nccl import NcclComm
 
         self.nccl: NcclComm | None = comm if isinstance(comm, NcclComm) else None
+        self.owned = False  # a Comm made here from an mpi4py communicator: close() frees it
         if self.nccl is not None:
             self.comm = self.nccl.comm
+        elif isinstance(comm, Comm):
+            self.comm = comm
         else:
-            self.comm = comm if isinstance(comm, Comm) else Comm(comm)
+            self.comm, self.owned = Comm(comm), True
+
+    def close(self) -> None:
+        """Free the Comm made here (collective, as closing the data parallel is); a Comm the
+        caller passed stays theirs."""
+        if self.owned:
+            self.comm.free()
 
     def __call__(self, ctx: Context, node: Node, peek: Callable[[Array], None] | None = None) -> None:
         if self.nccl is not None:

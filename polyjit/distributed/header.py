@@ -2,7 +2,10 @@
 
 Each collective starts with an exchange of headers (see ``comm.py``): one int64 record per
 rank naming the collective, its sequence number on the communicator, the op, the root (or
-peer and tag), the dtype and the shape. A rank whose header has arrived has joined; once
+peer and tag), the dtype, the shape and the node's name (its hash, and its first 16 bytes
+for messages): a call paired with another node's call of the same shape -- threads that
+make their calls in another order on each rank, a rank that skipped one -- raises instead
+of mixing the two nodes' values. A rank whose header has arrived has joined; once
 every header is in, each rank compares them all (every rank sees the same records, so every
 rank reaches the same verdict) and raises :class:`CollectiveMismatchError` before any data
 moves when they differ.
@@ -18,13 +21,16 @@ import numpy as np
 
 MAGIC = 0x706A6D7069  # "pjmpi"
 MAX_DIMS = 10  # dims carried inline; longer shapes are compared through their hash too
-LENGTH = 10 + MAX_DIMS
+NAME_BYTES = 16  # of the node's name carried inline, for messages; compared through its hash
+LENGTH = 13 + MAX_DIMS
 
 KINDS = ("barrier", "all_reduce", "broadcast", "all_gather", "reduce_scatter", "send", "recv", "check")
 OPS = ("sum", "max", "min", "mean")
 
 # field positions
-_MAGIC, _SEQ, _KIND, _OP, _ROOT, _DTYPE, _NDIM, _SIZE, _HASH, FLAG, _DIMS = range(11)
+_MAGIC, _SEQ, _KIND, _OP, _ROOT, _DTYPE, _NDIM, _SIZE, _HASH, FLAG, _NAME_HASH = range(11)
+_NAME = 11  # NAME_BYTES of the name: two fields
+_DIMS = _NAME + NAME_BYTES // 8
 # FLAG: 1 when this rank refuses the call (its arguments are wrong); not compared
 
 Array = np.ndarray[Any, Any]
@@ -48,14 +54,18 @@ def dtype_name(code: int) -> str:
         return text
 
 
+def _hash(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
+
+
 def _shape_hash(shape: Sequence[int]) -> int:
-    digest = hashlib.blake2b(repr(tuple(int(d) for d in shape)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little", signed=True)
+    return _hash(repr(tuple(int(d) for d in shape)).encode())
 
 
 def make(seq: int, kind: str, *, op: str | None = None, root: int = -1, dtype: Any = None,
-         shape: Sequence[int] = ()) -> Array:
-    """The header of one call (``root``: the root of a broadcast, the tag of a send / recv)."""
+         shape: Sequence[int] = (), name: str = "") -> Array:
+    """The header of one call (``root``: the root of a broadcast, the tag of a send / recv;
+    ``name``: the node's, compared between the ranks: "" for none)."""
     h = np.zeros(LENGTH, np.int64)
     h[_MAGIC], h[_SEQ], h[_KIND] = MAGIC, seq, KINDS.index(kind)
     h[_OP] = OPS.index(op) + 1 if op is not None else 0
@@ -66,7 +76,18 @@ def make(seq: int, kind: str, *, op: str | None = None, root: int = -1, dtype: A
     h[_HASH] = _shape_hash(shape)
     dims = [int(d) for d in shape][:MAX_DIMS]
     h[_DIMS : _DIMS + len(dims)] = dims
+    if name:
+        raw = name.encode("utf-8", "surrogatepass")
+        h[_NAME_HASH] = _hash(raw)
+        h[_NAME : _NAME + NAME_BYTES // 8] = np.frombuffer(raw[:NAME_BYTES].ljust(NAME_BYTES, b"\0"), "<i8")
     return h
+
+
+def _name(h: Array) -> str:
+    """The name a header carries, as far as it does (``…`` where it was cut)."""
+    raw = h[_NAME : _NAME + NAME_BYTES // 8].astype("<i8").tobytes().rstrip(b"\0")
+    text = raw.decode("utf-8", "replace")
+    return text + ("…" if len(raw) == NAME_BYTES else "")
 
 
 def describe(h: Array) -> str:
@@ -81,8 +102,12 @@ def describe(h: Array) -> str:
         parts.append(f"root {int(h[_ROOT])}")
     elif kind in ("send", "recv"):
         parts.append(f"tag {int(h[_ROOT])}")
+    if int(h[_NAME_HASH]):
+        parts.append(f"of {_name(h)!r}")
     if int(h[_DTYPE]) and kind == "check":
-        parts.append("values (" + ", ".join(str(int(v)) for v in h[_DIMS : _DIMS + int(h[_NDIM])]) + ")")
+        ndim = int(h[_NDIM])
+        values = [str(int(v)) for v in h[_DIMS : _DIMS + min(ndim, MAX_DIMS)]]
+        parts.append("values (" + ", ".join(values + (["..."] if ndim > MAX_DIMS else [])) + ")")
     elif int(h[_DTYPE]):
         ndim = int(h[_NDIM])
         dims = [str(int(d)) for d in h[_DIMS : _DIMS + min(ndim, MAX_DIMS)]]
@@ -106,10 +131,13 @@ def disagreement(headers: Sequence[Array]) -> str | None:
     keys = [_key(h) for h in headers]
     if all(int(h[_MAGIC]) == MAGIC for h in headers) and len(set(keys)) == 1:
         return None
-    groups: dict[str, list[int]] = {}
-    for rank, h in enumerate(headers):
-        groups.setdefault(describe(h), []).append(rank)
-    return "; ".join(f"{_ranks(ranks)}: {text}" for text, ranks in groups.items())
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for rank, key in enumerate(keys):
+        groups.setdefault(key, []).append(rank)
+    texts = {key: describe(headers[ranks[0]]) for key, ranks in groups.items()}
+    if len(set(texts.values())) < len(texts):  # they differ past what a message shows
+        texts = {key: f"{text} [hash {_hash(repr(key).encode()) & 0xFFFFFF:06x}]" for key, text in texts.items()}
+    return "; ".join(f"{_ranks(groups[key])}: {text}" for key, text in texts.items())
 
 
 def pair_disagreement(send: Array, recv: Array) -> str | None:

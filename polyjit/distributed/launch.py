@@ -52,7 +52,7 @@ def find_mpiexec() -> str:
     """The ``mpiexec`` to start jobs with (see the module docstring for where it looks)."""
     forced = os.environ.get(ENV, "").strip()
     if forced:
-        found = shutil.which(forced) or (forced if os.access(forced, os.X_OK) else None)
+        found = shutil.which(forced) or (forced if os.path.isfile(forced) and os.access(forced, os.X_OK) else None)
         if found is None:
             raise MpiexecNotFoundError(f"{ENV}={forced!r} is not an executable")
         return str(found)

@@ -48,6 +48,7 @@ from polyjit.core.runtime import (
     TransferRoutine,
     device_to_device,
 )
+from polyjit.core.serial import serialized
 from polyjit.tensor import ops
 from polyjit.tensor.autograd import grad
 from polyjit.tensor.devices import DeviceLike, resolve_devices
@@ -55,7 +56,7 @@ from polyjit.tensor.hostio import Feed, check_names
 from polyjit.tensor.optim import Optimizer, checked_params
 from polyjit.tensor.plan import reset_shared, trainable_params
 from polyjit.tensor.program import Program
-from polyjit.tensor.state import StateContext, serialized, stage_state
+from polyjit.tensor.state import StateContext, stage_state
 from polyjit.tensor.tensor import DTypeLike, Tensor, input
 
 if TYPE_CHECKING:
@@ -438,6 +439,9 @@ class DataParallel:
 
     @serialized
     def close(self) -> None:
+        """Release the replicas' memory and routines; with ``comm`` given as an mpi4py
+        communicator, free the Comm made from it (every rank closes)."""
+        first = not self._closed
         self._closed = True
         for rep in self.replicas:
             rep.device.synchronize()
@@ -446,6 +450,8 @@ class DataParallel:
                     replay.close()
             rep.linked.finalize()
             rep.state.close()
+        if first and self._rank_reduce is not None:
+            self._rank_reduce.close()
 
     def __enter__(self) -> DataParallel:
         return self

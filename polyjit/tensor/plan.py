@@ -34,12 +34,13 @@ from polyjit.core.interop import Exported, dlpack_device
 from polyjit.core.interrupts import whole
 from polyjit.core.ir import MemoryMode, Node
 from polyjit.core.runtime import Backend, Context, Device, Event, Replay, Routine
+from polyjit.core.serial import serialized
 from polyjit.tensor.autograd import grad, topo_order
 from polyjit.tensor.devices import DeviceLike, resolve_device
 from polyjit.tensor.hostio import Feed, check_names, enqueue_to_host
 from polyjit.tensor.optim import Optimizer, checked_params
 from polyjit.tensor.program import Program, check_tensor, named_outputs
-from polyjit.tensor.state import StateContext, serialized
+from polyjit.tensor.state import StateContext
 from polyjit.tensor.tensor import Kind, Tensor, full
 
 Array = np.ndarray[Any, Any]

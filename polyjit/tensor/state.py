@@ -8,10 +8,8 @@ as its child. It reads, resets, loads and frees that state.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager
-from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -23,27 +21,6 @@ from polyjit.tensor.hostio import convert_into
 from polyjit.tensor.tensor import Kind, Tensor
 
 Array = np.ndarray[Any, Any]
-
-
-class _Serial(Protocol):
-    @property
-    def _lock(self) -> AbstractContextManager[Any]: ...
-
-
-S = TypeVar("S", bound=_Serial)
-P = ParamSpec("P")
-R = TypeVar("R")
-
-
-def serialized(method: Callable[Concatenate[S, P], R]) -> Callable[Concatenate[S, P], R]:
-    """One call at a time on an object that owns persistent state (a Plan, a DataParallel):
-    threads that share it take turns (a step uses its staging and result arrays, and a step's
-    parts must not interleave with another's). The lock is reentrant."""
-    @functools.wraps(method)
-    def one_at_a_time(self: S, *args: P.args, **kwargs: P.kwargs) -> R:
-        with self._lock:
-            return method(self, *args, **kwargs)
-    return one_at_a_time
 
 
 class StateContext:

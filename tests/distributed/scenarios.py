@@ -565,6 +565,145 @@ def thread_abort() -> None:
     report(f"NOT ABORTED rank {me}")
 
 
+def nan_fold() -> None:
+    """Found by review: a float max or min with a NaN on one rank left the ranks with
+    different values ([2, 2, nan] over three ranks: MPI's own max drops or keeps a NaN by the
+    order the values meet in). Every rank now ends with numpy's values, NaN where any rank
+    has one, in every float dtype, on nodes and host arrays, all_reduce and reduce_scatter."""
+    import ml_dtypes
+
+    comm = Comm(timeout=TIMEOUT)
+    base = cpu2().get_device(0).make_context()
+    n = 6 * ranks
+    for dtype in ("float16", "float32", "float64", "bfloat16"):
+        np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+        values = []
+        for r in range(ranks):
+            v = (np.arange(n) * (r + 1) % 7 - 3).astype(np.float32)
+            v[r] = np.nan  # one NaN per rank, at its own place: rank r's NaN meets numbers elsewhere
+            v[-1] = np.nan if r == 0 else v[-1]  # and one that only rank 0 has, at the end
+            values.append(v.astype(np_dtype))
+        stack = np.stack([v.astype(np.float32) for v in values])
+        for op, fold in (("max", np.max), ("min", np.min)):
+            want = fold(stack, axis=0).astype(np_dtype)
+            node = Node(f"nan_{dtype}_{op}", (n,), dtype)
+            ctx = base.init_from_host(node, values[me])
+            comm.all_reduce(ctx, node, op)
+            got = ctx.read(node)
+            np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32), err_msg=f"{dtype} {op}")
+            every = WORLD.allgather(got.astype(np.float32).tobytes())
+            assert len(set(every)) == 1, f"{dtype} {op}: the ranks ended with different values"
+            if dtype != "bfloat16":
+                arr = comm.all_reduce_array(values[me], op)
+                np.testing.assert_array_equal(arr, want, err_msg=f"array {dtype} {op}")
+            out = Node(f"nan_{dtype}_{op}_block", (6,), dtype)
+            ctx = ctx.init_from_host(out, np.zeros(6, np_dtype))
+            comm.reduce_scatter(ctx, node, out, op)
+            np.testing.assert_array_equal(ctx.read(out).astype(np.float32),
+                                          fold(stack, axis=0)[6 * me : 6 * me + 6].astype(np_dtype).astype(np.float32),
+                                          err_msg=f"reduce_scatter {dtype} {op}")
+    say("nan_fold")
+
+
+def comm_lifetimes() -> None:
+    """Found by review: Comms were never freed but by an explicit free(), and data_parallel's
+    close() left the two it made from an mpi4py communicator: after about a thousand, MPI ran
+    out of communicators and raised mpi4py's bare Exception. A ``with`` block frees its Comm
+    (more of them than MPI holds at once, made one after another); data_parallel frees what it
+    made, not what it was given; running out is a DriverError that names the fix, and the
+    Comms freed after it leave MPI usable."""
+    from polyjit import tensor as pt
+    from polyjit.core.errors import DriverError
+
+    live = Comm._live
+    for _ in range(1100):  # 2200 duplicates: MPICH holds about 2000
+        with Comm(timeout=TIMEOUT) as c:
+            pass
+    assert c._freed and Comm._live == live
+    mlp = pt.MLP("mlp", [2, 4, 2], seed=3)
+    loss = lambda x, y: pt.cross_entropy(mlp(x), y)  # noqa: E731
+    shapes = {"x": ((4 * ranks, 2), "float32"), "y": ((4 * ranks,), "int32")}
+    dp = pt.data_parallel(loss, shapes, optimizer=pt.SGD(0.1), devices=cpu2().devices()[:1], comm=WORLD)
+    dp.close()
+    assert dp.comm is not None and dp.comm._freed and Comm._live == live
+    mine = Comm(timeout=TIMEOUT)
+    dp = pt.data_parallel(loss, shapes, optimizer=pt.SGD(0.1), devices=cpu2().devices()[:1], comm=mine)
+    dp.close()
+    assert not mine._freed  # the caller's
+    mine.barrier()
+    kept: list[Comm] = []
+    try:
+        while len(kept) < 5000:
+            kept.append(Comm(timeout=TIMEOUT))
+        raise AssertionError("MPI never ran out of communicators")
+    except DriverError as e:
+        assert "not freed" in str(e) and "Comm.free()" in str(e), str(e)
+    # ranks may run out at different counts: free them all, then meet again
+    for c in kept:
+        c.free()
+    mine.barrier()
+    mine.free()
+    assert Comm._live == live
+    with Comm(timeout=TIMEOUT) as c:
+        c.barrier()
+    say("comm_lifetimes")
+
+
+def comm_threads() -> None:
+    """Found by review: two threads calling one Comm got each other's sums in about half of
+    600 calls, silently (the call numbers interleaved, and the header did not say which node).
+    Calls now take turns on each rank and the header carries the node's name: threads racing
+    each get their own sum or CollectiveMismatchError (a call paired with the other node's),
+    never the other's values, and the Comm stays in step; threads that order their calls
+    (taking turns on a lock, the same order on every rank) all get their sums."""
+    import threading
+
+    comm = Comm(timeout=TIMEOUT)
+    backend = cpu2()
+    calls, wrong, mismatched = 150, [], []
+    turns = threading.Condition()
+    turn = ["A"]
+
+    def work(tag: str, value: float, ordered: bool) -> None:
+        node = Node(f"grads_{tag}", (16,), "float32")
+        ctx = backend.get_device(0).make_context().init_from_host(node, np.full(16, value * (me + 1), np.float32))
+        want = value * sum(r + 1 for r in range(ranks))
+        for _ in range(calls):
+            ctx.from_host(node, np.full(16, value * (me + 1), np.float32))
+            if ordered:
+                with turns:
+                    turns.wait_for(lambda: turn[0] == tag)
+            try:
+                comm.all_reduce(ctx, node, "sum")
+                got = ctx.read(node)
+                if not np.all(got == want):
+                    wrong.append((tag, float(got[0])))
+            except CollectiveMismatchError as e:
+                assert "grads_" in str(e), str(e)
+                mismatched.append(tag)
+            finally:
+                if ordered:
+                    with turns:
+                        turn[0] = "B" if tag == "A" else "A"
+                        turns.notify_all()
+
+    for ordered in (False, True):
+        threads = [threading.Thread(target=work, args=(t, v, ordered)) for t, v in (("A", 1.0), ("B", 1000.0))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(TIMEOUT)
+        assert not any(t.is_alive() for t in threads)
+        assert not wrong, wrong[:5]
+        if ordered:
+            assert not mismatched, len(mismatched)
+        report(f"COMM_THREADS rank {me}: {'ordered' if ordered else 'racing'}: {len(mismatched)} of {2 * calls} "
+               "calls paired with the other thread's node, none with its values")
+        mismatched.clear()
+        comm.barrier()  # in step
+    say("comm_threads")
+
+
 def world_threads() -> None:
     """Found by review: world() from two threads at once made two Comms (two concurrent
     MPI_Comm_idup calls). Every thread now gets the one shared Comm."""
@@ -991,6 +1130,8 @@ SCENARIOS: dict[str, Callable[[], None]] = {
     "local_failure": local_failure, "dp_local_failure": dp_local_failure, "bfloat16": bfloat16,
     "spread_nan": spread_nan, "sysexit": sysexit,
     "world_threads": world_threads, "thread_abort": thread_abort,
+    "comm_lifetimes": comm_lifetimes, "comm_threads": comm_threads,
+    "nan_fold": nan_fold,
 }
 
 

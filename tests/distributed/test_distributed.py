@@ -44,6 +44,36 @@ def _launch_module() -> ModuleType:
 launch = _launch_module()
 
 
+def _header_module() -> ModuleType:
+    """polyjit/distributed/header.py alone (numpy only), as launch.py above."""
+    spec = importlib.util.spec_from_file_location("_pj_header", ROOT / "polyjit" / "distributed" / "header.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_headers_that_differ_past_what_a_message_shows_say_so() -> None:
+    """Found by review: values past the 10th (check_same) or dims past the 10th made the
+    mismatch message read as if the ranks agreed ("ranks 0, 1: check values (1, ..., 1)")."""
+    header = _header_module()
+    a = header.make(3, "check", dtype="int64", shape=[1] * 12)
+    b = header.make(3, "check", dtype="int64", shape=[1] * 11 + [2])
+    text = header.disagreement([a, b, a])
+    assert text is not None and text.startswith("ranks 0, 2: ") and "; rank 1: " in text, text
+    assert "..." in text and "[hash " in text, text  # the two sides read apart
+    assert header.disagreement([a, a]) is None
+    deep = [header.make(0, "all_reduce", op="sum", dtype="float32", shape=[1] * 11 + [n]) for n in (2, 3)]
+    text = header.disagreement(deep)
+    assert text is not None and text.count("[hash ") == 2, text
+    # the node's name is compared, and shown as far as the header carries it
+    x, y = (header.make(5, "all_reduce", op="sum", dtype="float32", shape=(4,), name=n)
+            for n in ("grads_of_the_first_layer", "grads_b"))
+    text = header.disagreement([x, y])
+    assert text is not None and "of 'grads_of_the_fir…'" in text and "of 'grads_b'" in text, text
+    assert "[hash " not in text, text
+
+
 class Job:
     """One finished ``mpiexec -n N python scenarios.py ...``."""
 
@@ -97,9 +127,10 @@ def mpiexec() -> str:
 
 
 JOB2 = ("collectives", "bfloat16", "ordering", "mismatch", "local_failure", "export_path", "staged", "data_parallel:2",
-        "dp_local_failure", "spread_nan", "world_threads", "nccl_id", "nccl_refusal", "timeout")
-JOB3 = ("collectives", "bfloat16", "mismatch", "local_failure", "data_parallel:2", "dp_local_failure", "spread_nan",
+        "dp_local_failure", "spread_nan", "world_threads", "comm_threads", "comm_lifetimes", "nan_fold", "nccl_id", "nccl_refusal",
         "timeout")
+JOB3 = ("collectives", "bfloat16", "mismatch", "local_failure", "data_parallel:2", "dp_local_failure", "spread_nan",
+        "comm_threads", "nan_fold", "timeout")
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +191,18 @@ def test_a_data_parallel_step_that_fails_on_one_rank_fails_on_every_rank_in_step
 
 def test_a_nan_parameter_shows_in_the_spreads(job: Job) -> None:
     job.passed("spread_nan")
+
+
+def test_threads_sharing_a_comm_never_get_each_others_values(job: Job) -> None:
+    job.passed("comm_threads")
+
+
+def test_a_nan_in_a_max_or_min_reaches_every_rank(job: Job) -> None:
+    job.passed("nan_fold")
+
+
+def test_comms_are_freed_by_with_and_by_data_parallel_and_running_out_is_a_driver_error(job2: Job) -> None:
+    job2.passed("comm_lifetimes")
 
 
 def test_world_from_several_threads_is_one_comm(job2: Job) -> None:
@@ -277,11 +320,13 @@ def test_timeouts_are_checked() -> None:
         "from polyjit.core.errors import InvalidArgumentError\n"
         "print(d.default_timeout())\n"
         "d.set_default_timeout(12.5); print(d.Comm().timeout)\n"
-        "for bad in (0, -1, float('nan'), 'soon'):\n"
+        "for bad in (0, -1, float('nan'), 'soon', '5', True):\n"  # found by review: '5' and True were taken
         "    try: d.Comm(timeout=bad)\n"
-        "    except InvalidArgumentError: print('refused')\n",
+        "    except InvalidArgumentError: print('refused')\n"
+        "try: d.Comm(d.MPI.COMM_NULL)\n"  # found by review: mpi4py's own exception
+        "except InvalidArgumentError as e: print('null' if 'COMM_NULL' in str(e) else e)\n",
         {"POLYJIT_MPI_TIMEOUT": "42"})
-    assert out.split() == ["42.0", "12.5", "refused", "refused", "refused", "refused"]
+    assert out.split() == ["42.0", "12.5", *["refused"] * 6, "null"]
 
 
 def test_a_timeout_set_later_is_checked_too() -> None:
@@ -344,6 +389,9 @@ def test_find_mpiexec_honours_the_environment(tmp_path: Path, monkeypatch: pytes
     with pytest.raises(FileNotFoundError, match="POLYJIT_MPIEXEC") as caught:
         launch.find_mpiexec()
     assert isinstance(caught.value, PolyjitError)  # found by review: only a FileNotFoundError
+    monkeypatch.setenv("POLYJIT_MPIEXEC", str(tmp_path))  # found by review: a directory was taken
+    with pytest.raises(launch.MpiexecNotFoundError, match="not an executable"):
+        launch.find_mpiexec()
 
 
 def test_bind_to_cores_refuses_what_binds_nothing() -> None:
