@@ -27,6 +27,7 @@ Every call runs in three steps (docs/distributed.md, "Design"):
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import math
 import numbers
@@ -69,7 +70,9 @@ Array = np.ndarray[Any, Any]
 
 DEFAULT_TIMEOUT = 300.0  # seconds; POLYJIT_MPI_TIMEOUT or set_default_timeout() change it
 TIMEOUT_ENV = "POLYJIT_MPI_TIMEOUT"
-# Tags on the control communicator: collective headers, then two per user tag of send / recv.
+# Tags on the control communicator: a rank's withdrawal (see Comm._withdraw), collective
+# headers, then two per user tag of send / recv.
+TAG_WITHDRAW = 0
 TAG_JOIN = 1
 TAG_P2P = 2
 
@@ -166,6 +169,12 @@ class Comm:
         self._freed = False
         self._abandoned: list[Any] = []  # buffers MPI may still touch after a timeout: never freed
         self.last_timings: dict[str, float] = {}
+        # A peer's withdrawal, listened for from the start (see _withdraw).
+        self._notice = np.zeros(header.LENGTH, np.int64)
+        self._notice_status = MPI.Status()
+        self._notice_req: Any = self._ctl.Irecv(self._notice, source=MPI.ANY_SOURCE, tag=TAG_WITHDRAW)
+        self._withdrawn: int | None = None  # the peer that withdrew
+        _listening.add(self)
         with Comm._live_lock:
             Comm._live += 1
 
@@ -464,12 +473,14 @@ class Comm:
             peers = [r for r in range(n) if r != me]
             rreqs = [self._ctl.Irecv(got[r], source=r, tag=TAG_JOIN) for r in peers]
             sreqs = [self._ctl.Isend(hdr, dest=r, tag=TAG_JOIN) for r in peers]
-            pending = poll(rreqs, deadline, patient=True)
+            pending = poll(rreqs, deadline, patient=True, stop=self._peer_withdrew)
             if pending:
                 missing = tuple(peers[i] for i in pending)
                 self._cancel([rreqs[i] for i in pending])
                 self._fail_timeout(kind, node, missing, (got, hdr, sreqs))
-            if poll(sreqs, deadline, patient=True):  # the peers are here: their receives are posted
+            if poll(sreqs, deadline, patient=True, stop=self._peer_withdrew):  # their receives are posted
+                self._fail_timeout(kind, node, (), (got, hdr, sreqs))
+            if self._peer_withdrew():  # its header came, and then it gave the call up
                 self._fail_timeout(kind, node, (), (got, hdr, sreqs))
             headers = [got[r] for r in range(n)]
         else:
@@ -507,10 +518,10 @@ class Comm:
             out_tag, in_tag = in_tag, out_tag
         rreq = self._ctl.Irecv(theirs, source=peer, tag=in_tag)
         sreq = self._ctl.Isend(mine, dest=peer, tag=out_tag)
-        if poll([rreq], deadline, patient=True):
+        if poll([rreq], deadline, patient=True, stop=self._peer_withdrew):
             self._cancel([rreq])
             self._fail_timeout(kind, node, (peer,), (theirs, mine, sreq))
-        if poll([sreq], deadline, patient=True):
+        if poll([sreq], deadline, patient=True, stop=self._peer_withdrew) or self._peer_withdrew():
             self._fail_timeout(kind, node, (), (theirs, mine, sreq))
         if problem is not None:
             raise problem
@@ -528,8 +539,8 @@ class Comm:
 
     def _complete(self, requests: list[Any], deadline: float, kind: str, node: Node | None, keep: Any,
                   ctx: Context | None, *more: Node) -> None:
-        """Phase 2: wait for the data until the deadline."""
-        if not poll(requests, deadline):
+        """Phase 2: wait for the data until the deadline (or a peer's withdrawal)."""
+        if not poll(requests, deadline, stop=self._peer_withdrew):
             return
         pins: list[Any] = [keep, requests]
         if ctx is not None:  # the node's memory itself may be MPI's buffer: keep it allocated
@@ -542,11 +553,17 @@ class Comm:
     def _fail_timeout(self, kind: str, node: Node | None, missing: tuple[int, ...], keep: Any,
                       joined: bool = False) -> None:
         """Raise CollectiveTimeoutError; what MPI may still touch is kept for ever, and this
-        Comm refuses every later call."""
+        Comm refuses every later call. Where a peer withdrew, its rank is named; else this
+        rank withdraws (tells every peer)."""
         self._abandoned.append(keep)
         what = f"{kind}{_of(node)}"
         after = f"after {self._seconds:g} s"
-        if missing:
+        gone = self._withdrawn
+        if gone is not None:
+            msg = (f"rank {self.rank}: {what} failed: rank {gone} of {self.size} gave this Comm up "
+                   f"(its {header.describe(self._notice)} timed out there), so the ranks no longer meet")
+            missing = missing or (gone,)
+        elif missing:
             who = header.ranks_text(missing)
             msg = (f"rank {self.rank}: {what} timed out {after}: {who} of {self.size} did not join "
                    f"(no header from {'it' if len(missing) == 1 else 'them'} before the deadline)")
@@ -555,9 +572,33 @@ class Comm:
                    "not arrive before the deadline (a rank stalled or died during the transfer)")
         else:
             msg = f"rank {self.rank}: {what} timed out {after} while the ranks exchanged headers"
-        self._broken = f"{what} timed out"
+        if gone is None:
+            self._withdraw(kind)
+        self._broken = f"{what} timed out" if gone is None else f"rank {gone} gave it up"
         raise CollectiveTimeoutError(msg, collective=kind, node=node.label if node is not None else "",
                                      missing=missing)
+
+    def _withdraw(self, kind: str) -> None:
+        """Tell every peer this rank gave the Comm up. Found by review: a rank whose call had
+        timed out left its header posted, so a peer that came late took it for a join, posted
+        its data and waited its whole timeout (with ``inf``, for ever, at 100% CPU); a peer
+        now fails at once, naming this rank. The notice is the header of this rank's last
+        call; its buffer and requests are kept (never waited for: the peer may never come)."""
+        notice = header.make(max(self._seq - 1, 0), kind)
+        sends = [self._ctl.Isend(notice, dest=r, tag=TAG_WITHDRAW) for r in range(self.size) if r != self.rank]
+        self._abandoned.append((notice, sends))
+
+    def _stop_listening(self) -> None:
+        """Cancel the receive of a withdrawal notice (before MPI ends: a receive still posted
+        then made UCX warn at every exit)."""
+        _listening.discard(self)
+        self._cancel([self._notice_req])
+
+    def _peer_withdrew(self) -> bool:
+        """Whether a peer's withdrawal notice has come (tested as calls wait)."""
+        if self._withdrawn is None and self._notice_req.Test(self._notice_status):
+            self._withdrawn = int(self._notice_status.Get_source())
+        return self._withdrawn is not None
 
     @staticmethod
     def _cancel(requests: Sequence[Any]) -> None:
@@ -626,6 +667,7 @@ class Comm:
         if self._freed:
             return
         if self._broken is None:
+            self._stop_listening()
             for c in (self._data, self._ctl):
                 with contextlib.suppress(Exception):
                     c.Free()
@@ -635,6 +677,19 @@ class Comm:
 
 
 # ---------------------------------------------------------------------------------------------
+
+# Comms whose withdrawal receive is posted (held until freed: a dropped Comm's receive would
+# stay posted all the same); cancelled at exit, before MPI_Finalize (mpi4py's, registered when
+# it was imported, runs after this module's hook).
+_listening: set[Comm] = set()
+
+
+@atexit.register
+def _stop_listening_at_exit() -> None:
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        for comm in list(_listening):
+            with contextlib.suppress(Exception):
+                comm._stop_listening()
 
 
 def _of(node: Node | None) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 # While waiting for ranks to arrive: spin this long, then sleep, doubling up to MAX_SLEEP_S.
@@ -22,15 +22,17 @@ MAX_SLEEP_S = 1e-3
 YIELD_EVERY = 64  # tests between two sched_yield()s while spinning (oversubscribed hosts)
 
 
-def poll(requests: Sequence[Any], deadline: float, *, patient: bool = False) -> list[int]:
-    """Test ``requests`` until all are complete or ``time.monotonic()`` passes ``deadline``.
+def poll(requests: Sequence[Any], deadline: float, *, patient: bool = False,
+         stop: Callable[[], bool] | None = None) -> list[int]:
+    """Test ``requests`` until all are complete, ``time.monotonic()`` passes ``deadline``, or
+    ``stop()`` (tested along with them) is true.
 
     Returns the indices of the requests still pending (empty: all completed). ``patient``:
     the requests wait for other ranks to arrive (back off to sleeps after ``SPIN_S``);
     otherwise data is moving and the loop spins, yielding the core now and then.
     """
     pending = [i for i, r in enumerate(requests) if not r.Test()]
-    if not pending:
+    if not pending or (stop is not None and stop()):
         return pending
     start = time.monotonic()
     spins = 0
@@ -42,7 +44,7 @@ def poll(requests: Sequence[Any], deadline: float, *, patient: bool = False) -> 
             pending = [] if done else pending
         else:
             pending = [i for i in pending if not requests[i].Test()]
-        if not pending:
+        if not pending or (stop is not None and stop()):
             return pending
         now = time.monotonic()
         if now >= deadline:

@@ -13,6 +13,7 @@ cuda_staged, cuda_aware, nccl (GPU only).
 from __future__ import annotations
 
 import functools
+import math
 import os
 import sys
 import time
@@ -563,6 +564,37 @@ def thread_abort() -> None:
     else:
         comm.barrier()
     report(f"NOT ABORTED rank {me}")
+
+
+def late_rank() -> None:
+    """Found by review: rank 0's call timed out (1 s) and it carried on; rank 1 came 3 s late,
+    took rank 0's header, still posted, for a join, posted its data and waited its whole
+    timeout (with ``inf``, for ever, at 100% CPU). Rank 0 now tells its peers it gave the Comm
+    up, and rank 1's call fails at once, naming rank 0. A new Comm carries on."""
+    if ranks != 2:
+        return say("late_rank")
+    comm = Comm(timeout=TIMEOUT)
+    node = Node("late_grads", (4,), "float32")
+    ctx = cpu2().get_device(0).make_context().init_from_host(node, np.full(4, 1.0 + me, np.float32))
+    comm.barrier()
+    if me == 1:
+        time.sleep(3)
+    t0 = time.monotonic()
+    try:
+        comm.all_reduce(ctx, node, "sum", timeout=1.0 if me == 0 else math.inf)
+        raise AssertionError("the all_reduce returned")
+    except CollectiveTimeoutError as e:
+        took = time.monotonic() - t0
+        if me == 0:
+            assert e.missing == (1,) and "did not join" in str(e), str(e)
+        else:
+            assert e.missing == (0,) and "rank 0 of 2 gave this Comm up" in str(e), str(e)
+            assert took < 5.0, took  # at once, not after a timeout (here: none)
+    _expect(CollectiveTimeoutError, lambda: comm.barrier(), "cannot be used")
+    fresh = Comm(timeout=TIMEOUT)
+    fresh.all_reduce(ctx, node, "sum")
+    np.testing.assert_array_equal(ctx.read(node), np.full(4, 3.0, np.float32))
+    say("late_rank")
 
 
 def nan_fold() -> None:
@@ -1131,7 +1163,7 @@ SCENARIOS: dict[str, Callable[[], None]] = {
     "spread_nan": spread_nan, "sysexit": sysexit,
     "world_threads": world_threads, "thread_abort": thread_abort,
     "comm_lifetimes": comm_lifetimes, "comm_threads": comm_threads,
-    "nan_fold": nan_fold,
+    "nan_fold": nan_fold, "late_rank": late_rank,
 }
 
 

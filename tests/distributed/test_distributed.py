@@ -127,7 +127,7 @@ def mpiexec() -> str:
 
 
 JOB2 = ("collectives", "bfloat16", "ordering", "mismatch", "local_failure", "export_path", "staged", "data_parallel:2",
-        "dp_local_failure", "spread_nan", "world_threads", "comm_threads", "comm_lifetimes", "nan_fold", "nccl_id", "nccl_refusal",
+        "dp_local_failure", "spread_nan", "world_threads", "comm_threads", "comm_lifetimes", "nan_fold", "late_rank", "nccl_id", "nccl_refusal",
         "timeout")
 JOB3 = ("collectives", "bfloat16", "mismatch", "local_failure", "data_parallel:2", "dp_local_failure", "spread_nan",
         "comm_threads", "nan_fold", "timeout")
@@ -195,6 +195,10 @@ def test_a_nan_parameter_shows_in_the_spreads(job: Job) -> None:
 
 def test_threads_sharing_a_comm_never_get_each_others_values(job: Job) -> None:
     job.passed("comm_threads")
+
+
+def test_a_rank_late_to_a_call_others_gave_up_fails_at_once(job2: Job) -> None:
+    job2.passed("late_rank")
 
 
 def test_a_nan_in_a_max_or_min_reaches_every_rank(job: Job) -> None:
