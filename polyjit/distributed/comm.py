@@ -520,7 +520,10 @@ class Comm:
         sreq = self._ctl.Isend(mine, dest=peer, tag=out_tag)
         if poll([rreq], deadline, patient=True, stop=self._peer_withdrew):
             self._cancel([rreq])
-            self._fail_timeout(kind, node, (peer,), (theirs, mine, sreq))
+            # found by review: two ranks that both send to each other read as "did not join"
+            hint = f"; if rank {peer} is in a send to this rank too, one of the two must receive first" \
+                if kind == "send" else ""
+            self._fail_timeout(kind, node, (peer,), (theirs, mine, sreq), hint=hint)
         if poll([sreq], deadline, patient=True, stop=self._peer_withdrew) or self._peer_withdrew():
             self._fail_timeout(kind, node, (), (theirs, mine, sreq))
         if problem is not None:
@@ -551,7 +554,7 @@ class Comm:
         self._fail_timeout(kind, node, (), pins, joined=True)
 
     def _fail_timeout(self, kind: str, node: Node | None, missing: tuple[int, ...], keep: Any,
-                      joined: bool = False) -> None:
+                      joined: bool = False, hint: str = "") -> None:
         """Raise CollectiveTimeoutError; what MPI may still touch is kept for ever, and this
         Comm refuses every later call. Where a peer withdrew, its rank is named; else this
         rank withdraws (tells every peer)."""
@@ -566,7 +569,7 @@ class Comm:
         elif missing:
             who = header.ranks_text(missing)
             msg = (f"rank {self.rank}: {what} timed out {after}: {who} of {self.size} did not join "
-                   f"(no header from {'it' if len(missing) == 1 else 'them'} before the deadline)")
+                   f"(no header from {'it' if len(missing) == 1 else 'them'} before the deadline){hint}")
         elif joined:
             msg = (f"rank {self.rank}: {what} timed out {after}: every rank joined, but the data did "
                    "not arrive before the deadline (a rank stalled or died during the transfer)")

@@ -526,7 +526,7 @@ def timeout() -> None:
     fresh = Comm(timeout=TIMEOUT)
     if ranks > 1 and me == 0:
         _expect(CollectiveTimeoutError, lambda: fresh.send(ctx, node, 1, tag=7, timeout=wait), "send",
-                f"rank 1 of {ranks} did not join")
+                f"rank 1 of {ranks} did not join", "one of the two must receive first")
     third = Comm(timeout=TIMEOUT)  # a new communicator carries on
     third.barrier()
     say("timeout")
