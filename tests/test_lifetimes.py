@@ -951,6 +951,43 @@ def test_a_device_closed_at_exit_refuses_new_driver_calls() -> None:
         be.compile(ir.Comp.of(ir.apply(Op.EXP, x, into=y)), name="exp")
 
 
+def test_the_exit_hook_waits_once_for_all_devices_not_once_each() -> None:
+    """Left alone in session 35: the exit hook gave each device its own wait for threads inside
+    a host wait, so an exit beside stuck waits on N devices took N times as long. Three cpu
+    devices, each with a thread waiting on a kernel that runs for seconds: the hook, with 1 s
+    for such threads, returns after about 1 s, not 3."""
+    out = _child("""
+        import os, threading, time
+        import numpy as np
+        from polyjit import ir
+        from polyjit.backends.cpu import create_backend
+        from polyjit.core import device
+        be = create_backend(num_devices=3)
+        n, reps = 1 << 20, 100000  # seconds of work, whatever the machine
+        x, out = ir.Node("x", (n,), "float64"), ir.Node("out", (), "float64")
+        i, k = ir.Symbol("i"), ir.Symbol("k")
+        code = be.compile(ir.Comp.of(ir.Accum(out, ir.AccumOp.ADD, ir.Op.ID, (x,),
+                                              ir.projections([(k, reps), (i, n)], [], [i]))), name="long")
+        started = []
+        def wait_on(dev):
+            r = dev.make_context().init_from_host(x, np.ones(n)).link(code)
+            r.run()
+            started.append(dev)
+            r.context.stream.synchronize()  # inside a host wait when the hook runs
+        for dev in be.devices():
+            threading.Thread(target=wait_on, args=(dev,), daemon=True).start()
+        while len(started) < 3:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        device._close_devices(type(be.get_device(0).driver), calls_wait_s=1.0, wait_s=0.1)
+        print("took", time.monotonic() - t0, flush=True)
+        os._exit(0)  # not the real hooks: they would wait again
+    """)
+    took = float(out.split("took")[-1])
+    assert 0.9 <= took < 2.0, out
+
+
 def test_a_forked_child_does_not_wait_for_its_parents_compiles() -> None:
     """Found by the review of session 35's change: a child forked while the parent compiled
     counted that compile as its own, and its exit waited for it (1 s; for ever had the fork

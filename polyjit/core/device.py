@@ -110,20 +110,30 @@ def close_devices_at_exit(driver_type: type[Driver]) -> None:
             atexit.register(_close_devices, driver_type)
 
 
-def _close_devices(driver_type: type[Driver], calls_wait_s: float = 10.0) -> None:
-    """The exit hook: the devices first (new work refused at once), then compiles under way
-    get what threads inside a host wait get (Device.close_at_exit)."""
+def _close_devices(driver_type: type[Driver], calls_wait_s: float = 10.0, wait_s: float = 1.0) -> None:
+    """The exit hook: every device first (new work refused at once, on all of them before any
+    wait), then threads inside a host wait, then queued work and compiles under way, each
+    against one deadline for all the devices (a wait each made an exit beside several stuck
+    devices take N times as long)."""
     from polyjit.core.runtime import live_backends
 
+    closing = []
     for dev in live_devices():
         if isinstance(dev.driver, driver_type) and not dev.forked:
             with contextlib.suppress(Exception):  # the exit goes on
-                dev.close_at_exit(calls_wait_s=calls_wait_s)
-    deadline = time.monotonic() + calls_wait_s
+                closing.append((dev, dev._refuse_at_exit()))
+    calls_deadline = time.monotonic() + calls_wait_s
+    for dev, (streams, _) in closing:
+        with contextlib.suppress(Exception):
+            dev._wait_calls_at_exit(streams, calls_deadline)
+    deadline = time.monotonic() + wait_s
+    for dev, (_, newest) in closing:
+        with contextlib.suppress(Exception):
+            dev._wait_queued_at_exit(newest, deadline)
     for backend in live_backends():  # those that made no device compile too
         if isinstance(backend.driver, driver_type):
             with contextlib.suppress(Exception):
-                backend.close_compiles_at_exit(deadline)
+                backend.close_compiles_at_exit(calls_deadline)
 
 
 _scope = threading.local()  # the thread's stack of devices entered with ``with device:``
@@ -273,18 +283,28 @@ class Device:
         crash the process), and what is queued up to ``wait_s`` seconds to finish. Not
         :meth:`close`, which waits for all of it: a daemon thread that went on running routines
         queued more than it could finish, and the process never exited."""
+        streams, newest = self._refuse_at_exit()
+        self._wait_calls_at_exit(streams, time.monotonic() + calls_wait_s)
+        self._wait_queued_at_exit(newest, time.monotonic() + wait_s)
+
+    def _refuse_at_exit(self) -> tuple[list[Stream], list[Any]]:
+        """close_at_exit's first step: refuse new work; the streams, and their newest events."""
         with self.lock:
             self.exiting = True
             newest = [s.newest for s in self._streams if not s.closed and s.newest is not None]
             for s in self._streams:
                 s.closed = True  # enqueue refuses; a host wait not yet begun returns at once
-            streams = list(self._streams)
-        calls_deadline = time.monotonic() + calls_wait_s
-        for s in streams:  # threads inside a driver call on a stream (a host wait) return first
+            return list(self._streams), newest
+
+    def _wait_calls_at_exit(self, streams: list[Stream], deadline: float) -> None:
+        """Until ``deadline``: threads inside a driver call on a stream (a host wait) return."""
+        for s in streams:
             with s._lock:
-                while s._users and time.monotonic() < calls_deadline:
-                    s._idle.wait(max(0.0, calls_deadline - time.monotonic()))
-        deadline = time.monotonic() + wait_s
+                while s._users and time.monotonic() < deadline:
+                    s._idle.wait(max(0.0, deadline - time.monotonic()))
+
+    def _wait_queued_at_exit(self, newest: list[Any], deadline: float) -> None:
+        """Until ``deadline``: what was queued finishes."""
         for handle in newest:
             while time.monotonic() < deadline:
                 try:
