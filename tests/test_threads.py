@@ -99,6 +99,31 @@ def test_eight_threads_times_200_mixed_operations(name: str, env: dict[str, str]
     assert out.split()[-1] == "ok"
 
 
+def test_the_stress_calls_a_deadlock_once_no_thread_moves_not_at_a_fixed_total() -> None:
+    """thread_stress's deadline runs from the last operation any thread finished: a thread that
+    never returns is reported once the others are done and nothing moves for the deadline,
+    while threads that go slowly (a loaded machine) are not cut short."""
+    out = _child("""
+        import threading, time
+        from polyjit import get_backend
+        from polyjit.testing import concurrency
+        be = get_backend("cpu")
+        step, stuck = concurrency._Worker.step, threading.Event()
+        def slow_or_stuck(self):
+            if self.k == 0:
+                stuck.wait()  # never set: a deadlock
+            time.sleep(0.1)  # slow, but moving: 30 operations take longer than the deadline
+            step(self)
+        concurrency._Worker.step = slow_or_stuck
+        t0 = time.monotonic()
+        errors = concurrency.thread_stress(be, threads=3, ops=30, deadline_s=2.0)
+        took = time.monotonic() - t0
+        print(len(errors), "no operation finished in 2.0 s" in errors[-1], "60 of 90 done" in errors[-1], took > 5.0)
+        stuck.set()
+    """, timeout=120)
+    assert out.split() == ["1", "True", "True", "True"], out
+
+
 @pytest.mark.parametrize(("name", "env"), CASES)
 def test_no_other_threads_copy_lands_in_a_merge_buffer_held_across_its_reader(name: str, env: dict[str, str]) -> None:
     """Each device has one merge buffer: a copy into it and the routine that reads it are two
