@@ -354,6 +354,10 @@ def transposable_contraction(kernel: Kernel, d: Dialect) -> Contraction | None:
 
 # Outputs of a column reduction accumulated together (a local array of this many).
 COLUMN_BLOCK = 512
+# Rows a column reduction takes in one pass over its outputs (the cpu's block of them, an
+# OpenCL CPU device's work-group between two barriers): each output's accumulator is loaded
+# and stored once for them, and the rows are read as that many streams.
+COLUMN_ROWS = 4
 # Values worth staging: what the vector unit computes much faster than a scalar loop.
 STAGED_OPS = frozenset({ir.Op.EXP, ir.Op.TANH, ir.Op.SIGMOID, ir.Op.SQRT, ir.Op.DIV})
 STAGED_MAX_LENGTH = 4096  # the local array: 16 KiB of float32

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import math
 import numbers
 import operator
@@ -36,7 +37,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar, cast
 
 import ml_dtypes
 import numpy as np
@@ -58,7 +59,6 @@ from polyjit.core.errors import (
     UnsupportedError,
 )
 from polyjit.core.ir import Node
-from polyjit.core.serial import serialized
 from polyjit.distributed import header
 from polyjit.distributed.cuda import mpi_cuda_aware, on_cuda
 from polyjit.distributed.header import OPS
@@ -109,6 +109,36 @@ def _check_timeout(value: Any, what: str) -> float:
     if not seconds > 0:  # also refuses NaN
         raise InvalidArgumentError(f"{what}: a timeout must be positive, got {value!r}")
     return seconds
+
+
+Method = TypeVar("Method", bound=Callable[..., Any])
+
+
+def one_call(method: Method) -> Method:
+    """A public call of a Comm (or an NcclComm, which shares its Comm's lock): one at a time,
+    so its number, header and data go together. A thread that waits for another thread's
+    call waits within its own timeout (found by review: a call of 1 s waited out another's
+    6 s), and the call's deadline runs from when it began to wait."""
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        asked = kwargs.get("timeout")
+        seconds = float(self.timeout)
+        if isinstance(asked, numbers.Real) and not isinstance(asked, bool) and float(asked) > 0:
+            seconds = float(asked)  # a bad timeout= is the call's own problem, raised after its join
+        start = time.monotonic()
+        wait = seconds if seconds < threading.TIMEOUT_MAX else -1
+        if not self._lock.acquire(timeout=wait):
+            raise CollectiveTimeoutError(
+                f"rank {self.rank}: {method.__name__}: another thread's call on this Comm held it for the whole "
+                f"{seconds:g} s of this call's timeout; nothing was sent, and the Comm carries on",
+                collective=method.__name__)
+        try:
+            self._lock_deadline = start + seconds if math.isfinite(seconds) else math.inf
+            return method(self, *args, **kwargs)
+        finally:
+            self._lock_deadline = None
+            self._lock.release()
+    return cast(Method, call)
 
 
 class Comm:
@@ -163,6 +193,7 @@ class Comm:
         # go together. Calls that threads make at once pair between the ranks in the order each
         # rank takes them; the header's node names catch a pairing of two different nodes.
         self._lock = threading.RLock()
+        self._lock_deadline: float | None = None  # the deadline of the call that took it (one_call)
         self._seq = 0  # collective calls so far
         self._p2p_seq: dict[tuple[str, int, int], int] = {}
         self._broken: str | None = None
@@ -195,7 +226,7 @@ class Comm:
             pending = poll([req], deadline, patient=True)
         except MPI.Exception as e:  # out of communicators (MPICH holds about two thousand)
             raise DriverError(
-                f"rank {self.rank}: Comm(): MPI could not duplicate the communicator ({str(e).splitlines()[0]}); "
+                f"rank {self.rank}: Comm(): MPI could not duplicate the communicator ({_mpi_reason(e)}); "
                 f"{Comm._live} Comms of this process are not freed: free those no longer used "
                 "(Comm.free(), or `with Comm() as comm:`)") from None
         if pending:
@@ -221,7 +252,7 @@ class Comm:
 
     # -- collectives ----------------------------------------------------------------------
 
-    @serialized
+    @one_call
     def all_reduce(self, ctx: Context, node: Node, op: str = "sum", *, timeout: float | None = None,
                    peek: Callable[[Array], None] | None = None) -> None:
         """Reduce the node over the ranks, in place: every rank ends with the result. ``op``:
@@ -245,7 +276,7 @@ class Comm:
                 peek(host)
             self.last_timings = {"data": time.perf_counter() - t0}
 
-    @serialized
+    @one_call
     def broadcast(self, ctx: Context, node: Node, root: int = 0, *, timeout: float | None = None) -> None:
         """Every rank's node gets ``root``'s values."""
         deadline, problem = self._start(timeout)
@@ -261,7 +292,7 @@ class Comm:
             req = self._data.Ibcast(buf, root=root)
             self._complete([req], deadline, "broadcast", node, (buf, host), ctx)
 
-    @serialized
+    @one_call
     def all_gather(self, ctx: Context, node: Node, out_node: Node, *, timeout: float | None = None) -> None:
         """Every rank's ``out_node`` gets the nodes of all ranks in rank order, along axis 0:
         ``out_node`` has shape ``(size * n, ...)`` for a node of shape ``(n, ...)``, or
@@ -278,7 +309,7 @@ class Comm:
             req = self._data.Iallgather(sbuf, rbuf)
             self._complete([req], deadline, "all_gather", node, (sbuf, shost, rbuf, rhost), ctx, out_node)
 
-    @serialized
+    @one_call
     def reduce_scatter(self, ctx: Context, node: Node, out_node: Node, op: str = "sum", *,
                        timeout: float | None = None) -> None:
         """Reduce the node over the ranks and give rank r block r of the result along axis 0:
@@ -302,14 +333,14 @@ class Comm:
                 _copy_device(ctx, node, out_node)
             self._finish_mean(ctx, out_node, rhost, op)
 
-    @serialized
+    @one_call
     def barrier(self, *, timeout: float | None = None) -> None:
         """Wait for every rank (the join phase alone: it names the ranks that do not come)."""
         deadline, problem = self._start(timeout)
         self._refuse_on(problem, "barrier", None, deadline)
         self._join(self._header("barrier"), "barrier", None, deadline)
 
-    @serialized
+    @one_call
     def send(self, ctx: Context, node: Node, dest: int, tag: int = 0, *, timeout: float | None = None) -> None:
         """Send the node to rank ``dest``, whose matching :meth:`recv` (same tag) receives it.
         Synchronous, like ``MPI_Ssend``: it returns once the receiver has the data, so two
@@ -324,7 +355,7 @@ class Comm:
             req = self._data.Isend(buf, dest=dest, tag=tag)
             self._complete([req], deadline, "send", node, (buf, host), ctx)
 
-    @serialized
+    @one_call
     def recv(self, ctx: Context, node: Node, source: int, tag: int = 0, *, timeout: float | None = None) -> None:
         """Receive into the node what rank ``source`` sends with :meth:`send` (same tag); the
         dtype and shape must be the sender's (else both raise CollectiveMismatchError)."""
@@ -340,7 +371,7 @@ class Comm:
 
     # -- host arrays --------------------------------------------------------------------------
 
-    @serialized
+    @one_call
     def all_reduce_array(self, array: Array, op: str = "sum", *, timeout: float | None = None) -> Array:
         """:meth:`all_reduce` of a host array (a new array: metrics, spreads, checks)."""
         deadline, problem = self._start(timeout)
@@ -359,7 +390,7 @@ class Comm:
             arr.reshape(-1)[...] = work
         return arr
 
-    @serialized
+    @one_call
     def broadcast_array(self, array: Array, root: int = 0, *, timeout: float | None = None) -> Array:
         """:meth:`broadcast` of a host array: every rank gets a new array with root's values
         (every rank passes an array of the same shape and dtype)."""
@@ -374,7 +405,7 @@ class Comm:
             self._complete([req], deadline, "broadcast", None, arr, None)
         return arr
 
-    @serialized
+    @one_call
     def check_same(self, what: str, values: Sequence[int], *, timeout: float | None = None) -> None:
         """Raise CollectiveMismatchError on every rank unless every rank passes the same
         integers (set-up checks: device counts, batch sizes)."""
@@ -392,7 +423,7 @@ class Comm:
         hdr = self._header("check", shape=ints, dtype=np.int64)
         self._join(hdr, "check", None, deadline, what=what)
 
-    @serialized
+    @one_call
     def refuse(self, error: Exception, collective: str = "all_reduce", node: Node | None = None, *,
                timeout: float | None = None) -> NoReturn:
         """Take part in this rank's next call without making it, because the work before it
@@ -424,7 +455,11 @@ class Comm:
         except InvalidArgumentError as e:
             seconds, problem = self.timeout, e
         self._seconds = seconds
-        return (time.monotonic() + seconds if math.isfinite(seconds) else math.inf), problem
+        # from when the call began to wait for the Comm (one_call), not from now
+        deadline, self._lock_deadline = self._lock_deadline, None
+        if deadline is None:
+            deadline = time.monotonic() + seconds if math.isfinite(seconds) else math.inf
+        return deadline, problem
 
     def _enter(self, stack: contextlib.ExitStack[Any], problem: Exception | None, *views: tuple[Context, Node, bool],
                reduce: str | None = None) -> tuple[Exception | None, list[tuple[Any, Array | None]]]:
@@ -663,7 +698,7 @@ class Comm:
         if problem is not None:
             raise problem
 
-    @serialized
+    @one_call
     def free(self) -> None:
         """Free the two duplicates of the communicator (collective). A Comm broken by a
         timeout keeps them: MPI may still use them."""
@@ -693,6 +728,12 @@ def _stop_listening_at_exit() -> None:
         for comm in list(_listening):
             with contextlib.suppress(Exception):
                 comm._stop_listening()
+
+
+def _mpi_reason(e: Exception) -> str:
+    """The most specific line of an MPI error's stack (MPICH's first is "Other MPI error")."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return lines[-1] if lines else type(e).__name__
 
 
 def _of(node: Node | None) -> str:
@@ -795,16 +836,27 @@ _nan_ops_lock = threading.Lock()
 
 def _nan_op(op: str) -> Any:
     """An MPI op (made once) that folds with ``np.maximum`` / ``np.minimum``: NaN wins, as in
-    numpy, whatever order the values meet in, so every rank ends with the same values."""
+    numpy, whatever order the values meet in, so every rank ends with the same values (on the
+    host: 2-3x the time of MPI's own max, found by review; max and min only)."""
     with _nan_ops_lock:
         made = _nan_ops.get(op)
         if made is None:
             fold = np.maximum if op == "max" else np.minimum
 
-            def combine(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
+            def combine(inbuf: Any, inoutbuf: Any, datatype: Any, max_: bool = op == "max") -> None:
                 dtype = dtlib.to_numpy_dtype(datatype)
-                out = np.frombuffer(inoutbuf, dtype)
-                fold(np.frombuffer(inbuf, dtype), out, out=out)
+                a, out = np.frombuffer(inbuf, dtype), np.frombuffer(inoutbuf, dtype)
+                res = fold(a, out)
+                # Bit for bit the same whichever operand comes first (the ranks fold in other
+                # orders; found by review): +0 and -0 compare equal, so max takes +0 and min -0
+                # in either order, and every NaN becomes numpy's one NaN.
+                zero = (a == 0) & (out == 0)
+                if zero.any():
+                    res[zero] = a[zero] + out[zero] if max_ else -((-a[zero]) + (-out[zero]))
+                nan = np.isnan(res)
+                if nan.any():
+                    res[nan] = np.nan
+                out[...] = res
 
             made = _nan_ops[op] = MPI.Op.Create(combine, commute=True)
         return made

@@ -22,14 +22,14 @@ import numpy as np
 MAGIC = 0x706A6D7069  # "pjmpi"
 MAX_DIMS = 10  # dims carried inline; longer shapes are compared through their hash too
 NAME_BYTES = 16  # of the node's name carried inline, for messages; compared through its hash
-LENGTH = 13 + MAX_DIMS
+LENGTH = 14 + MAX_DIMS
 
 KINDS = ("barrier", "all_reduce", "broadcast", "all_gather", "reduce_scatter", "send", "recv", "check")
 OPS = ("sum", "max", "min", "mean")
 
 # field positions
-_MAGIC, _SEQ, _KIND, _OP, _ROOT, _DTYPE, _NDIM, _SIZE, _HASH, FLAG, _NAME_HASH = range(11)
-_NAME = 11  # NAME_BYTES of the name: two fields
+_MAGIC, _SEQ, _KIND, _OP, _ROOT, _DTYPE, _NDIM, _SIZE, _HASH, FLAG, _NAME_HASH, _NAME_LEN = range(12)
+_NAME = 12  # NAME_BYTES of the name: two fields
 _DIMS = _NAME + NAME_BYTES // 8
 # FLAG: 1 when this rank refuses the call (its arguments are wrong); not compared
 
@@ -78,16 +78,18 @@ def make(seq: int, kind: str, *, op: str | None = None, root: int = -1, dtype: A
     h[_DIMS : _DIMS + len(dims)] = dims
     if name:
         raw = name.encode("utf-8", "surrogatepass")
-        h[_NAME_HASH] = _hash(raw)
+        h[_NAME_HASH], h[_NAME_LEN] = _hash(raw), len(raw)
         h[_NAME : _NAME + NAME_BYTES // 8] = np.frombuffer(raw[:NAME_BYTES].ljust(NAME_BYTES, b"\0"), "<i8")
     return h
 
 
 def _name(h: Array) -> str:
-    """The name a header carries, as far as it does (``…`` where it was cut)."""
-    raw = h[_NAME : _NAME + NAME_BYTES // 8].astype("<i8").tobytes().rstrip(b"\0")
-    text = raw.decode("utf-8", "replace")
-    return text + ("…" if len(raw) == NAME_BYTES else "")
+    """The name a header carries, as far as it does (``…`` where it was cut, and a character
+    the cut split is left out)."""
+    length = int(h[_NAME_LEN])
+    raw = h[_NAME : _NAME + NAME_BYTES // 8].astype("<i8").tobytes()[: min(length, NAME_BYTES)]
+    cut = length > NAME_BYTES
+    return raw.decode("utf-8", "ignore" if cut else "replace") + ("…" if cut else "")
 
 
 def describe(h: Array) -> str:

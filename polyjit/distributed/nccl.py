@@ -55,6 +55,7 @@ from polyjit.distributed.comm import (
     _of,
     _op_problem,
     _out_problem,
+    one_call,
 )
 from polyjit.distributed.ordering import node_events
 
@@ -251,21 +252,43 @@ class NcclComm:
     def timeout(self, seconds: float) -> None:
         self._timeout = _check_timeout(seconds, "NcclComm.timeout")
 
+    # One call at a time with the Comm's own calls (comm.one_call: a call's MPI join and its
+    # NCCL launch go together, and a thread that calls the Comm meanwhile waits its turn).
+    @property
+    def _lock(self) -> threading.RLock:
+        return self.comm._lock
+
+    @property
+    def _lock_deadline(self) -> float | None:
+        return self.comm._lock_deadline
+
+    @_lock_deadline.setter
+    def _lock_deadline(self, deadline: float | None) -> None:
+        self.comm._lock_deadline = deadline
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
     # -- calls ----------------------------------------------------------------------------
 
+    @one_call
     def all_reduce(self, ctx: Context, node: Node, op: str = "sum", *, timeout: float | None = None) -> None:
         call = self._join("all_reduce", ctx, node, (), (node,), op=op, timeout=timeout)
         nop = _nccl_op(node, op)
         self._enqueue(call, lambda p: self.lib.ncclAllReduce(p[0], p[0], node.size, call.dt, nop, self.handle, p[-1]))
 
+    @one_call
     def broadcast(self, ctx: Context, node: Node, root: int = 0, *, timeout: float | None = None) -> None:
         call = self._join("broadcast", ctx, node, (), (node,), root=root, timeout=timeout)
         self._enqueue(call, lambda p: self.lib.ncclBroadcast(p[0], p[0], node.size, call.dt, root, self.handle, p[-1]))
 
+    @one_call
     def all_gather(self, ctx: Context, node: Node, out_node: Node, *, timeout: float | None = None) -> None:
         call = self._join("all_gather", ctx, node, (node,), (out_node,), out_node=out_node, timeout=timeout)
         self._enqueue(call, lambda p: self.lib.ncclAllGather(p[0], p[1], node.size, call.dt, self.handle, p[-1]))
 
+    @one_call
     def reduce_scatter(self, ctx: Context, node: Node, out_node: Node, op: str = "sum", *,
                        timeout: float | None = None) -> None:
         call = self._join("reduce_scatter", ctx, node, (node,), (out_node,), out_node=out_node, op=op,
@@ -274,6 +297,7 @@ class NcclComm:
         self._enqueue(call, lambda p: self.lib.ncclReduceScatter(p[0], p[1], out_node.size, call.dt, nop,
                                                                  self.handle, p[-1]))
 
+    @one_call
     def send(self, ctx: Context, node: Node, dest: int, tag: int = 0, *, timeout: float | None = None) -> None:
         deadline, problem = self._start(timeout)
         self.comm._check_peer(dest, tag, "send")  # else there is no one to tell, or no channel
@@ -283,6 +307,7 @@ class NcclComm:
         assert call is not None
         self._enqueue(call, lambda p: self.lib.ncclSend(p[0], node.size, call.dt, dest, self.handle, p[-1]))
 
+    @one_call
     def recv(self, ctx: Context, node: Node, source: int, tag: int = 0, *, timeout: float | None = None) -> None:
         deadline, problem = self._start(timeout)
         self.comm._check_peer(source, tag, "recv")  # else there is no one to tell, or no channel

@@ -114,6 +114,16 @@ class DataParallel:
         self.comm: Comm | None = self._rank_reduce.comm if self._rank_reduce is not None else None
         self.ranks = self.comm.size if self.comm is not None else 1
         self.rank = self.comm.rank if self.comm is not None else 0
+        try:
+            self._build(model_step, inputs, optimizer, params, name, n)
+        except BaseException:  # a Comm made here is freed (found by review: a refused set-up kept it)
+            if self._rank_reduce is not None:
+                self._rank_reduce.close()
+            raise
+
+    def _build(self, model_step: Callable[..., Tensor], inputs: Mapping[str, InputSpec], optimizer: Optimizer,
+               params: Sequence[Tensor] | None, name: str, n: int) -> None:
+        """The rest of the constructor: the programs, the replicas, their routines."""
         inputs = _batch_inputs(inputs)
         sizes = {int(shape[0]) for shape, _ in inputs.values()}
         if len(sizes) != 1:

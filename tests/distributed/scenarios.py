@@ -614,6 +614,8 @@ def nan_fold() -> None:
             v = (np.arange(n) * (r + 1) % 7 - 3).astype(np.float32)
             v[r] = np.nan  # one NaN per rank, at its own place: rank r's NaN meets numbers elsewhere
             v[-1] = np.nan if r == 0 else v[-1]  # and one that only rank 0 has, at the end
+            v[-2] = -0.0 if r % 2 else 0.0  # zeros of both signs: the same bits on every rank
+            v[-3] = -np.nan if r % 2 else np.nan  # NaNs of both signs, too (found by review)
             values.append(v.astype(np_dtype))
         stack = np.stack([v.astype(np.float32) for v in values])
         for op, fold in (("max", np.max), ("min", np.min)):
@@ -658,6 +660,15 @@ def comm_lifetimes() -> None:
     dp = pt.data_parallel(loss, shapes, optimizer=pt.SGD(0.1), devices=cpu2().devices()[:1], comm=WORLD)
     dp.close()
     assert dp.comm is not None and dp.comm._freed and Comm._live == live
+    from polyjit.core.errors import InvalidProgramError
+
+    try:  # a set-up refused after the Comm was made (found by review: it kept the Comm)
+        pt.data_parallel(lambda x, y: pt.sum(x) * 0.0, shapes, optimizer=pt.SGD(0.1),
+                         devices=cpu2().devices()[:1], comm=WORLD)
+        raise AssertionError("no InvalidProgramError")
+    except InvalidProgramError as e:
+        assert "nothing to train" in str(e), str(e)
+    assert Comm._live == live
     mine = Comm(timeout=TIMEOUT)
     dp = pt.data_parallel(loss, shapes, optimizer=pt.SGD(0.1), devices=cpu2().devices()[:1], comm=mine)
     dp.close()
@@ -734,6 +745,41 @@ def comm_threads() -> None:
         mismatched.clear()
         comm.barrier()  # in step
     say("comm_threads")
+
+
+def lock_timeout() -> None:
+    """Found by review: a thread whose call waited for another thread's call on the same Comm
+    waited out that call's timeout, not its own (1 s asked, 5.7 s taken). Rank 1 comes 3 s
+    late to a barrier that rank 0's thread A waits in (timeout 30 s); rank 0's thread B calls
+    with a 1 s timeout meanwhile: B gives up after about 1 s, having sent nothing, and the
+    Comm carries on."""
+    import threading
+
+    comm = Comm(timeout=TIMEOUT)
+    comm.barrier()
+    if me == 0:
+        took: dict[str, float] = {}
+
+        def a() -> None:
+            comm.barrier(timeout=30)
+
+        def b() -> None:
+            time.sleep(0.3)
+            t0 = time.monotonic()
+            _expect(CollectiveTimeoutError, lambda: comm.barrier(timeout=1.0), "another thread's call")
+            took["b"] = time.monotonic() - t0
+
+        threads = [threading.Thread(target=a), threading.Thread(target=b)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(TIMEOUT)
+        assert 0.9 <= took["b"] < 2.5, took
+    else:
+        time.sleep(3)
+        comm.barrier()  # thread A's
+    comm.barrier()  # in step: B's call never began
+    say("lock_timeout")
 
 
 def world_threads() -> None:
@@ -1164,6 +1210,7 @@ SCENARIOS: dict[str, Callable[[], None]] = {
     "world_threads": world_threads, "thread_abort": thread_abort,
     "comm_lifetimes": comm_lifetimes, "comm_threads": comm_threads,
     "nan_fold": nan_fold, "late_rank": late_rank,
+    "lock_timeout": lock_timeout,
 }
 
 

@@ -72,6 +72,10 @@ def test_headers_that_differ_past_what_a_message_shows_say_so() -> None:
     text = header.disagreement([x, y])
     assert text is not None and "of 'grads_of_the_fir…'" in text and "of 'grads_b'" in text, text
     assert "[hash " not in text, text
+    # found by review: a name of exactly 16 bytes read as cut, a cut inside a character as U+FFFD
+    exact, accented = (header.make(1, "barrier", shape=(), name=n) for n in ("a" * 16, "a" * 15 + "é!"))
+    assert "of 'aaaaaaaaaaaaaaaa'" in header.describe(exact), header.describe(exact)
+    assert "of 'aaaaaaaaaaaaaaa…'" in header.describe(accented), header.describe(accented)
 
 
 class Job:
@@ -127,8 +131,8 @@ def mpiexec() -> str:
 
 
 JOB2 = ("collectives", "bfloat16", "ordering", "mismatch", "local_failure", "export_path", "staged", "data_parallel:2",
-        "dp_local_failure", "spread_nan", "world_threads", "comm_threads", "comm_lifetimes", "nan_fold", "late_rank", "nccl_id", "nccl_refusal",
-        "timeout")
+        "dp_local_failure", "spread_nan", "world_threads", "comm_threads", "comm_lifetimes", "nan_fold", "late_rank",
+        "lock_timeout", "nccl_id", "nccl_refusal", "timeout")
 JOB3 = ("collectives", "bfloat16", "mismatch", "local_failure", "data_parallel:2", "dp_local_failure", "spread_nan",
         "comm_threads", "nan_fold", "timeout")
 
@@ -195,6 +199,10 @@ def test_a_nan_parameter_shows_in_the_spreads(job: Job) -> None:
 
 def test_threads_sharing_a_comm_never_get_each_others_values(job: Job) -> None:
     job.passed("comm_threads")
+
+
+def test_a_call_waiting_for_another_threads_call_keeps_its_own_timeout(job2: Job) -> None:
+    job2.passed("lock_timeout")
 
 
 def test_a_rank_late_to_a_call_others_gave_up_fails_at_once(job2: Job) -> None:

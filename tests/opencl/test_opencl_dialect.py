@@ -119,6 +119,52 @@ def _long_reductions() -> list[Any]:
     return out
 
 
+@pytest.mark.parametrize(("spec", "shape", "accum", "dtype"), [
+    ("ij->j", (4096, 512), AccumOp.ADD, "float32"),  # the shape of the measurement, cut down
+    ("ij->j", (7, 1000), AccumOp.ADD, "float32"),  # 4 rows and a remainder of 3
+    ("ij->j", (2, 33), AccumOp.MAX, "float32"),  # the remainder alone
+    ("kij->j", (3, 5, 100), AccumOp.MIN, "float32"),  # an outer reduced loop around them
+    ("ij->j", (9, 300), AccumOp.ADD, "int32"),
+    ("j,ji->i", (13, 257), AccumOp.ADD, "float32"),  # x @ W for one row (the product may fuse)
+])
+def test_column_reductions_step_through_rows_together_on_cpu_devices(spec: str, shape: tuple[int, ...],
+                                                                     accum: AccumOp, dtype: str) -> None:
+    """One work-item per output walked its column alone, a cache line a value (a 4096^2
+    column sum 85 ms, numpy 4): on CPU devices (PJ_CPU) the items of a group now take four
+    rows between two barriers, which PoCL runs as a loop across the items (8.7 ms). Each
+    output still folds its rows in order: the bits of numpy folding them one at a time."""
+    be = create_backend()
+    rng = np.random.default_rng(len(spec) + shape[-1])
+    if spec == "j,ji->i":
+        rows, cols = shape
+        ins = [Node("v", (rows,), dtype), Node("x", shape, dtype)]
+    else:
+        rows, cols = int(np.prod(shape[:-1])), shape[-1]
+        ins = [Node("x", shape, dtype)]
+    out = Node("o", (cols,), dtype)
+    comp = ir.Comp.of(ir.einsum(spec, *ins, into=out, accum=accum))
+    code = be.compile(comp, name="cols")
+    inner = shape[-2] if len(shape) > 2 else rows  # the innermost reduced loop's rows
+    assert ("#ifdef PJ_CPU" in code.source) == (inner >= 4), code.source  # a barrier each four rows
+    values = [(rng.standard_normal(n.shape) * 50).astype(dtype) for n in ins]
+    ctx = be.get_device(0).make_context()
+    for n, v in zip(ins, values):
+        ctx = ctx.init_from_host(n, v)
+    routine = ctx.link(code)
+    routine.run()
+    got = routine.context.read(out)
+    fold = {AccumOp.ADD: np.add, AccumOp.MAX: np.maximum, AccumOp.MIN: np.minimum}[accum]
+    if spec == "j,ji->i":
+        terms = values[1] * values[0][:, None]
+        np.testing.assert_allclose(got, terms.astype(np.float64).sum(0), rtol=1e-4, atol=1e-2)
+        return
+    flat = values[0].reshape(rows, cols)
+    want = flat[0].copy() if accum is not AccumOp.ADD else fold(np.zeros(cols, dtype), flat[0])
+    for row in flat[1:]:  # the kernel's order
+        want = fold(want, row)
+    np.testing.assert_array_equal(got, want)
+
+
 def test_group_reductions_match_the_reference() -> None:
     """The work-group-per-cell reduction (core/gpu.py; the default on GPU platforms,
     off on PoCL's CPU devices) forced on, against the reference interpreter."""

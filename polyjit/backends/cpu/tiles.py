@@ -45,6 +45,7 @@ from polyjit.core.loops import Kernel, Load, Reduce, Store, walk_expr
 from polyjit.core.patterns import (
     COLUMN,
     COLUMN_BLOCK,
+    COLUMN_ROWS,
     REGISTER_TILES,
     STAGED,
     STREAMING,
@@ -525,10 +526,6 @@ def column(em: Emitter, kernel: Kernel, plan: KernelPlan, names: Names) -> list[
         lines.append(f"{p}{'  ' * d}}}")
     lines.append(f"{p}{each} {em.store(r.node, target, 'pj_acc[pj_jj]')}; }}")
     return lines + _close_nest(depth)
-
-
-# Rows of a column reduction's innermost loop that one pass over the block takes in.
-COLUMN_ROWS = 4
 
 
 def _column_rows(em: Emitter, r: Reduce, names: Names, each: str, pad: str) -> list[str]:

@@ -34,6 +34,7 @@ SPELLING = GpuSpelling(
     vector_store="vstore4({x}, 0, &{p});",
     global_id="get_global_id({d})",
     host_tiles=(tiles.MACRO, tiles.register_tiles),
+    host_lockstep=tiles.MACRO,
 )
 
 
