@@ -600,7 +600,7 @@ class Comm:
         if gone is not None:
             msg = (f"rank {self.rank}: {what} failed: rank {gone} of {self.size} gave this Comm up "
                    f"(its {header.describe(self._notice)} timed out there), so the ranks no longer meet")
-            missing = missing or (gone,)
+            missing = (gone,)  # not the ranks still on their way: the one that left
         elif missing:
             who = header.ranks_text(missing)
             msg = (f"rank {self.rank}: {what} timed out {after}: {who} of {self.size} did not join "
