@@ -720,6 +720,14 @@ class Emitter:
         target = f"{self.names.buffer(r.node)}[{self.index(r.index)}]"
         return target, self.load(r.node, target) if r.init is None else self.expr(r.init)
 
+    def folded_rows(self, r: Reduce, acc: str, base: str, count: int, index_type: str = "int64_t") -> list[str]:
+        """Rows ``base .. base + count - 1`` of the reduction's innermost loop folded into
+        ``acc`` in order, each under its own binding of the loop variable (a column
+        reduction's pass over several rows: patterns.COLUMN_ROWS)."""
+        v, value = self.names.var(r.loops[-1][0]), self.expr(r.value)
+        return [f"{{ const {index_type} {v} = {base} + {k}; {acc} = {self.combine(r.accum, r.node.dtype, acc, value)}; }}"
+                for k in range(count)]
+
     def reduce(self, r: Reduce, indent: int, pragma: str | None = None) -> list[str]:
         if pragma is None and r.reassociable and r.node.dtype.is_float:
             pragma = self.d.pragma(self.d.simd_reduction_pragma, len(r.loops), r.accum, r.node.dtype)

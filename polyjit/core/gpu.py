@@ -164,13 +164,10 @@ def lockstep_reduce(em: Emitter, r: Reduce, s: GpuSpelling, live: str | None) ->
         v = em.names.var(sym)
         lines.append(f"{'  ' * depth}for ({s.long} {v} = 0; {v} < {n}; ++{v}) {{")
         depth += 1
-    sym, n = r.loops[-1]
-    v, value = em.names.var(sym), em.expr(r.value)
-    q = "  " * depth
+    n, q = r.loops[-1][1], "  " * depth
 
     def rows(count: int, base: str) -> list[str]:
-        return [f"{q}  {{ const {s.long} {v} = {base} + {k}; pj_acc = "
-                f"{em.combine(r.accum, r.node.dtype, 'pj_acc', value)}; }}" for k in range(count)]
+        return [f"{q}  {step}" for step in em.folded_rows(r, "pj_acc", base, count, s.long)]
 
     full = n - n % COLUMN_ROWS
     if full:
