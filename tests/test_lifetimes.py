@@ -988,6 +988,40 @@ def test_the_exit_hook_waits_once_for_all_devices_not_once_each() -> None:
     assert 0.9 <= took < 2.0, out
 
 
+def test_an_exit_drops_the_cpu_work_daemon_threads_queued_without_waiting() -> None:
+    """Found by review: daemon threads that queued runs on three cpu devices without waiting
+    for them kept the process exiting for minutes (the runtime's exit joined each stream after
+    all of its queue, up to 4096 runs). The exit hook gives queued work its second, then the
+    runtime drops what has not begun: the exit takes about that second and the kernels
+    running."""
+    out = _child("""
+        import threading, time
+        import numpy as np
+        from polyjit import ir
+        from polyjit.backends.cpu import create_backend
+        be = create_backend(num_devices=3)
+        n, reps = 1 << 18, 200  # tens of milliseconds a run: a full queue is minutes
+        x, out = ir.Node("x", (n,), "float64"), ir.Node("out", (), "float64")
+        i, k = ir.Symbol("i"), ir.Symbol("k")
+        code = be.compile(ir.Comp.of(ir.Accum(out, ir.AccumOp.ADD, ir.Op.ID, (x,),
+                                              ir.projections([(k, reps), (i, n)], [], [i]))), name="long")
+        queued = []
+        def flood(dev):
+            r = dev.make_context().init_from_host(x, np.ones(n)).link(code)
+            for _ in range(3000):
+                r.run()  # never waited for
+            queued.append(dev)
+        for dev in be.devices():
+            threading.Thread(target=flood, args=(dev,), daemon=True).start()
+        while len(queued) < 3:
+            time.sleep(0.01)
+        print("exiting", time.monotonic(), flush=True)
+    """, timeout=600)
+    import re
+
+    start = float(re.search(r"exiting ([0-9.]+)", out).group(1))  # type: ignore[union-attr]
+    took = time.monotonic() - start  # the same clock: until this process saw the child end
+    assert took < 20.0, out  # the old exit: every queued run, minutes
 def test_a_forked_child_does_not_wait_for_its_parents_compiles() -> None:
     """Found by the review of session 35's change: a child forked while the parent compiled
     counted that compile as its own, and its exit waited for it (1 s; for ever had the fork

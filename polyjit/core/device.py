@@ -112,9 +112,10 @@ def close_devices_at_exit(driver_type: type[Driver]) -> None:
 
 def _close_devices(driver_type: type[Driver], calls_wait_s: float = 10.0, wait_s: float = 1.0) -> None:
     """The exit hook: every device first (new work refused at once, on all of them before any
-    wait), then threads inside a host wait, then queued work and compiles under way, each
-    against one deadline for all the devices (a wait each made an exit beside several stuck
-    devices take N times as long)."""
+    wait), then queued work (``wait_s``), what is still queued dropped where the driver can,
+    then threads inside a host wait and compiles under way (``calls_wait_s``), each against
+    one deadline for all the devices (a wait each made an exit beside several stuck devices
+    take N times as long)."""
     from polyjit.core.runtime import live_backends
 
     closing = []
@@ -122,14 +123,22 @@ def _close_devices(driver_type: type[Driver], calls_wait_s: float = 10.0, wait_s
         if isinstance(dev.driver, driver_type) and not dev.forked:
             with contextlib.suppress(Exception):  # the exit goes on
                 closing.append((dev, dev._refuse_at_exit()))
-    calls_deadline = time.monotonic() + calls_wait_s
-    for dev, (streams, _) in closing:
-        with contextlib.suppress(Exception):
-            dev._wait_calls_at_exit(streams, calls_deadline)
     deadline = time.monotonic() + wait_s
     for dev, (_, newest) in closing:
         with contextlib.suppress(Exception):
             dev._wait_queued_at_exit(newest, deadline)
+    # What is still queued after that second is dropped where the driver can (the cpu
+    # runtime): threads blocked on it (a host wait, an enqueue into a full queue) then return
+    # within the kernels running now, instead of after all of it (found by review: daemon
+    # threads that queued runs without waiting kept the exit for minutes).
+    discard = getattr(closing[0][0].driver, "discard_queued", None) if closing else None
+    if discard is not None:
+        with contextlib.suppress(Exception):
+            discard()
+    calls_deadline = time.monotonic() + calls_wait_s
+    for dev, (streams, _) in closing:
+        with contextlib.suppress(Exception):
+            dev._wait_calls_at_exit(streams, calls_deadline)
     for backend in live_backends():  # those that made no device compile too
         if isinstance(backend.driver, driver_type):
             with contextlib.suppress(Exception):

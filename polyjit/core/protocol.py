@@ -54,7 +54,8 @@ class Driver(Protocol):
 
     Optional primitives (the runtime uses them when present; see :class:`DriverDefaults`):
     ``unload(ordinal, module)``, ``close_stream(stream)``, ``allocated_bytes(ordinal)``,
-    ``raw_source(text, spec)`` (users' own kernels) and the attribute ``unavailable_reason``.
+    ``raw_source(text, spec)`` (users' own kernels), ``discard_queued()`` (at exit: drop work
+    not yet begun on every stream) and the attribute ``unavailable_reason``.
     """
 
     name: str

@@ -174,6 +174,12 @@ class CpuDriver:
         """Drain the stream and join its worker thread."""
         self.rt.stream_destroy(stream)
 
+    def discard_queued(self) -> None:
+        """At exit: every stream's tasks not yet begun are dropped (the runtime's workers count
+        them done without running them): the process is going, and daemon threads may have
+        queued more than any exit should wait for."""
+        self.rt.discard_queued()
+
     def record(self, stream: int) -> tuple[int, int]:
         return (stream, self.rt.last_ticket(stream))
 

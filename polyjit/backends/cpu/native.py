@@ -192,6 +192,7 @@ class NativeRuntime:
         self._sharing = _bind(lib, "pj_stream_sharing", ctypes.c_int, [_c_void_p])
         self._set_share_window = _bind(lib, "pj_set_share_window", None, [_c_i64])
         self._contended = _bind(lib, "pj_contended", ctypes.c_int, [])
+        self._discard_queued = _bind(lib, "pj_discard_queued", None, [])
         self._set_contention = _bind(lib, "pj_set_contention", None, [ctypes.c_double, ctypes.c_double])
         self.launch_seq = _bind(
             lib,
@@ -368,8 +369,15 @@ class NativeRuntime:
         self._live_lock = threading.Lock()
         self._live = set()
 
+    def discard_queued(self) -> None:
+        """From now on the workers drop the tasks they have not begun (at exit)."""
+        self._discard_queued()
+
     def shutdown(self) -> None:
-        """Sync and destroy every stream still alive (registered with atexit)."""
+        """Sync and destroy every stream still alive (registered with atexit). The devices'
+        exit hook, which runs first, gave queued work its second and dropped the rest
+        (device._close_devices); dropped here too, for streams no device closed."""
+        self._discard_queued()
         for stream in self.live_streams():
             self.sync(stream, self.last_ticket(stream))
             self.stream_destroy(stream)

@@ -212,6 +212,10 @@ typedef struct pj_stream {
     _Alignas(PJ_CACHELINE) pj_task ring[PJ_RING];
 } pj_stream;
 
+/* 1 once the process exits (pj_discard_queued): the workers drop what is still queued
+ * instead of running it, so the exit's joins end after the kernels running now. */
+static _Atomic int g_discard = 0;
+
 /* Spin budgets (ns) before sleeping; tunable for benchmarks via pj_set_spin. */
 static _Atomic int64_t g_worker_spin_ns = 100000;
 static _Atomic int64_t g_wait_spin_ns = 100000;
@@ -858,6 +862,10 @@ static int consume(pj_stream* s, uint64_t until, int helper) {
         /* A helper leaves the STOP, and kernels that need the worker's large stack, to the
          * worker (release_role wakes it). */
         if (helper && (kind == PJ_STOP || (kind == PJ_LAUNCH && t->u.launch.worker_only))) return 0;
+        if (atomic_load_explicit(&g_discard, memory_order_relaxed) && kind != PJ_STOP) {
+            if (kind == PJ_WAIT) stream_unref(t->u.wait.other); /* its reference, not its wait */
+            kind = 0;                                              /* dropped: the process exits */
+        }
         switch (kind) {
             case PJ_LAUNCH:
                 run_launch(s, t);
@@ -1059,6 +1067,9 @@ PJ_EXPORT int pj_stream_team(void* sp, void* fn) {
     }
     return 0;
 }
+
+/* At exit: every stream's tasks not yet begun are dropped (each still counts as done). */
+PJ_EXPORT void pj_discard_queued(void) { atomic_store(&g_discard, 1); }
 
 PJ_EXPORT void pj_stream_destroy(void* sp) {
     pj_stream* s = (pj_stream*)sp;
