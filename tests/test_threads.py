@@ -124,6 +124,24 @@ def test_the_stress_calls_a_deadlock_once_no_thread_moves_not_at_a_fixed_total()
     assert out.split() == ["1", "True", "True", "True"], out
 
 
+def test_the_stress_reports_a_threads_failed_set_up_not_a_deadlock() -> None:
+    """Found by review: a worker whose set-up raised left the others at the start barrier,
+    and the verdict read "a deadlock". Its error is reported, and nothing waits."""
+    out = _child("""
+        from polyjit import get_backend
+        from polyjit.testing import concurrency
+        made = concurrency._Worker.__init__
+        def fails_once(self, k, *args):
+            if k == 1:
+                raise RuntimeError("set-up failed on purpose")
+            made(self, k, *args)
+        concurrency._Worker.__init__ = fails_once
+        errors = concurrency.thread_stress(get_backend("cpu"), threads=3, ops=5, deadline_s=60)
+        print(len(errors), "set-up failed on purpose" in errors[0], any("deadlock" in e for e in errors))
+    """, timeout=120)
+    assert out.split() == ["1", "True", "False"], out
+
+
 @pytest.mark.parametrize(("name", "env"), CASES)
 def test_no_other_threads_copy_lands_in_a_merge_buffer_held_across_its_reader(name: str, env: dict[str, str]) -> None:
     """Each device has one merge buffer: a copy into it and the routine that reads it are two

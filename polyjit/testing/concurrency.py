@@ -139,13 +139,20 @@ def thread_stress(backend: Backend, *, threads: int = 8, ops: int = 200, seed: i
     done = [0]  # operations finished, by every thread (a lost increment only delays a verdict)
 
     def body(k: int) -> None:
-        worker = _Worker(k, backend, root, shared, shared_value, seed)
+        try:
+            worker = _Worker(k, backend, root, shared, shared_value, seed)
+        except Exception:  # found by review: the others waited at the barrier, read as a deadlock
+            errors.append(f"thread {k} (setting up):\n{traceback.format_exc()}")
+            start.abort()
+            return
         try:
             start.wait()
             for _ in range(ops):
                 worker.step()
                 done[0] += 1
             worker.close()
+        except threading.BrokenBarrierError:
+            pass  # another thread's set-up failed: its error says why
         except Exception:
             errors.append(f"thread {k}:\n{traceback.format_exc()}")
 
