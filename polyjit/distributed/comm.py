@@ -597,10 +597,14 @@ class Comm:
         what = f"{kind}{_of(node)}"
         after = f"after {self._seconds:g} s"
         gone = self._withdrawn
-        if gone is not None:
+        if gone is not None and missing:  # ranks not here yet, and one that gave up on them
+            who = header.ranks_text(missing)
+            msg = (f"rank {self.rank}: {what} failed: {who} of {self.size} did not join, and rank {gone} gave "
+                   f"this Comm up meanwhile (its {header.describe(self._notice)} timed out there)")
+        elif gone is not None:  # every header came: the one that left
             msg = (f"rank {self.rank}: {what} failed: rank {gone} of {self.size} gave this Comm up "
                    f"(its {header.describe(self._notice)} timed out there), so the ranks no longer meet")
-            missing = (gone,)  # not the ranks still on their way: the one that left
+            missing = (gone,)
         elif missing:
             who = header.ranks_text(missing)
             msg = (f"rank {self.rank}: {what} timed out {after}: {who} of {self.size} did not join "

@@ -134,7 +134,7 @@ JOB2 = ("collectives", "bfloat16", "ordering", "mismatch", "local_failure", "exp
         "dp_local_failure", "spread_nan", "world_threads", "comm_threads", "comm_lifetimes", "nan_fold", "late_rank",
         "lock_timeout", "nccl_id", "nccl_refusal", "timeout")
 JOB3 = ("collectives", "bfloat16", "mismatch", "local_failure", "data_parallel:2", "dp_local_failure", "spread_nan",
-        "comm_threads", "nan_fold", "timeout")
+        "comm_threads", "nan_fold", "gave_up_while_missing", "timeout")
 
 
 @pytest.fixture(scope="module")
@@ -199,6 +199,10 @@ def test_a_nan_parameter_shows_in_the_spreads(job: Job) -> None:
 
 def test_threads_sharing_a_comm_never_get_each_others_values(job: Job) -> None:
     job.passed("comm_threads")
+
+
+def test_a_rank_that_gives_up_first_does_not_hide_the_one_missing(job3: Job) -> None:
+    job3.passed("gave_up_while_missing")
 
 
 def test_a_call_waiting_for_another_threads_call_keeps_its_own_timeout(job2: Job) -> None:
