@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from retry import attempts
 from sharing import shared_every_run
@@ -698,8 +698,11 @@ def test_narrow_matmuls_and_column_sums_stay_vectorized() -> None:
 
 
 @settings(max_examples=25, deadline=None)
+# found in CI: GCC 12 (-O3, AVX2) miscompiled these until the passes took ``omp simd``
+@example(outer=1, rows=9, cols=9, accum="add", dtype="int32", seed=0)
+@example(outer=1, rows=10, cols=10, accum="add", dtype="int32", seed=1)
 @given(outer=st.integers(1, 3), rows=st.integers(2, 11), cols=st.integers(4, 700),
-       accum=st.sampled_from(["add", "max", "min", "mul_add"]), dtype=st.sampled_from(["float32", "int32"]),
+       accum=st.sampled_from(["add", "max", "min", "mul_add"]), dtype=st.sampled_from(["float32", "int32", "int64"]),
        seed=st.integers(0, 99))
 def test_column_reductions_take_rows_in_fours_and_keep_each_outputs_order(
         outer: int, rows: int, cols: int, accum: str, dtype: str, seed: int) -> None:
