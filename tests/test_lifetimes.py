@@ -951,12 +951,26 @@ def test_a_device_closed_at_exit_refuses_new_driver_calls() -> None:
         be.compile(ir.Comp.of(ir.apply(Op.EXP, x, into=y)), name="exp")
 
 
+# A child's kernel of ``reps`` passes over ``n`` float64 values, summed: work of a length the
+# test picks (its script defines be, n and reps; the lines go where it says LONG_SUM).
+_LONG_SUM = textwrap.dedent("""\
+    x, out = ir.Node("x", (n,), "float64"), ir.Node("out", (), "float64")
+    i, k = ir.Symbol("i"), ir.Symbol("k")
+    code = be.compile(ir.Comp.of(ir.Accum(out, ir.AccumOp.ADD, ir.Op.ID, (x,),
+                                          ir.projections([(k, reps), (i, n)], [], [i]))), name="long")
+""")
+
+
+def _with_long_sum(script: str) -> str:
+    return textwrap.dedent(script).replace("LONG_SUM\n", _LONG_SUM)
+
+
 def test_the_exit_hook_waits_once_for_all_devices_not_once_each() -> None:
     """Left alone in session 35: the exit hook gave each device its own wait for threads inside
     a host wait, so an exit beside stuck waits on N devices took N times as long. Three cpu
     devices, each with a thread waiting on a kernel that runs for seconds: the hook, with 1 s
     for such threads, returns after about 1 s, not 3."""
-    out = _child("""
+    out = _child(_with_long_sum("""
         import os, threading, time
         import numpy as np
         from polyjit import ir
@@ -964,10 +978,7 @@ def test_the_exit_hook_waits_once_for_all_devices_not_once_each() -> None:
         from polyjit.core import device
         be = create_backend(num_devices=3)
         n, reps = 1 << 20, 100000  # seconds of work, whatever the machine
-        x, out = ir.Node("x", (n,), "float64"), ir.Node("out", (), "float64")
-        i, k = ir.Symbol("i"), ir.Symbol("k")
-        code = be.compile(ir.Comp.of(ir.Accum(out, ir.AccumOp.ADD, ir.Op.ID, (x,),
-                                              ir.projections([(k, reps), (i, n)], [], [i]))), name="long")
+        LONG_SUM
         started = []
         def wait_on(dev):
             r = dev.make_context().init_from_host(x, np.ones(n)).link(code)
@@ -983,7 +994,7 @@ def test_the_exit_hook_waits_once_for_all_devices_not_once_each() -> None:
         device._close_devices(type(be.get_device(0).driver), calls_wait_s=1.0, wait_s=0.1)
         print("took", time.monotonic() - t0, flush=True)
         os._exit(0)  # not the real hooks: they would wait again
-    """)
+    """))
     took = float(out.split("took")[-1])
     assert 0.9 <= took < 2.0, out
 
@@ -994,17 +1005,14 @@ def test_an_exit_drops_the_cpu_work_daemon_threads_queued_without_waiting() -> N
     all of its queue, up to 4096 runs). The exit hook gives queued work its second, then the
     runtime drops what has not begun: the exit takes about that second and the kernels
     running."""
-    out = _child("""
+    out = _child(_with_long_sum("""
         import threading, time
         import numpy as np
         from polyjit import ir
         from polyjit.backends.cpu import create_backend
         be = create_backend(num_devices=3)
         n, reps = 1 << 18, 200  # tens of milliseconds a run: a full queue is minutes
-        x, out = ir.Node("x", (n,), "float64"), ir.Node("out", (), "float64")
-        i, k = ir.Symbol("i"), ir.Symbol("k")
-        code = be.compile(ir.Comp.of(ir.Accum(out, ir.AccumOp.ADD, ir.Op.ID, (x,),
-                                              ir.projections([(k, reps), (i, n)], [], [i]))), name="long")
+        LONG_SUM
         queued = []
         def flood(dev):
             r = dev.make_context().init_from_host(x, np.ones(n)).link(code)
@@ -1016,7 +1024,7 @@ def test_an_exit_drops_the_cpu_work_daemon_threads_queued_without_waiting() -> N
         while len(queued) < 3:
             time.sleep(0.01)
         print("exiting", time.monotonic(), flush=True)
-    """, timeout=600)
+    """), timeout=600)
     import re
 
     start = float(re.search(r"exiting ([0-9.]+)", out).group(1))  # type: ignore[union-attr]

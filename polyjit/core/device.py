@@ -118,31 +118,41 @@ def _close_devices(driver_type: type[Driver], calls_wait_s: float = 10.0, wait_s
     take N times as long)."""
     from polyjit.core.runtime import live_backends
 
+    devices = [dev for dev in live_devices() if isinstance(dev.driver, driver_type) and not dev.forked]
+    calls_deadline = _close_at_exit(devices, wait_s, calls_wait_s, discard=True)
+    for backend in live_backends():  # those that made no device compile too
+        if isinstance(backend.driver, driver_type):
+            with contextlib.suppress(Exception):
+                backend.close_compiles_at_exit(calls_deadline)
+
+
+def _close_at_exit(devices: list[Device], wait_s: float, calls_wait_s: float, *, discard: bool) -> float:
+    """Close ``devices`` at exit (Device.close_at_exit): refuse new work on all of them, give
+    queued work ``wait_s``, drop what is still queued where ``discard`` and the driver can,
+    then give threads inside a host wait ``calls_wait_s``; one deadline each for all the
+    devices. Returns the calls' deadline. What fails on one device does not stop the rest."""
     closing = []
-    for dev in live_devices():
-        if isinstance(dev.driver, driver_type) and not dev.forked:
-            with contextlib.suppress(Exception):  # the exit goes on
-                closing.append((dev, dev._refuse_at_exit()))
+    for dev in devices:
+        with contextlib.suppress(Exception):  # the exit goes on
+            closing.append((dev, dev._refuse_at_exit()))
     deadline = time.monotonic() + wait_s
     for dev, (_, newest) in closing:
         with contextlib.suppress(Exception):
             dev._wait_queued_at_exit(newest, deadline)
     # What is still queued after that second is dropped where the driver can (the cpu
-    # runtime): threads blocked on it (a host wait, an enqueue into a full queue) then return
-    # within the kernels running now, instead of after all of it (found by review: daemon
-    # threads that queued runs without waiting kept the exit for minutes).
-    discard = getattr(closing[0][0].driver, "discard_queued", None) if closing else None
-    if discard is not None:
+    # runtime, process-wide: only the exit hook asks): threads blocked on it (a host wait, an
+    # enqueue into a full queue) then return within the kernels running now, instead of after
+    # all of it (found by review: daemon threads that queued runs without waiting kept the
+    # exit for minutes).
+    drop = getattr(closing[0][0].driver, "discard_queued", None) if discard and closing else None
+    if drop is not None:
         with contextlib.suppress(Exception):
-            discard()
+            drop()
     calls_deadline = time.monotonic() + calls_wait_s
     for dev, (streams, _) in closing:
         with contextlib.suppress(Exception):
             dev._wait_calls_at_exit(streams, calls_deadline)
-    for backend in live_backends():  # those that made no device compile too
-        if isinstance(backend.driver, driver_type):
-            with contextlib.suppress(Exception):
-                backend.close_compiles_at_exit(calls_deadline)
+    return calls_deadline
 
 
 _scope = threading.local()  # the thread's stack of devices entered with ``with device:``
@@ -292,9 +302,7 @@ class Device:
         crash the process), and what is queued up to ``wait_s`` seconds to finish. Not
         :meth:`close`, which waits for all of it: a daemon thread that went on running routines
         queued more than it could finish, and the process never exited."""
-        streams, newest = self._refuse_at_exit()
-        self._wait_calls_at_exit(streams, time.monotonic() + calls_wait_s)
-        self._wait_queued_at_exit(newest, time.monotonic() + wait_s)
+        _close_at_exit([self], wait_s, calls_wait_s, discard=False)
 
     def _refuse_at_exit(self) -> tuple[list[Stream], list[Any]]:
         """close_at_exit's first step: refuse new work; the streams, and their newest events."""

@@ -122,9 +122,10 @@ def one_call(method: Method) -> Method:
     @functools.wraps(method)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         asked = kwargs.get("timeout")
-        seconds = float(self.timeout)
-        if isinstance(asked, numbers.Real) and not isinstance(asked, bool) and float(asked) > 0:
-            seconds = float(asked)  # a bad timeout= is the call's own problem, raised after its join
+        try:
+            seconds = self.timeout if asked is None else _check_timeout(asked, "timeout=")
+        except InvalidArgumentError:  # the call's own problem, raised after its join (_start)
+            seconds = self.timeout
         start = time.monotonic()
         wait = seconds if seconds < threading.TIMEOUT_MAX else -1
         if not self._lock.acquire(timeout=wait):

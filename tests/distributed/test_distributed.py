@@ -32,31 +32,23 @@ if importlib.util.find_spec("mpi4py") is None:
                 allow_module_level=True)
 
 
-def _launch_module() -> ModuleType:
-    """polyjit/distributed/launch.py, loaded without the package (which would start MPI here)."""
-    spec = importlib.util.spec_from_file_location("_pj_launch", ROOT / "polyjit" / "distributed" / "launch.py")
+def _standalone(module: str) -> ModuleType:
+    """polyjit/distributed/<module>.py loaded alone, without the package (which would start MPI
+    here): launch.py and header.py need no more than the standard library and numpy."""
+    spec = importlib.util.spec_from_file_location(f"_pj_{module}", ROOT / "polyjit" / "distributed" / f"{module}.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
-launch = _launch_module()
-
-
-def _header_module() -> ModuleType:
-    """polyjit/distributed/header.py alone (numpy only), as launch.py above."""
-    spec = importlib.util.spec_from_file_location("_pj_header", ROOT / "polyjit" / "distributed" / "header.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+launch = _standalone("launch")
 
 
 def test_headers_that_differ_past_what_a_message_shows_say_so() -> None:
     """Found by review: values past the 10th (check_same) or dims past the 10th made the
     mismatch message read as if the ranks agreed ("ranks 0, 1: check values (1, ..., 1)")."""
-    header = _header_module()
+    header = _standalone("header")
     a = header.make(3, "check", dtype="int64", shape=[1] * 12)
     b = header.make(3, "check", dtype="int64", shape=[1] * 11 + [2])
     text = header.disagreement([a, b, a])
