@@ -186,6 +186,24 @@ def check_integers(arr: Array, dst: np.dtype[Any], what: str, row0: int = 0) -> 
                                   "(an integer node takes integral values)")
 
 
+def check_no_overflow(source: Array, converted: Array, what: str, row0: int = 0) -> None:
+    """``converted`` (``source`` rounded to a narrower float dtype) holds an infinity only
+    where ``source`` does; else ValueRangeError naming ``what`` and the first value too large
+    for the dtype (1e300 for float32, 70000 for float16: rounding, not overflow, is what a
+    conversion of host values may do). Its min and max only, when they are finite (no
+    temporary array: a plan's run allocates nothing per step)."""
+    if not converted.size or (np.isfinite(converted.max()) and np.isfinite(converted.min())):
+        return
+    src = source.astype(np.float64) if source.dtype.kind != "f" else source
+    grew = np.flatnonzero(np.isinf(converted) & np.isfinite(src))
+    if grew.size:
+        at = int(grew[0])
+        limit = float(ml_dtypes.finfo(converted.dtype).max)
+        raise ValueRangeError(f"{what}: value {source.flat[at].item()!r} at index "
+                              f"{position(at, source.shape, row0)} does not fit {as_dtype(converted.dtype)} "
+                              f"(largest finite: {limit:.6g})")
+
+
 def to_half(x: Any, dt: DType) -> Array:
     """``x`` (any real array) converted to the half type ``dt`` the way kernels convert:
     float64 through float32 rounded to odd (so correctly rounded), everything else through

@@ -9,6 +9,8 @@ data-parallel shard, a ``load_state_dict`` entry) passes through :func:`convert_
   ``DTypeMismatchError``);
 - for an integer tensor, integers outside its dtype's range and floats that are not
   integral (``ValueRangeError``): nothing wraps around or truncates;
+- for a float tensor, finite values too large for its dtype (1e300 for float32, 70000 for
+  float16: ``ValueRangeError``): a value may round, never turn into inf;
 - for an input that indexes classes or rows (the labels of ``cross_entropy``, the
   indices of ``one_hot`` and ``embedding``), values that are negative or at least the
   number of classes (``IndexOutOfRangeError``), with a min/max over the array.
@@ -32,6 +34,7 @@ from polyjit.core.errors import (
     InvalidArgumentError,
     NodeNotInContextError,
     ShapeMismatchError,
+    ValueRangeError,
 )
 from polyjit.core.ir import Node
 from polyjit.core.runtime import Context
@@ -71,6 +74,9 @@ def convert_into(target: Array, value: Any, what: str, row0: int = 0) -> None:
     if src == dst:
         np.copyto(target, arr)
         return
+    if src.kind == "O" and arr.size and all(type(v) in (int, float, bool) for v in arr.flat):
+        arr = _python_numbers(arr, dst, desc, row0)  # ints beyond 64 bits
+        src = arr.dtype
     if src == dtypes.bfloat16.np:  # not of numpy's kind "f": its float32 values, exactly
         arr = arr.astype(np.float32)
         src = arr.dtype
@@ -85,8 +91,23 @@ def convert_into(target: Array, value: Any, what: str, row0: int = 0) -> None:
         return
     if dst in (dtypes.float16.np, dtypes.bfloat16.np):  # rounded once, as kernels round
         np.copyto(target, dtypes.to_half(arr, dtypes.as_dtype(dst)))
-        return
-    np.copyto(target, arr, casting="unsafe")  # float targets, and safe integer casts
+    else:
+        with np.errstate(over="ignore"):  # refused below, by name
+            np.copyto(target, arr, casting="unsafe")  # float targets, and safe integer casts
+    if dst.kind in "fV" and src.itemsize >= dst.itemsize:  # a value too large for dst: inf
+        dtypes.check_no_overflow(arr, target, desc, row0)
+
+
+def _python_numbers(arr: Array, dst: np.dtype[Any], desc: str, row0: int) -> Array:
+    """An object array of Python numbers (numpy makes one of ints beyond 64 bits): refused by
+    the first value an integer ``dst`` cannot hold (ValueRangeError, as for any integer out
+    of range); for a float ``dst``, its float64 values."""
+    if dst.kind in "iu":
+        info = np.iinfo(dst)
+        at = next(k for k, v in enumerate(arr.flat) if not info.min <= v <= info.max)
+        raise ValueRangeError(f"{desc}: value {arr.flat[at]!r} at index {dtypes.position(at, arr.shape, row0)} "
+                              f"does not fit {dst} ({info.min}..{info.max})")
+    return arr.astype(np.float64)
 
 
 class Feed:

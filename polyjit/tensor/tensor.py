@@ -393,10 +393,11 @@ def param(
 
 def state(name: str, value: Any, dtype: DTypeLike | None = None) -> Tensor:
     """Persistent non-trainable state (an optimizer moment, a counter) with an initial value."""
+    from polyjit.tensor.init import frozen_initial
+
     arr = np.asarray(value)
     dt = as_dtype(dtype if dtype is not None else arr.dtype)
-    arr = dtypes.to_half(arr, dt) if dt.is_half else arr.astype(dt.np, copy=False)
-    arr = np.require(arr, requirements="C")  # keeps 0-d arrays 0-d
+    arr = frozen_initial(arr, dt, f"initial value of state {name!r} ({dt}, shape {arr.shape})")
     return Tensor(ir.Node(name, arr.shape, dt), kind=Kind.STATE, init=arr, requires_grad=False)
 
 

@@ -193,6 +193,49 @@ def test_input_values_that_do_not_fit_the_dtype_are_refused_not_wrapped() -> Non
     plan.close()
 
 
+def test_float_values_too_large_for_the_dtype_are_refused_not_turned_into_inf() -> None:
+    """Found by review: 1e300 into a float32 input became inf (numpy warned, nothing else), and
+    one step made every parameter NaN; 70000 into a float16 input, without even a warning."""
+    x = pt.input("x", (3,))
+    h = pt.input("h", (2,), "float16")
+    w = pt.param("w", (3,), init="ones")
+    plan = pt.compile(loss=pt.sum(x * w) + pt.sum(pt.cast(h, "float32")), optimizer=pt.SGD(0.1))
+    good = {"x": np.ones(3), "h": np.ones(2, np.float32)}
+    for bad, pattern in (
+        ({"x": np.array([1.0, 1e300, 2.0])}, r"input 'x' \(float32, shape \(3,\)\): value 1e\+300 at index \(1,\) "
+                                             r"does not fit float32 \(largest finite: 3\.40282e\+38\)"),
+        ({"x": [-1e39, 0.0, 0.0]}, r"value -1e\+39 at index \(0,\)"),
+        ({"h": np.array([70000.0, 1.0], np.float32)}, r"input 'h' \(float16.*value 70000\.0 at index \(0,\) "
+                                                      r"does not fit float16 \(largest finite: 65504\)"),
+        ({"h": np.array([1, 65535], np.int64)}, r"value 65535 at index \(1,\)"),  # rounds to 65536
+        ({"x": [2**200, 1, 1]}, r"does not fit float32"),  # a Python int beyond 64 bits
+    ):
+        with pytest.raises(ValueRangeError, match=pattern):
+            plan.step(**{**good, **bad})
+    with pytest.raises(ValueRangeError, match=r"parameter 'w'.*value 1e\+300"):
+        plan.load_state_dict({"w": np.array([1.0, 1e300, 1.0])})
+    with pytest.raises(ValueRangeError, match=r"initial value of 'v'.*value 1e\+300"):
+        pt.param("v", (2,), init=np.array([0.0, 1e300]))
+    with pytest.raises(ValueRangeError, match=r"initial value of state 's'.*value 1e\+40"):
+        pt.state("s", np.array([1e40]), "float32")
+    assert plan.step(**good) == 3.0 + 2.0  # nothing was written: the plan is as it was
+    # Accepted: what is infinite already, and values that round to the largest finite
+    out = plan.step(x=np.array([np.inf, 0.0, 0.0]), h=np.array([65519.0, 0.0]))
+    assert out == np.inf
+    plan.close()
+
+
+def test_python_integers_beyond_64_bits_are_refused_by_value() -> None:
+    """numpy makes an object array of them; they were refused as 'object values'."""
+    x = pt.input("x", (3,), "int32")
+    plan = pt.compile({"y": x * 2})
+    for value, shown in (([2**70, 1, 2], 2**70), ([1, -(2**70), 2], -(2**70)), ([2**64, 2**63, -1], 2**64)):
+        with pytest.raises(ValueRangeError, match=rf"input 'x' \(int32, shape \(3,\)\): value {shown} at index"):
+            plan.run(x=value)
+    np.testing.assert_array_equal(plan.run(x=[1, 2, 3])["y"], [2, 4, 6])
+    plan.close()
+
+
 def test_scalars_that_do_not_fit_the_tensor_dtype_are_refused() -> None:
     a = pt.input("a", (2,), "int32")
     u = pt.input("u", (2,), "uint8")
