@@ -382,9 +382,15 @@ class DataParallel:
         """Set parameters and optimizer state on every replica (checked as Plan.load_state_dict
         checks them: on an error nothing has changed)."""
         self._check_open("load_state_dict()")
-        stage_state(self.persistent, values, strict, "this data_parallel")  # check first
+        self.write_state(stage_state(self.persistent, values, strict, "this data_parallel"))
+
+    @serialized
+    def write_state(self, staged: Sequence[tuple[Tensor, Array]]) -> None:
+        """Copy checked host arrays (``state.stage_state``) into every replica's buffers (a plan
+        sharing this state loads through here)."""
+        self._check_open("load_state_dict()")
         for rep in self.replicas:
-            rep.state.load_state_dict(self.persistent, values, strict, "this data_parallel")
+            rep.state.write(staged)
 
     @serialized
     def parameters(self, replica: int = 0) -> dict[str, Array]:

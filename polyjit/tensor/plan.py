@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import threading
 import weakref
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, Protocol
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Concatenate, Literal, ParamSpec, Protocol, TypeVar
 
 import numpy as np
 
@@ -40,12 +41,14 @@ from polyjit.tensor.devices import DeviceLike, resolve_device
 from polyjit.tensor.hostio import Feed, check_names, enqueue_to_host
 from polyjit.tensor.optim import Optimizer, checked_params
 from polyjit.tensor.program import Program, check_tensor, named_outputs
-from polyjit.tensor.state import StateContext
+from polyjit.tensor.state import StateContext, stage_state
 from polyjit.tensor.tensor import Kind, Tensor, full
 
 Array = np.ndarray[Any, Any]
 Mode = Literal["compiled", "dynamic", "auto"]
 MODES = ("compiled", "dynamic", "auto")
+P = ParamSpec("P")
+R = TypeVar("R")
 AUTO_DYNAMIC_STEPS = 3
 
 
@@ -218,26 +221,60 @@ _SHARING = threading.Lock()
 _SHARERS: weakref.WeakKeyDictionary[Any, weakref.WeakSet[Plan]] = weakref.WeakKeyDictionary()
 
 
-def reset_shared(owner: Any, reset_owner: Callable[[], None] | None = None) -> None:
-    """Reset the state of ``owner`` (a plan, or a data_parallel: ``reset_owner`` resets its
-    replicas) and of every plan sharing it, directly or through another sharer. The plans'
-    locks are taken in one order (after the data_parallel's, which its reset holds), so no
-    step of theirs is half enqueued meanwhile."""
-    plans, todo = [], [owner]
-    with _SHARING:  # the sharing tree below the owner
-        while todo:
-            sharer = todo.pop()
-            if isinstance(sharer, Plan):
-                plans.append(sharer)
-            todo.extend(list(_SHARERS.get(sharer, ())))
+def state_owner(plan: Plan) -> Any:
+    """Who owns the state a plan uses: the first plan of its ``share=`` chain, or a data_parallel."""
+    owner: Any = plan
+    while isinstance(owner, Plan) and owner._share is not None:
+        owner = owner._share
+    return owner
+
+
+@contextlib.contextmanager
+def holding_shared(owner: Any) -> Iterator[list[Plan]]:
+    """Hold the locks of ``owner`` (a plan, or a data_parallel: its own lock first) and of every
+    plan sharing its state, directly or through another sharer, in one order (by id); yields
+    those plans. Found by review: a sharer's ``state_dict()`` held its own lock only, so it read
+    parameters from different steps of the owner's training thread, and a ``load_state_dict()``
+    came out torn."""
     with contextlib.ExitStack() as locks:
+        if not isinstance(owner, Plan):
+            locks.enter_context(owner._lock)
+        plans, todo = [], [owner]
+        with _SHARING:  # the sharing tree below the owner
+            while todo:
+                sharer = todo.pop()
+                if isinstance(sharer, Plan):
+                    plans.append(sharer)
+                todo.extend(list(_SHARERS.get(sharer, ())))
         for plan in sorted(plans, key=id):
             locks.enter_context(plan._lock)
+        yield plans
+
+
+def reset_shared(owner: Any, reset_owner: Callable[[], None] | None = None) -> None:
+    """Reset the state of ``owner`` (a plan, or a data_parallel: ``reset_owner`` resets its
+    replicas) and of every plan sharing it, holding all their locks (:func:`holding_shared`),
+    so no step of theirs is half enqueued meanwhile."""
+    with holding_shared(owner) as plans:
         if reset_owner is not None:
             reset_owner()
         for plan in plans:
             if not plan._state.context.finalized:  # a closed sharer's buffers are gone
                 plan._state.reset(plan.program.persistent)
+
+
+def whole_state(method: Callable[Concatenate[Plan, P], R]) -> Callable[Concatenate[Plan, P], R]:
+    """``@serialized`` for what reads or writes a plan's state: a plan that shares state
+    (``share=``, either side) takes the locks of everything sharing it (:func:`holding_shared`),
+    so no call of one sees another's step half enqueued; any other plan takes its own."""
+    @functools.wraps(method)
+    def locked(self: Plan, *args: P.args, **kwargs: P.kwargs) -> R:
+        if self._share is None and not self._shared:
+            with self._lock:
+                return method(self, *args, **kwargs)
+        with holding_shared(state_owner(self)):
+            return method(self, *args, **kwargs)
+    return locked
 
 
 def trainable_params(loss: Tensor) -> list[Tensor]:
@@ -276,11 +313,14 @@ class Plan:
         self._by_thread = threading.local()
         self._linked: _Linked | None = None
         self._lock = threading.RLock()
+        self._shared = False  # whether another plan shares this one's state (share=self)
         self._closed = False
         self.runs = 0
         if share is not None:  # last: a plan whose construction failed shares nothing
             with _SHARING:
                 _SHARERS.setdefault(share, weakref.WeakSet()).add(self)
+                if isinstance(share, Plan):
+                    share._shared = True
 
     # -- contexts --------------------------------------------------------------------
 
@@ -381,16 +421,16 @@ class Plan:
             self._by_thread.slots = []
         return mine
 
-    @serialized
+    @whole_state
     def run(self, **inputs: Any) -> dict[str, Array]:
         """One run: returns every output, in arrays this plan reuses on the calling thread's
         next run."""
         self._check_open("run()")
         mine = self._mine()
         self._run(self._prepare(inputs, None), mine.result_arrays).synchronize()
-        return mine.results
+        return dict(mine.results)  # a new dict each run (the arrays are reused): the caller may edit it
 
-    @serialized
+    @whole_state
     def run_on_device(self, **inputs: Any) -> dict[str, Exported]:
         """One run whose outputs stay on the device: zero-copy views of the output buffers
         (DLPack; ``np.from_dlpack``, ``torch.from_dlpack``), which show the values of this run
@@ -401,7 +441,7 @@ class Plan:
         ctx = self.context
         return {name: ctx.export(node) for name, node, _ in self._outputs}
 
-    @serialized
+    @whole_state
     def step(self, **inputs: Any) -> float:
         """One training step (forward, backward, update); returns the loss.
 
@@ -425,7 +465,7 @@ class Plan:
         """Wait for all the work this plan enqueued (the last step's update, too)."""
         self.context.stream.synchronize()
 
-    @serialized
+    @whole_state
     def run_pipelined(self, runs: Sequence[Mapping[str, Any]]) -> list[dict[str, Array]]:
         """Enqueue several runs back to back and synchronize once; one result dict per run
         (host arrays reused by the calling thread's next pipelined call)."""
@@ -446,7 +486,7 @@ class Plan:
         for arrays, slot in zip(prepared, slots):
             self._run(arrays, slot.result_arrays)
         self.context.stream.synchronize()
-        return [slot.results for slot in slots[: len(runs)]]
+        return [dict(slot.results) for slot in slots[: len(runs)]]
 
     # -- state -----------------------------------------------------------------------
 
@@ -457,21 +497,19 @@ class Plan:
         the ``data_parallel`` they share, on all its replicas. It takes the locks of all those
         plans (in one order), so no step of any of them is half enqueued meanwhile."""
         self._check_open("reset()")
-        owner: Any = self  # the state's owner: the first plan, or a data_parallel
-        while isinstance(owner, Plan) and owner._share is not None:
-            owner = owner._share
+        owner = state_owner(self)
         if isinstance(owner, Plan):
             reset_shared(owner)
         else:
             owner.reset()  # a data_parallel's: every replica, then reset_shared
 
-    @serialized
+    @whole_state
     def state_dict(self) -> dict[str, Array]:
         """Copies of the persistent buffers (parameters, optimizer state), by name."""
         self._check_open("state_dict()")
         return self._state.state_dict(self.program.persistent)
 
-    @serialized
+    @whole_state
     def load_state_dict(self, values: Mapping[str, Any], strict: bool = True) -> None:
         """Set parameters and optimizer state from arrays by name (what ``state_dict()`` gives).
 
@@ -482,9 +520,19 @@ class Plan:
         skipped. On an error nothing has changed.
         """
         self._check_open("load_state_dict()")
-        self._state.load_state_dict(self.program.persistent, values, strict, "this plan")
+        owner = state_owner(self)
+        if isinstance(owner, Plan):  # one copy of the state, whoever owns it
+            self._state.load_state_dict(self.program.persistent, values, strict, "this plan")
+            return
+        # A data_parallel's: what it shares goes to every replica (found by review: it went to
+        # replica 0 only, and the replicas stayed apart for good); this plan's own state here.
+        self._state.context.check_alive()
+        staged = stage_state(self.program.persistent, values, strict, "this plan")
+        replicated = {t.node for t in owner.persistent}
+        owner.write_state([(t, a) for t, a in staged if t.node in replicated])
+        self._state.write([(t, a) for t, a in staged if t.node not in replicated])
 
-    @serialized
+    @whole_state
     def read(self, tensor: Tensor) -> Array:
         """The current value of a stored tensor: outputs and state; every op's result in dynamic mode."""
         self._check_open("read()")

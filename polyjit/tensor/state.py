@@ -55,8 +55,14 @@ class StateContext:
         convert to its dtype the way inputs do, and with ``strict`` the names must be exactly
         the program's; without it, unknown and missing names are skipped."""
         self.context.check_alive()  # a closed plan says so, before what the dict lacks
+        self.write(stage_state(persistent, values, strict, owner))
+
+    def write(self, staged: Sequence[tuple[Tensor, Array]]) -> None:
+        """Copy checked host arrays (:func:`stage_state`) into their buffers, after the work
+        queued before and waiting for the copies."""
+        self.context.check_alive()
         self.context.stream.synchronize()
-        for t, arr in stage_state(persistent, values, strict, owner):
+        for t, arr in staged:
             self.context.from_host(t.node, arr)
         self.context.stream.synchronize()
 

@@ -100,6 +100,13 @@ def test_evaluation_plan_shares_replica_zero(three_devices: Backend) -> None:
     evaluate.reset()  # resets what it shares: every replica, not replica 0's parameters only
     assert dp.replica_spread() == 0.0
     np.testing.assert_array_equal(evaluate.run(xe=xs)["logits"], before)
+    # so does a load through it (found by review: replica 0 only, and the replicas stayed apart)
+    zeros = {name: np.zeros_like(v) for name, v in evaluate.state_dict().items()}
+    evaluate.load_state_dict(zeros)
+    assert dp.replica_spread() == 0.0
+    assert not any(v.any() for v in dp.parameters(1).values())
+    dp.step(x=xs, y=ys)
+    assert dp.replica_spread() == 0.0
     dp.close()
 
 

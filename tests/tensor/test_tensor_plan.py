@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import threading
 import tracemalloc
 from collections.abc import Iterator
 from typing import Any
@@ -194,7 +195,8 @@ def _fill_free_lists() -> None:
 
 
 def test_runs_do_not_allocate() -> None:
-    """A run allocates nothing that outlives it: of five windows of 30 runs, the best grows
+    """A run allocates nothing that outlives it (but the dict of its results, a new one each run:
+    the arrays are the plan's): of five windows of 30 runs, the best grows
     the heap by less than 4 KiB (a window may see a one-off: a dict of the runtime resizing,
     a context an earlier test dropped being given back; three windows once all did, in a
     full CI run); a leak grows every window."""
@@ -223,7 +225,7 @@ def test_runs_do_not_allocate() -> None:
                 peaks.append(peak - before)
         finally:
             tracemalloc.stop()
-        assert out is first  # the same dict and arrays every run
+        assert out["y"] is first["y"]  # the same arrays every run
         assert min(peaks) < 16 * 1024, f"a run allocated {peaks} bytes"
         assert min(growth) < 4 * 1024, f"30 runs kept {growth} bytes"
     plan.close()
@@ -241,7 +243,7 @@ def test_run_pipelined_equals_runs_one_by_one() -> None:
     for got, want in zip(pipelined, one_by_one):
         np.testing.assert_array_equal(got["y"], want)
     again = plan.run_pipelined(runs[:3])
-    assert again[0] is pipelined[0]  # host arrays are reused
+    assert again[0]["y"] is pipelined[0]["y"]  # host arrays are reused (in new dicts)
     plan.close()
 
 
@@ -329,6 +331,87 @@ def test_reset_of_a_sharer_resets_the_whole_shared_state() -> None:
     sharer_of_sharer.close()  # a closed sharer leaves the others' reset alone
     train.reset()
     assert train.state_dict()["adam.step"] == 0.0
+    train.close()
+
+
+def test_initial_values_are_copies_the_caller_cannot_change() -> None:
+    """Found by review: param(init=array) kept the caller's array, so changing it later changed
+    what reset() put back and what later plans uploaded."""
+    w0 = np.ones(3, np.float32)
+    s0 = np.zeros(2, np.float32)
+    w, s = pt.param("w", (3,), init=w0), pt.state("s", s0)
+    assert w.init is not w0 and s.init is not s0 and not w.init.flags.writeable
+    plan = pt.compile({"o": pt.sum(w * w) + pt.sum(s)}, share=None)
+    train = pt.compile(loss=pt.sum(w * w), optimizer=pt.SGD(0.1))
+    train.step()
+    w0 *= 100
+    s0 += 7
+    train.reset()
+    np.testing.assert_array_equal(train.state_dict()["w"], [1, 1, 1])
+    assert plan.run()["o"] == 3.0
+    plan.close()
+    train.close()
+
+
+def test_run_returns_a_new_dict_each_call() -> None:
+    """Found by review: run() and run_pipelined() returned the same dict object every call, so
+    popping an output to keep it made every later run return the edited dict."""
+    x = pt.input("x", (3,))
+    plan = pt.compile({"y": x * 2.0, "z": x + 1.0})
+    first = plan.run(x=np.ones(3))
+    kept = first.pop("y")
+    first["mine"] = np.zeros(1)
+    second = plan.run(x=np.full(3, 5.0))
+    assert set(second) == {"y", "z"} and second is not first
+    np.testing.assert_array_equal(second["y"], [10, 10, 10])
+    assert kept is second["y"]  # the arrays are the plan's, reused: copy what you keep
+    [p1] = plan.run_pipelined([{"x": np.ones(3)}])
+    p1.clear()
+    [p2] = plan.run_pipelined([{"x": np.ones(3)}])
+    assert set(p2) == {"y", "z"}
+    plan.close()
+
+
+def test_a_sharers_state_calls_never_see_a_step_half_done() -> None:
+    """Found by review: an evaluation plan's state_dict() and load_state_dict() took its own lock
+    only, so from another thread they read parameters from different steps of the training
+    plan (hundreds of 1000 snapshots) and loads came out torn. Every gradient is 1 (SGD, lr 1):
+    after a whole number of steps every parameter holds the same value."""
+    ws = [pt.param(f"w{k}", (64,), init="zeros") for k in range(12)]
+    loss = pt.sum(ws[0])
+    for w in ws[1:]:
+        loss = loss + pt.sum(w)
+    train = pt.compile(loss=loss, optimizer=pt.SGD(1.0))
+    x = pt.input("x", (64,))
+    out = ws[0] * x
+    for w in ws[1:]:
+        out = out + w * x
+    evaluate = pt.compile({"o": out}, share=train)
+    train.step()
+    stop = threading.Event()
+    failures: list[BaseException] = []
+
+    def stepping() -> None:
+        try:
+            while not stop.is_set():
+                train.step()
+        except BaseException as e:  # pragma: no cover - reported below
+            failures.append(e)
+
+    worker = threading.Thread(target=stepping)
+    worker.start()
+    try:
+        zeros = {f"w{k}": np.zeros(64, np.float32) for k in range(12)}
+        for _ in range(150):
+            snapshot = evaluate.state_dict()
+            assert len({float(v[0]) for v in snapshot.values()}) == 1
+            evaluate.load_state_dict(zeros)
+            assert len({float(v[0]) for v in train.state_dict().values()}) == 1
+    finally:
+        stop.set()
+        worker.join()
+    assert not failures
+    evaluate.close()
     train.close()
 
 
@@ -552,7 +635,7 @@ def test_each_thread_gets_results_of_its_own() -> None:
     np.testing.assert_array_equal(got["a_piped"][0]["y"], 4.0)
     np.testing.assert_array_equal(got["b"]["y"], 10.0)
     mine = plan.run(x=np.zeros(64, np.float32))
-    assert plan.run(x=np.ones(64, np.float32)) is mine  # reused by this thread's next run
+    assert plan.run(x=np.ones(64, np.float32))["y"] is mine["y"]  # reused by this thread's next run
     np.testing.assert_array_equal(got["a"]["y"], 2.0)
     plan.close()
 
