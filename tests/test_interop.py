@@ -106,6 +106,29 @@ def test_export_orders_after_the_writer() -> None:
     r.context.finalize()
 
 
+def test_an_export_taken_before_a_write_waits_for_it() -> None:
+    """Found by review: an Exported kept the node's writer seen at export(), so a view taken
+    after a later run was handed over while that run still wrote the node (10 of 10)."""
+    be = get_backend("cpu")
+    n = 1 << 21
+    a, out = Node("a", (n,)), Node("out", (n,))
+    steps, t = [], a
+    for k in range(16):  # a slow chain first, then out += a
+        nxt = Node(f"t{k}", (n,))
+        steps.append(ir.apply(Op.EXP if k % 2 == 0 else Op.LOG, t, into=nxt))
+        t = nxt
+    steps.append(ir.apply(Op.ADD, out, a, into=out))
+    ctx = be.get_device(0).make_context().init_from_host(a, np.ones(n, np.float32))
+    r = ctx.init_from_host(out, np.zeros(n, np.float32)).link(be.compile(ir.Comp.of(*steps), name="late"))
+    r.run()
+    for k in range(5):
+        exported = r.context.export(out)  # its writer now: done
+        r.run()  # a new write, enqueued after the export
+        assert float(np.from_dlpack(exported)[0]) == k + 2.0
+        r.context.stream.synchronize()
+    r.context.finalize()
+
+
 @needs_torch
 def test_torch_takes_an_export_without_a_copy() -> None:
     r, _, out, values = _squared()

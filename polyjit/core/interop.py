@@ -72,14 +72,22 @@ class Exported:
             if device.released:  # a safe point: dropped exports' unpins (a loop that only exports grew them)
                 device.reap()
             self.address = int(device.driver.address(device.pool_handle(loc.pool_id), loc.offset))  # type: ignore[attr-defined]
-            st = device.tracker.locs.get(loc)
-            self._writer: Event | None = st.writer if st is not None else None
+            self._loc = loc
             device.pin(loc.pool_id)
             self._pool = loc.pool_id
 
+    def _writer(self) -> Event | None:
+        """The node's last writer now. Found by review: the writer seen at export was kept, so
+        a view taken after a later run of a routine writing the node was handed over while
+        that write still ran (every time, in the review's script)."""
+        device = self.context.device
+        with device.lock:
+            st = device.tracker.locs.get(self._loc)
+            return st.writer if st is not None else None
+
     def _ordered(self, stream: int | None) -> None:
         """The consumer sees the node's last write: its stream waits (CUDA) or the host does."""
-        writer = self._writer
+        writer = self._writer()
         if writer is None or writer.is_done():
             return
         wait = getattr(self.context.device.driver, "wait_foreign", None)
