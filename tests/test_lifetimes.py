@@ -452,6 +452,57 @@ def test_a_dropped_or_closed_backend_leaves_no_threads() -> None:
     assert _threads() <= before + 2
 
 
+DROPPED_IN_FLIGHT = textwrap.dedent("""
+    import gc, sys
+    import numpy as np
+    from polyjit import ir
+    from polyjit.backends.cpu.driver import create_backend
+    n = 1 << 21
+    def go():
+        be = create_backend()
+        a, out = ir.Node("a", (n,)), ir.Node("out", (n,))
+        steps, t = [], a
+        for k in range(24):
+            nxt = ir.Node(f"t{k}", (n,))
+            steps.append(ir.apply(ir.Op.EXP if k % 2 == 0 else ir.Op.LOG, t, into=nxt))
+            t = nxt
+        steps.append(ir.apply(ir.Op.ADD, t, a, into=out))
+        ctx = be.get_device(0).make_context().init_from_host(a, np.ones(n, np.float32))
+        r = ctx.link(be.compile(ir.Comp.of(*steps), name="slow"))
+        for _ in range(4):
+            r.run()  # queued, in flight when everything is dropped
+        return be.driver
+    driver = go()
+    gc.collect()  # the backend, its device, streams, contexts and routines: one garbage cycle
+    print("freed", driver.allocated_bytes(0) == 0)
+""")
+
+
+def test_a_backend_dropped_with_work_in_flight_frees_its_pools_after_the_work() -> None:
+    """Found by review: the weakref callbacks of a garbage cycle run before its finalizers, so
+    the contexts' found their device gone and freed the pools at once, under the queued
+    kernels (SIGSEGV 3 of 3); the pools are now freed once the device's streams closed."""
+    proc = subprocess.run([sys.executable, "-c", DROPPED_IN_FLIGHT], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["freed", "True"]
+
+
+def test_contexts_dropped_after_their_backend_closed_give_their_pools_back() -> None:
+    """Found by review: a closed device never reaches a safe point again, so the releases the
+    garbage collector queued there never ran (32 MiB held for good)."""
+    from polyjit.backends.cpu import CpuDriver
+
+    be = Backend(CpuDriver(1))
+    driver = be.driver
+    contexts = [be.get_device(0).make_context().init_from_host(Node(f"x{k}", (1 << 18,)), np.ones(1 << 18, np.float32))
+                for k in range(4)]
+    assert driver.allocated_bytes(0) >= 4 << 20
+    be.close()
+    del contexts
+    gc.collect()
+    assert driver.allocated_bytes(0) == 0
+
+
 FORK_CHILD = textwrap.dedent("""
     import os, sys, threading
     import numpy as np

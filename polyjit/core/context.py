@@ -382,12 +382,19 @@ def _context_dropped(device: weakref.ref[Device], driver: Any, ordinal: int, poo
     would keep a dropped device, and its streams, alive for ever.) If the device is gone too,
     its streams were closed after their work: free the pools now."""
     dev = device()
-    if dev is not None:
+    if dev is not None and not dev.closed:
         dev.released.append(_Release(dev, pools, constants))
         return
+    # The device is closed (its streams ended after their work: no safe point comes again, so
+    # queued there the pools leaked, found by review), or it is garbage in the same cycle,
+    # its streams not closed yet: a driver that can waits for them (free_when_idle).
+    free = getattr(driver, "free_when_idle", None) if dev is None else None
     for handle in handles:
         with contextlib.suppress(Exception):  # at interpreter exit, say
-            driver.free(ordinal, handle)
+            if free is not None:
+                free(ordinal, handle)
+            else:
+                driver.free(ordinal, handle)
 
 
 class _Release:

@@ -203,6 +203,7 @@ class Device:
         self._streams: weakref.WeakSet[Stream] = weakref.WeakSet()
         self.forked = False  # this process is a fork of the one that made the device
         self.exiting = False  # closed at exit (close_at_exit): nothing new reaches the driver
+        self.closed = False  # close() ended every stream after its work: no safe point comes again
         _LIVE.add(self)
         self._stream_index = itertools.count()
         self._modules: weakref.WeakValueDictionary[int, LoadedModule] = weakref.WeakValueDictionary()
@@ -286,6 +287,8 @@ class Device:
                 self.forget_stream(default)
                 default.completed(default.seq)
                 self.close_stream_handle(default.handle)
+            self.closed = True
+            self.reap()  # what was dropped while it closed
 
     def check_open(self, what: str) -> None:
         """Refuse a driver call that would start after close_at_exit (the device lock held)."""

@@ -107,6 +107,9 @@ class CpuDriver:
         self._rt: NativeRuntime | None = None
         self._lock = threading.Lock()
         self._allocated: dict[int, int] = {}  # pointer -> bytes, for allocated_bytes()
+        # Native streams open per device, and pools to free once none is (free_when_idle)
+        self._open: dict[int, int] = {}  # stream handle -> ordinal
+        self._idle_frees: dict[int, list[int]] = {}
 
     @property
     def rt(self) -> NativeRuntime:
@@ -147,6 +150,17 @@ class CpuDriver:
             del self._allocated[pool]
         self.rt.free(pool)
 
+    def free_when_idle(self, ordinal: int, pool: int) -> None:
+        """Free ``pool`` once no stream of the device is open (now, if none is): for a pool whose
+        Device object is gone in the same garbage cycle as its streams, whose closing (which
+        waits for their queued work) comes after (found by review: the pools of a dropped
+        backend were freed under its running kernels)."""
+        with self._lock:
+            if ordinal in self._open.values():
+                self._idle_frees.setdefault(ordinal, []).append(pool)
+                return
+        self.free(ordinal, pool)
+
     # -- DLPack: pools are host memory ----------------------------------------------------
 
     def dlpack_device(self, ordinal: int) -> tuple[int, int]:
@@ -168,11 +182,21 @@ class CpuDriver:
     def new_stream(self, ordinal: int) -> int:
         cores = self._cores[ordinal]
         pin = cores if len(self._cores) > 1 else None  # one device: let the OS place threads
-        return self.rt.stream_create(len(cores), pin)
+        handle = self.rt.stream_create(len(cores), pin)
+        with self._lock:
+            self._open[handle] = ordinal
+        return handle
 
     def close_stream(self, stream: int) -> None:
-        """Drain the stream and join its worker thread."""
+        """Drain the stream and join its worker thread; then free what waited for the device's
+        last stream (free_when_idle)."""
         self.rt.stream_destroy(stream)
+        with self._lock:
+            ordinal = self._open.pop(stream, None)
+            idle = ordinal is not None and ordinal not in self._open.values()
+            pools = self._idle_frees.pop(ordinal, []) if idle and ordinal is not None else []
+        for pool in pools:
+            self.free(ordinal if ordinal is not None else 0, pool)
 
     def discard_queued(self) -> None:
         """At exit: every stream's tasks not yet begun are dropped (the runtime's workers count
