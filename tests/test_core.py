@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import numpy as np
 import pytest
@@ -272,3 +273,22 @@ def test_events_sync_by_design_md_name_and_by_cupy_and_pytorchs() -> None:
     assert dev.is_idle()
     np.testing.assert_array_equal(r.context.read(y), np.arange(64, dtype=np.float32) ** 2)
     be.close()
+
+
+def test_a_sum_of_one_term_starts_from_plus_zero(backend: Any) -> None:
+    """Found by review: a sum with no axis to reduce (``i,i->i``, ``i,j->ij``, an elementwise
+    product accumulated into a fresh output) was stored as is, so a -0.0 term stayed -0.0
+    where 0 + (-0.0) is +0.0 (the reference's and numpy's): 1 / it gave -inf, not +inf."""
+    be = backend
+    a, b, o, r, outer = (ir.Node(n, s) for n, s in (("a", (3,)), ("b", (3,)), ("o", (3,)), ("r", (3,)), ("outer", (3, 3))))
+    av, bv = np.array([-1, 0, 2], np.float32), np.array([0, -1, 5], np.float32)
+    comp = ir.Comp.of(ir.einsum("i,i->i", a, b, into=o), ir.apply(ir.Op.DIV, 1.0, o, into=r),
+                      ir.einsum("i,j->ij", a, b, into=outer), embedded=[o, r, outer])
+    ctx = be.get_device(0).make_context().init_from_host(a, av).init_from_host(b, bv)
+    routine = ctx.link(be.compile(comp, name="plus_zero"))
+    routine.run()
+    got_o, got_r, got_outer = (routine.context.read(n) for n in (o, r, outer))
+    np.testing.assert_array_equal(np.signbit(got_o), [False, False, False])
+    np.testing.assert_array_equal(got_r, np.array([np.inf, np.inf, 0.1], np.float32))
+    np.testing.assert_array_equal(np.signbit(got_outer), np.signbit(np.einsum("i,j->ij", av, bv)))
+    routine.context.finalize()

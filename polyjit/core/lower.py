@@ -545,6 +545,10 @@ class _Lowerer:
         rest = tuple((s, n) for s, n in pr.product_space if s not in cells)
         if a.accum is None or not rest:
             accum = None if (a.accum is None or start_from_neutral) else a.accum
+            if start_from_neutral and a.accum is ir.AccumOp.ADD and a.lhs.dtype.is_float:
+                # a sum of one term from zero: 0 + (-0.0) is +0.0 (found by review: stored as
+                # is, -0.0 made 1 / einsum("i,i->i", a, b) -inf where numpy gives +inf)
+                value = Call(ir.Op.ADD, (Const(0.0, a.lhs.dtype), value), a.lhs.dtype)
             body = Store(a.lhs, lhs_index, value, accum)
             for s, n in reversed(rest):  # an assignment over extra symbols: the last write wins
                 body = Loop(s, n, body)
