@@ -337,3 +337,21 @@ def test_a_child_that_closed_its_fds_loads_its_own_library(tmp_path: Path, monke
         finally:
             os._exit(code)
     assert exit_code(pid, "loading a library") == 0
+
+
+def test_a_source_file_cut_short_by_a_full_disk_is_removed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review: the cpu compiler wrote its .c file before the try that removes it, so
+    each process that hit a full disk left a partial file in the cache directory."""
+    import errno
+
+    from polyjit.backends.cpu.compiler import CCompiler
+
+    def full_disk(self: Path, text: str, *args: object, **kwargs: object) -> int:
+        with open(self, "w") as f:
+            f.write(text[:100])
+        raise OSError(errno.ENOSPC, "No space left on device", str(self))
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        CCompiler().build("int f(void) { return 1; }\n", (), tmp_path / "lib.so")
+    assert list(tmp_path.iterdir()) == []

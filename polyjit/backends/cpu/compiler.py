@@ -154,10 +154,10 @@ class CCompiler(CachingCompiler):
             raise BackendUnavailableError(f"no C compiler: {cc!r} not found (set $CC to a C compiler)")
         # The .c file sits next to the output so the log names a path inside the cache dir.
         src = out.with_suffix(".c")
-        src.write_text(text)
         cmd = [*argv, *self.flags, "-o", str(out), str(src), *self.extra_libs]
-        logger.debug("compiling %s: %s", src, shlex.join(cmd))
-        try:
+        try:  # a write cut short (a full disk) leaves no part of the file either (found by review)
+            src.write_text(text)
+            logger.debug("compiling %s: %s", src, shlex.join(cmd))
             proc = subprocess.run(cmd, capture_output=True, text=True)
         finally:
             src.unlink(missing_ok=True)
