@@ -206,3 +206,39 @@ def test_a_child_forked_while_another_thread_held_the_locks_still_exports() -> N
 
 def _context_with(node: Node) -> Any:
     return get_backend("cpu").get_device(0).make_context().init_from_host(node, np.arange(3, dtype=np.float32))
+
+
+class _Hostile:
+    """A producer whose capsule says what it is told to (a corrupt or lying DLPack tensor)."""
+
+    def __init__(self, data: int | None, ndim: int, shape: Any) -> None:
+        t = dlpack.DLTensor(ctypes.c_void_p(data), dlpack.DLDevice(1, 0), ndim, dlpack.DLDataType(2, 32, 1),
+                            shape, None, 0)
+        self.managed = dlpack.DLManagedTensorVersioned(dlpack.DLPackVersion(1, 0), None, dlpack._DELETER(0), 0, t)
+        self.shape = shape
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (1, 0)
+
+    def __dlpack__(self, stream: Any = None, max_version: Any = None, **kw: Any) -> Any:
+        return ctypes.pythonapi.PyCapsule_New(ctypes.addressof(self.managed), b"dltensor_versioned", None)
+
+
+@pytest.mark.parametrize("case", ["ndim beyond its shape", "negative ndim", "NULL shape", "NULL data"])
+def test_a_corrupt_capsule_is_refused_before_it_is_read(case: str) -> None:
+    """Found by review: ndim 1 << 20 over a shape of one element read past the shape (SIGSEGV),
+    and a NULL data pointer with 16 elements was taken as memory at address 0."""
+    from polyjit.core.errors import InvalidArgumentError, ShapeMismatchError
+
+    values = np.ones(16, np.float32)
+    shape = (ctypes.c_int64 * 1)(16)
+    data, ndim, shape_ptr = {"ndim beyond its shape": (values.ctypes.data, 1 << 20, shape),
+                             "negative ndim": (values.ctypes.data, -1, shape),
+                             "NULL shape": (values.ctypes.data, 1, None),
+                             "NULL data": (None, 1, shape)}[case]
+    x = Node("x", (16,))
+    ctx = get_backend("cpu").get_device(0).make_context()
+    error = InvalidArgumentError if case == "NULL data" else ShapeMismatchError
+    with pytest.raises(error, match="DLPack tensor"):
+        ctx.init_from_dlpack(x, _Hostile(data, ndim, shape_ptr))
+    np.testing.assert_array_equal(ctx.init_from_dlpack(x, values).read(x), values)  # still usable

@@ -307,6 +307,10 @@ def _dtype_of(code: int, bits: int, lanes: int) -> DType:
     return dt
 
 
+# More dimensions than any producer makes (numpy's limit is 64): a larger ndim is corrupt.
+MAX_NDIM = 64
+
+
 def take_capsule(obj: Any, stream: int | None = None) -> Imported:
     """Consume ``obj.__dlpack__(...)`` (``stream``: the consumer's stream, for CUDA
     producers) and describe the tensor."""
@@ -332,10 +336,17 @@ def take_capsule(obj: Any, stream: int | None = None) -> Imported:
     else:
         managed = DLManagedTensor.from_address(address)
     t = managed.dl_tensor
+    # What a producer says is checked before it is read (found by review: ndim 1 << 20 over a
+    # shape of one read past its end, SIGSEGV; a NULL data pointer was taken as memory)
+    if not 0 <= t.ndim <= MAX_NDIM or (t.ndim and not t.shape):
+        raise ShapeMismatchError(f"a DLPack tensor of {t.ndim} dimensions, its shape at "
+                                 f"{'NULL' if not t.shape else 'an address'} (0..{MAX_NDIM} dimensions)")
     shape = tuple(int(t.shape[k]) for k in range(t.ndim))
     strides = tuple(int(t.strides[k]) for k in range(t.ndim)) if t.strides else None
     if any(n < 0 for n in shape):
         raise ShapeMismatchError(f"a DLPack tensor of shape {shape}")
+    if not t.data and 0 not in shape:
+        raise InvalidArgumentError(f"a DLPack tensor of shape {shape} whose data pointer is NULL")
     dt = _dtype_of(t.dtype.code, t.dtype.bits, t.dtype.lanes)
     _api.PyCapsule_SetName(capsule, b"used_dltensor_versioned" if versioned else b"used_dltensor")
     deleter = managed.deleter if managed.deleter else None
