@@ -129,6 +129,49 @@ def test_an_export_taken_before_a_write_waits_for_it() -> None:
     r.context.finalize()
 
 
+ESCAPED_VIEW = """
+import gc, sys
+import numpy as np
+from polyjit import get_backend, ir
+dev = get_backend("cpu").get_device(0)
+n = 1 << 22  # 16 MiB: given back to the OS when freed
+x = ir.Node("x", (n,))
+ctx = dev.make_context().init_from_host(x, np.ones(n, np.float32))
+if sys.argv[1] == "host_view":
+    with ctx.host_view(x) as view:
+        kept = view  # kept past the block
+    del view
+else:
+    exported = ctx.export(x)
+    kept = np.from_dlpack(exported)
+    exported.release()
+    try:
+        np.from_dlpack(exported)
+        print("a released export was taken again")
+    except BufferError:
+        pass
+ctx.finalize()
+dev.synchronize()
+gc.collect()
+other = dev.make_context().init_from_host(ir.Node("y", (n,)), np.full(n, 7, np.float32))
+dev.synchronize()
+print(float(kept.sum()))
+del kept
+gc.collect()
+dev.synchronize()
+print(dev.driver.allocated_bytes(0) == 4 * n)  # x's pool freed once the view went
+"""
+
+
+@pytest.mark.parametrize("how", ["host_view", "release"])
+def test_a_view_kept_past_its_export_keeps_the_pool(how: str) -> None:
+    """Found by review: host_view's end and Exported.release() unpinned the pool under a live
+    view, so after finalize() reading the view read freed memory (SIGSEGV 3 of 3)."""
+    proc = subprocess.run([sys.executable, "-c", ESCAPED_VIEW, how], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == [str(float(1 << 22)), "True"]
+
+
 @needs_torch
 def test_torch_takes_an_export_without_a_copy() -> None:
     r, _, out, values = _squared()

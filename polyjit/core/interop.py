@@ -52,6 +52,25 @@ def dlpack_device(ctx: Context) -> tuple[int, int]:
     return (int(where[0]), int(where[1]))
 
 
+class _Pin:
+    """A pool kept allocated for an export and every view made of it: the views (numpy's,
+    torch's, through the capsule's owner) hold the pin, not the export, so the pool is
+    unpinned once the export is released or dropped *and* every view is gone (found by
+    review: ``release()``, and ``host_view``'s end, unpinned under live views, and reading
+    one after ``finalize()`` crashed)."""
+
+    __slots__ = ("device", "pool")
+
+    def __init__(self, device: Any, pool: int) -> None:
+        self.device, self.pool = device, pool
+
+    def __del__(self) -> None:
+        """The garbage collector may run anywhere, a thread holding a stream's lock included:
+        the unpin waits for the device's next safe point, as every dropped object's release
+        does (taking the device lock here deadlocked, or freed a pool twice)."""
+        self.device.released.append(functools.partial(self.device.unpin, self.pool))
+
+
 class Exported:
     """A node's buffer as other libraries see it (DLPack; on CUDA, __cuda_array_interface__)."""
 
@@ -59,7 +78,7 @@ class Exported:
         """``read_only`` (default: whether the node is read-only in ``ctx``, a constant say):
         the consumer is told so (DLPack's flag, numpy's writeable flag, the CUDA array
         interface's), and a consumer that cannot be told gets a BufferError."""
-        self._pool: int | None = None
+        self._pin: _Pin | None = None
         ctx.check_alive()
         loc = ctx.loc(node, "export")  # a Node of the context, first
         self.node, self.context = node, ctx
@@ -74,7 +93,7 @@ class Exported:
             self.address = int(device.driver.address(device.pool_handle(loc.pool_id), loc.offset))  # type: ignore[attr-defined]
             self._loc = loc
             device.pin(loc.pool_id)
-            self._pool = loc.pool_id
+            self._pin = _Pin(device, loc.pool_id)
 
     def _writer(self) -> Event | None:
         """The node's last writer now. Found by review: the writer seen at export was kept, so
@@ -105,15 +124,23 @@ class Exported:
             raise BufferError("polyjit exports its buffers without copies (copy=True asked for one)")
         if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():
             raise BufferError(f"the buffer is on DLPack device {self.__dlpack_device__()}, not {tuple(dl_device)}")
+        pin = self._live_pin()
         self._ordered(stream)
         versioned = max_version is not None and max_version[0] >= 1
-        return dlpack.make_capsule(self.address, self.shape, self.dtype, self.__dlpack_device__(), self, versioned,
+        return dlpack.make_capsule(self.address, self.shape, self.dtype, self.__dlpack_device__(), pin, versioned,
                                    self.read_only)
+
+    def _live_pin(self) -> _Pin:
+        pin = self._pin
+        if pin is None:
+            raise BufferError(f"{self!r} was released: export the node again")
+        return pin
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
         if self.device_type != dlpack.CUDA:
             raise AttributeError("__cuda_array_interface__: the buffer is not in CUDA device memory")
+        self._live_pin()
         self._ordered(None)
         return {"shape": self.shape, "typestr": np.dtype(self.dtype.np).str, "data": (self.address, self.read_only),
                 "version": 3, "strides": None, "stream": None}
@@ -123,11 +150,12 @@ class Exported:
         if self.device_type != dlpack.CPU:
             raise UnsupportedError("only a buffer in host memory converts to numpy without a copy; "
                                    "use Context.read (or to_host)")
+        pin = self._live_pin()
         self._ordered(None)
         if self.dtype.name == "bfloat16":  # numpy's from_dlpack has no bfloat16: wrap the memory
             nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
             raw = (ctypes.c_ubyte * nbytes).from_address(self.address)
-            raw._owner = self  # type: ignore[attr-defined]  # the view keeps the export (and its pool) alive
+            raw._owner = pin  # type: ignore[attr-defined]  # the view keeps the pool alive
             view = np.frombuffer(memoryview(raw), dtype=self.dtype.np).reshape(self.shape)
         else:
             view = np.from_dlpack(self)
@@ -138,17 +166,9 @@ class Exported:
         return view.copy() if copy else view
 
     def release(self) -> None:
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            self.context.device.unpin(pool)
-
-    def __del__(self) -> None:
-        """The garbage collector may run anywhere, a thread holding a stream's lock included:
-        the unpin waits for the device's next safe point, as every dropped object's release
-        does (taking the device lock here deadlocked, or freed a pool twice)."""
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            self.context.device.released.append(functools.partial(self.context.device.unpin, pool))
+        """This export is done with: its pool is unpinned once no view made of it remains
+        (a view keeps the pool; a later __dlpack__ of this export is refused)."""
+        self._pin = None
 
     def __repr__(self) -> str:
         return f"Exported({self.node.label} {self.shape} {self.dtype} on {self.context.device.device_id})"
@@ -239,7 +259,7 @@ def host_view(ctx: Context, node: Node, *, write: bool = False) -> Iterator[np.n
         try:
             yield np.asarray(exported)  # __array__: numpy's from_dlpack, or a wrap of bfloat16 memory
         finally:
-            exported.release()
+            exported.release()  # the view, if the caller kept it, keeps the pool
         return
     values = ctx.read(node)
     values.flags.writeable = write  # as the zero-copy view: a read's copy is not a way to write
