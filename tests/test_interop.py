@@ -323,6 +323,36 @@ def test_memory_another_node_uses_is_refused() -> None:
         c.finalize()
 
 
+def test_a_node_taking_its_own_memory_again_keeps_its_events() -> None:
+    """Found by review: ``c.init_from_dlpack(x, c.export(x))`` adopted the memory as a new
+    pool with events of its own, so a reader of x on another stream ran before the parent's
+    write of x (5 of 5). The child now holds x's own buffer."""
+    be = get_backend("cpu")
+    dev = be.get_device(0)
+    n = 1 << 21
+    a, x, out = Node("a", (n,)), Node("x", (n,)), Node("out", (n,))
+    steps, t = [], a
+    for k in range(16):  # a slow chain, then x += a
+        nxt = Node(f"t{k}", (n,))
+        steps.append(ir.apply(Op.EXP if k % 2 == 0 else Op.LOG, t, into=nxt))
+        t = nxt
+    steps.append(ir.apply(Op.ADD, x, a, into=x))
+    slow = be.compile(ir.Comp.of(*steps, embedded=[x]), name="slow_inc")
+    double = be.compile(ir.Comp.of(ir.apply(Op.ADD, x, x, into=out)), name="double")
+    other = dev.new_stream()
+    for _ in range(3):
+        ctx = dev.make_context().init_from_host(a, np.ones(n, np.float32)).init_from_host(x, np.zeros(n, np.float32))
+        writer = ctx.link(slow)
+        again = writer.context.init_from_dlpack(x, writer.context.export(x))
+        assert again.buffers[x] == writer.context.buffers[x]
+        reader = again.with_stream(other).link(double)
+        writer.run()  # x: 0 -> 1, slow, on the default stream
+        reader.run()  # on the other stream: after that write
+        assert float(reader.context.read(out)[0]) == 2.0
+        ctx.finalize()
+    other.close()
+
+
 @pytest.mark.parametrize("shift", [0, 1, 3, 4, 15])
 def test_numpy_arrays_aligned_only_to_their_dtype_are_taken_and_written(shift: int) -> None:
     """numpy aligns large arrays to 16 bytes, views to their dtype: the cpu kernels take both

@@ -207,8 +207,11 @@ def init_from_dlpack(ctx: Context, node: Node, obj: Any) -> Context:
         aligned = taken.address % need == 0
         if here is not None and taken.device == tuple(here) and aligned and taken.nbytes:
             _refuse_overlap(ctx, node, taken.address, taken.nbytes)
-            handle = device.driver.wrap_address(device.ordinal, taken.address, taken.nbytes)  # type: ignore[attr-defined]
             read_only = frozenset([node]) if taken.read_only else frozenset()  # no write may reach it
+            own = _own_buffer(ctx, node, taken.address, taken.nbytes)
+            if own is not None:  # the node's own memory back: the same buffer, its events and all
+                return ctx._child({node: own}, read_only=read_only)
+            handle = device.driver.wrap_address(device.ordinal, taken.address, taken.nbytes)  # type: ignore[attr-defined]
             pid = device.adopt_pool(handle, taken.nbytes, taken.release)
             taken = None  # the pool gives it back now
             return ctx._child({node: BufferLoc(pid, 0)}, own_pools=[pid], read_only=read_only)
@@ -222,6 +225,20 @@ def init_from_dlpack(ctx: Context, node: Node, obj: Any) -> Context:
     finally:
         if taken is not None:
             taken.release()
+
+
+def _own_buffer(ctx: Context, node: Node, address: int, nbytes: int) -> BufferLoc | None:
+    """The node's buffer in ``ctx`` when ``[address, address + nbytes)`` is exactly it (its
+    own export taken again). Found by review: adopted as a new pool, the memory had events of
+    its own, and a reader on another stream no longer waited for the parent's writer."""
+    loc = ctx.buffers.get(node)
+    if loc is None or nbytes != node.nbytes:
+        return None
+    device = ctx.device
+    with device.lock:
+        ctx.check_alive()
+        start = device.driver.address(device.pool_handle(loc.pool_id), loc.offset)  # type: ignore[attr-defined]
+    return loc if start == address else None
 
 
 def _refuse_overlap(ctx: Context, node: Node, address: int, nbytes: int) -> None:
