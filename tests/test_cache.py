@@ -459,6 +459,20 @@ def test_a_key_not_of_content_keys_form_is_refused(cache_root: Path) -> None:
             cache.put(key, b"x")
 
 
+def test_a_handed_over_namespace_on_an_almost_full_disk_goes_to_the_private_directory(
+        cache_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review: PoCL's LLVM aborts the whole process (SIGABRT) when its cache's disk is
+    full; it cannot fall back as polyjit's own writes do. Under HAND_OVER_MIN_ROOM free, its
+    cache goes to this process's private directory, with a warning."""
+    monkeypatch.setattr(cache_mod, "_free_bytes", lambda directory: 3 << 20)
+    with pytest.warns(CacheDirWarning, match=r"3 MiB free on its file system, under 64 MiB for pocl"):
+        handed = cache_mod.hand_over(cache_mod.POCL_NAMESPACE)
+    assert not handed.is_relative_to(cache_root) and handed.name == "pocl" and handed.is_dir()
+    assert stat.S_IMODE(os.stat(handed.parent).st_mode) == 0o700
+    monkeypatch.setattr(cache_mod, "_free_bytes", lambda directory: 1 << 30)
+    assert cache_mod.hand_over(cache_mod.POCL_NAMESPACE) == cache_root / "pocl"  # room again: its own place
+
+
 def test_clear_empties_the_namespace_handed_to_pocl_and_follows_no_link(cache_root: Path, tmp_path: Path) -> None:
     """PoCL fills `<root>/pocl` its own way (a directory per program): `cache info` counts
     its files and `cache clear` removes them (it used to leave PoCL's native code behind),

@@ -945,15 +945,37 @@ def _marked(space: Path) -> bool:
         return False
 
 
+# The room a handed-over directory's file system must have (see hand_over).
+HAND_OVER_MIN_ROOM = 64 << 20
+
+
+def _free_bytes(directory: Path) -> int | None:
+    """Bytes an unprivileged writer may still use on the directory's file system (None: unknown)."""
+    try:
+        st = os.statvfs(directory)
+    except (OSError, AttributeError):  # AttributeError: no statvfs (Windows)
+        return None
+    return st.f_bavail * st.f_frsize
+
+
 def hand_over(namespace: str) -> Path:
     """The directory of a namespace handed whole to another program (see HANDED_OVER),
     created 0700 like the cache's own, and marked as handed over: from now on what is in it
     is the other program's (an earlier polyjit's hand-over left files there unmarked). A
     directory polyjit never hands over (``$POCL_CACHE_DIR`` set elsewhere) stays unmarked,
-    and `cache clear` leaves it alone."""
+    and `cache clear` leaves it alone. On a file system with under HAND_OVER_MIN_ROOM free,
+    the namespace is made in this process's private directory instead, with a warning."""
     if namespace not in HANDED_OVER:
         raise ValueError(f"{namespace!r} is not a namespace handed over to another program")
     directory = BinaryCache(namespace, "").directory()
+    room = _free_bytes(directory)
+    if room is not None and room < HAND_OVER_MIN_ROOM and not _in_fallback(directory):
+        # The other program cannot fall back as polyjit's own writes do: PoCL's LLVM aborts the
+        # whole process on a full disk (found by review: SIGABRT on a full cache file system).
+        _warn(directory, f"{room >> 20} MiB free on its file system, under {HAND_OVER_MIN_ROOM >> 20} MiB "
+                         f"for {namespace}'s own cache, which cannot fall back on a full disk")
+        directory = _fallback_root() / namespace
+        directory.mkdir(mode=0o700, exist_ok=True)
     marker = directory / HANDED_OVER_MARKER
     try:
         if not _marked(directory):
