@@ -293,7 +293,7 @@ def test_block_transposes_compile_with_clang(tmp_path: Path) -> None:
     ("ik,kj->ij", (12, 6000), (6000, 64), ""),  # a panel over PACK_MAX_BYTES: read in place
     ("ki,kj->ij", (1000, 30), (1000, 72), "x"),  # x transposed; an edge row tile and edge columns
     ("ki,kj->ij", (256, 784), (256, 256), "x"),  # the MLP's weight gradient x.T @ dh
-    ("bki,bkj->bij", (2, 300, 20), (2, 300, 40), "x"),  # a panel per batch index and row block
+    ("bki,bkj->bij", (2, 300, 20), (2, 300, 72), "x"),  # a panel per batch index and row block (two column tiles of 4 AVX-512 vectors too)
     ("ki,kj->ij", (300, 30), (300, 16), ""),  # one column tile: x's panel would be read once
     ("ki,kj->ij", (100, 30), (100, 72), ""),  # a shallow k: x's lines stay in the L1 cache
 ])
