@@ -545,10 +545,9 @@ class _Lowerer:
         rest = tuple((s, n) for s, n in pr.product_space if s not in cells)
         if a.accum is None or not rest:
             accum = None if (a.accum is None or start_from_neutral) else a.accum
-            if start_from_neutral and a.accum is ir.AccumOp.ADD and a.lhs.dtype.is_float:
-                # a sum of one term from zero: 0 + (-0.0) is +0.0 (found by review: stored as
-                # is, -0.0 made 1 / einsum("i,i->i", a, b) -inf where numpy gives +inf)
-                value = Call(ir.Op.ADD, (Const(0.0, a.lhs.dtype), value), a.lhs.dtype)
+            if (start_from_neutral and a.accum is ir.AccumOp.ADD and a.lhs.dtype.is_float
+                    and isinstance(value, Call) and value.op is ir.Op.MUL):
+                value = _plus_zero(value, a.lhs.dtype)
             body = Store(a.lhs, lhs_index, value, accum)
             for s, n in reversed(rest):  # an assignment over extra symbols: the last write wins
                 body = Loop(s, n, body)
@@ -557,6 +556,16 @@ class _Lowerer:
             body = Reduce(a.lhs, lhs_index, a.accum, init, rest, value)
         kernels.append(Kernel(name, parallel, body, comment))
         return kernels
+
+
+def _plus_zero(product: Expr, dtype: dtypes.DType) -> Expr:
+    """A product summed from zero alone (``i,i->i``, ``i,j->ij``): 0 + (-0.0) is +0.0, as the
+    reference and numpy's einsum give (found by review: stored as is, 1 / it was -inf for
+    +inf). Spelled as a select, not ``0.0 + x``, which compilers contract with the product
+    into an FMA that keeps an underflowing product's sign (the review's second look). A
+    single operand (a copy, a transpose) keeps its bits, as numpy's views do."""
+    zero = Const(0.0, dtype)
+    return Call(ir.Op.WHERE, (Call(ir.Op.EQ, (product, zero), dtypes.bool_), zero, product), dtype)
 
 
 def cell_symbols(a: ir.Accum) -> tuple[Symbol, ...] | None:
