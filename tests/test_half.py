@@ -27,7 +27,7 @@ from polyjit.backends.cuda.dialect import CudaDialect
 from polyjit.backends.opencl.dialect import OpenCLDialect
 from polyjit.core import codegen, dlpack, dtypes, half, lower, patterns
 from polyjit.core.dtypes import DType
-from polyjit.core.errors import InvalidProgramError
+from polyjit.core.errors import InvalidProgramError, ValueRangeError
 from polyjit.core.ir import AccumOp, Node, Op, Symbol
 from polyjit.core.reference import run_reference
 from polyjit.core.runtime import Backend
@@ -564,7 +564,9 @@ def test_half_tensors_cast_and_take_inputs_rounded_once() -> None:
     h = x.astype("float16")
     assert x.dtype is BF16 and h.dtype is F16 and y.dtype is dtypes.float32
     plan = pt.compile({"y": y, "h": h})
-    value = np.array([1 + 2.0**-8 + 2.0**-30, 3.0, -0.5, 1e39])  # float64: rounded once into bfloat16
+    value = np.array([1 + 2.0**-8 + 2.0**-30, 3.0, -0.5, np.inf])  # float64: rounded once into bfloat16
+    with pytest.raises(ValueRangeError, match=r"value 1e\+39 at index \(3,\) does not fit bfloat16"):
+        plan.run(x=np.array([1.0, 3.0, -0.5, 1e39]))  # finite, too large for bfloat16: not turned into inf
     out = plan.run(x=value)
     assert out["h"].dtype == np.float16 and out["y"].dtype == np.float32
     assert out["y"].tolist()[:3] == [2 * (1 + 2.0**-7) + 1, 7.0, 0.0] and math.isinf(out["y"][3])

@@ -91,22 +91,36 @@ def convert_into(target: Array, value: Any, what: str, row0: int = 0) -> None:
         return
     if dst in (dtypes.float16.np, dtypes.bfloat16.np):  # rounded once, as kernels round
         np.copyto(target, dtypes.to_half(arr, dtypes.as_dtype(dst)))
-    else:
-        with np.errstate(over="ignore"):  # refused below, by name
+        if src.itemsize >= dst.itemsize:  # a value too large for dst: inf
+            dtypes.check_no_overflow(arr, target, desc, row0)
+        return
+    try:  # numpy's cast flags an overflow itself: no pass of ours over the values
+        with np.errstate(over="raise"):
             np.copyto(target, arr, casting="unsafe")  # float targets, and safe integer casts
-    if dst.kind in "fV" and src.itemsize >= dst.itemsize:  # a value too large for dst: inf
+    except FloatingPointError:
         dtypes.check_no_overflow(arr, target, desc, row0)
+        raise ValueRangeError(f"{desc}: a value does not fit {dst}") from None
 
 
 def _python_numbers(arr: Array, dst: np.dtype[Any], desc: str, row0: int) -> Array:
-    """An object array of Python numbers (numpy makes one of ints beyond 64 bits): refused by
-    the first value an integer ``dst`` cannot hold (ValueRangeError, as for any integer out
-    of range); for a float ``dst``, its float64 values."""
+    """An object array of Python numbers (numpy makes one of ints beyond 64 bits; pandas of
+    any): refused by the first value ``dst`` cannot hold (ValueRangeError, as for any
+    integer out of range, or a float beyond float64); else its int64 or float64 values,
+    checked as those are."""
     if dst.kind in "iu":
         info = np.iinfo(dst)
-        at = next(k for k, v in enumerate(arr.flat) if not info.min <= v <= info.max)
-        raise ValueRangeError(f"{desc}: value {arr.flat[at]!r} at index {dtypes.position(at, arr.shape, row0)} "
-                              f"does not fit {dst} ({info.min}..{info.max})")
+        at = next((k for k, v in enumerate(arr.flat) if not info.min <= v <= info.max), None)
+        if at is not None:
+            raise ValueRangeError(f"{desc}: value {arr.flat[at]!r} at index {dtypes.position(at, arr.shape, row0)} "
+                                  f"does not fit {dst} ({info.min}..{info.max})")
+        # in range: int64 values (or float64, where floats are: checked as integral next)
+        return arr.astype(np.float64 if any(type(v) is float for v in arr.flat) else np.int64)
+    for k, v in enumerate(arr.flat):
+        try:
+            float(v)
+        except OverflowError:
+            raise ValueRangeError(f"{desc}: value {v!r} at index {dtypes.position(k, arr.shape, row0)} does not "
+                                  f"fit {dst} (nor float64)") from None
     return arr.astype(np.float64)
 
 

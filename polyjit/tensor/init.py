@@ -9,7 +9,7 @@ from typing import Any, Union
 
 import numpy as np
 
-from polyjit.core.dtypes import DType, bfloat16, check_no_overflow, to_half
+from polyjit.core.dtypes import DType, bfloat16
 from polyjit.core.errors import (
     DTypeMismatchError,
     InvalidArgumentError,
@@ -105,17 +105,17 @@ def initial_value(
         arr = np.full(shape, arr)
     if arr.shape != shape:
         raise ShapeMismatchError(f"initial value of {name} has shape {arr.shape}, the parameter {shape}")
-    return frozen_initial(arr, dtype, f"initial value of {name!r} ({dtype}, shape {shape})")
+    return frozen_initial(arr, dtype, f"initial value of {name!r}")
 
 
 def frozen_initial(arr: Array, dtype: DType, what: str) -> Array:
     """A parameter's or a state's initial value: its own read-only copy in ``dtype`` (the
-    caller's array may change later; reset() puts back what was given), refusing values too
-    large for the dtype (ValueRangeError) as inputs are."""
-    with np.errstate(over="ignore"):  # refused below, by name
-        out = to_half(arr, dtype) if dtype.is_half else arr.astype(dtype.np)
-    if dtype.np.kind in "fV" and arr.dtype.kind in "biuf" and arr.dtype != dtype.np:
-        check_no_overflow(arr, out, what)
-    out = np.array(out, order="C", copy=True)  # keeps 0-d arrays 0-d
+    caller's array may change later; reset() puts back what was given), converted as inputs
+    are (``hostio.convert_into``: a float too large for the dtype, an integer out of range
+    are ValueRangeError)."""
+    from polyjit.tensor.hostio import convert_into
+
+    out = np.empty(arr.shape, dtype.np)  # C order; 0-d stays 0-d
+    convert_into(out, arr, what)
     out.flags.writeable = False
     return out

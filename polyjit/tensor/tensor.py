@@ -397,7 +397,7 @@ def state(name: str, value: Any, dtype: DTypeLike | None = None) -> Tensor:
 
     arr = np.asarray(value)
     dt = as_dtype(dtype if dtype is not None else arr.dtype)
-    arr = frozen_initial(arr, dt, f"initial value of state {name!r} ({dt}, shape {arr.shape})")
+    arr = frozen_initial(arr, dt, f"initial value of state {name!r}")
     return Tensor(ir.Node(name, arr.shape, dt), kind=Kind.STATE, init=arr, requires_grad=False)
 
 

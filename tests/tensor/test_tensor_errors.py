@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -233,7 +234,30 @@ def test_python_integers_beyond_64_bits_are_refused_by_value() -> None:
         with pytest.raises(ValueRangeError, match=rf"input 'x' \(int32, shape \(3,\)\): value {shown} at index"):
             plan.run(x=value)
     np.testing.assert_array_equal(plan.run(x=[1, 2, 3])["y"], [2, 4, 6])
+    # in range, as pandas hands them (found by the second review: a bare StopIteration)
+    np.testing.assert_array_equal(plan.run(x=np.array([1, 2, 3], dtype=object))["y"], [2, 4, 6])
+    np.testing.assert_array_equal(plan.run(x=np.array([1, 2.0, True], dtype=object))["y"], [2, 4, 2])
+    with pytest.raises(ValueRangeError, match=r"value 2\.5 at index"):
+        plan.run(x=np.array([1, 2.5, 2**70], dtype=object)[:2].tolist() + [3])
+    f = pt.input("f", (2,))
+    floats = pt.compile({"g": f * 2.0})
+    with pytest.raises(ValueRangeError, match=r"input 'f'.*at index \(0,\) does not fit float32 \(nor float64\)"):
+        floats.run(f=[2**1100, 1])  # beyond float64 itself: was a bare OverflowError
+    np.testing.assert_array_equal(floats.run(f=np.array([1, 2**70], dtype=object))["g"], [2.0, 2.0**71])
+    floats.close()
     plan.close()
+
+
+def test_initial_values_are_converted_as_inputs_are() -> None:
+    """Found by the second review: bfloat16 sources and Python ints skipped the overflow
+    check (inf accepted), and 2**1100 raised a bare OverflowError."""
+    with pytest.raises(ValueRangeError, match=r"initial value of 'h'.*does not fit float16"):
+        pt.param("h", (1,), init=np.array([1e5], ml_dtypes.bfloat16), dtype="float16")
+    with pytest.raises(ValueRangeError, match=r"initial value of state 's'.*does not fit float32"):
+        pt.state("s", [2**200], "float32")
+    with pytest.raises(ValueRangeError, match=r"initial value of state 't'.*nor float64"):
+        pt.state("t", [2**1100], "float32")
+    assert pt.state("u", [1, 2], "float32").init.tolist() == [1.0, 2.0]
 
 
 def test_scalars_that_do_not_fit_the_tensor_dtype_are_refused() -> None:
