@@ -219,6 +219,9 @@ def _byte_range(a: Array) -> tuple[int, int]:
 # with share=owner. Weak both ways: sharing keeps nothing alive.
 _SHARING = threading.Lock()
 _SHARERS: weakref.WeakKeyDictionary[Any, weakref.WeakSet[Plan]] = weakref.WeakKeyDictionary()
+# The lock order of each sharing tree (_shared_locks), made again once a plan joins any tree
+_LOCKS: weakref.WeakKeyDictionary[Any, tuple[int, tuple[Any, ...]]] = weakref.WeakKeyDictionary()
+_joined = [0]  # plans that joined a tree so far
 
 
 def state_owner(plan: Plan) -> Any:
@@ -229,6 +232,31 @@ def state_owner(plan: Plan) -> Any:
     return owner
 
 
+def _sharing_plans(owner: Any) -> list[Plan]:
+    """The plans sharing ``owner``'s state, directly or through another sharer (``owner`` too,
+    if it is a plan), in the order their locks are taken (by id). _SHARING held."""
+    plans, todo = [], [owner]
+    while todo:
+        sharer = todo.pop()
+        if isinstance(sharer, Plan):
+            plans.append(sharer)
+        todo.extend(list(_SHARERS.get(sharer, ())))
+    return sorted(plans, key=id)
+
+
+def _shared_locks(owner: Any) -> tuple[Any, ...]:
+    """The locks of ``owner``'s sharing tree in the one order they are taken: a data_parallel's
+    own first, then the plans' by id. Kept until a plan joins a tree (the walk cost more than
+    the step of a small plan); a sharer gone since only leaves its lock here."""
+    with _SHARING:
+        cached = _LOCKS.get(owner)
+        if cached is not None and cached[0] == _joined[0]:
+            return cached[1]
+        locks = ((owner._lock,) if not isinstance(owner, Plan) else ()) + tuple(p._lock for p in _sharing_plans(owner))
+        _LOCKS[owner] = (_joined[0], locks)
+        return locks
+
+
 @contextlib.contextmanager
 def holding_shared(owner: Any) -> Iterator[list[Plan]]:
     """Hold the locks of ``owner`` (a plan, or a data_parallel: its own lock first) and of every
@@ -236,18 +264,13 @@ def holding_shared(owner: Any) -> Iterator[list[Plan]]:
     those plans. Found by review: a sharer's ``state_dict()`` held its own lock only, so it read
     parameters from different steps of the owner's training thread, and a ``load_state_dict()``
     came out torn."""
-    with contextlib.ExitStack() as locks:
+    with contextlib.ExitStack() as stack:
         if not isinstance(owner, Plan):
-            locks.enter_context(owner._lock)
-        plans, todo = [], [owner]
-        with _SHARING:  # the sharing tree below the owner
-            while todo:
-                sharer = todo.pop()
-                if isinstance(sharer, Plan):
-                    plans.append(sharer)
-                todo.extend(list(_SHARERS.get(sharer, ())))
-        for plan in sorted(plans, key=id):
-            locks.enter_context(plan._lock)
+            stack.enter_context(owner._lock)
+        with _SHARING:
+            plans = _sharing_plans(owner)
+        for plan in plans:
+            stack.enter_context(plan._lock)
         yield plans
 
 
@@ -272,8 +295,16 @@ def whole_state(method: Callable[Concatenate[Plan, P], R]) -> Callable[Concatena
         if self._share is None and not self._shared:
             with self._lock:
                 return method(self, *args, **kwargs)
-        with holding_shared(state_owner(self)):
+        locks = _shared_locks(state_owner(self))
+        taken = 0
+        try:
+            for lock in locks:
+                lock.acquire()
+                taken += 1
             return method(self, *args, **kwargs)
+        finally:
+            for lock in reversed(locks[:taken]):
+                lock.release()
     return locked
 
 
@@ -319,6 +350,7 @@ class Plan:
         if share is not None:  # last: a plan whose construction failed shares nothing
             with _SHARING:
                 _SHARERS.setdefault(share, weakref.WeakSet()).add(self)
+                _joined[0] += 1
                 if isinstance(share, Plan):
                     share._shared = True
 
