@@ -382,19 +382,18 @@ def _context_dropped(device: weakref.ref[Device], driver: Any, ordinal: int, poo
     would keep a dropped device, and its streams, alive for ever.) If the device is gone too,
     its streams were closed after their work: free the pools now."""
     dev = device()
-    if dev is not None and not dev.closed:
+    if dev is not None:
         dev.released.append(_Release(dev, pools, constants))
+        if dev.closed:  # no safe point comes again (found by review: the pools leaked), so this
+            dev.reap(blocking=False)  # is one; a pool a view still pins waits for its unpin
         return
-    # The device is closed (its streams ended after their work: no safe point comes again, so
-    # queued there the pools leaked, found by review), or it is garbage in the same cycle,
-    # its streams not closed yet: a driver that can waits for them (free_when_idle).
-    free = getattr(driver, "free_when_idle", None) if dev is None else None
+    # The device is garbage in the same cycle, its streams not closed yet (their finalizers
+    # run after this): a driver that can frees once they are (free_when_idle). No view pins
+    # these pools: a view holds its device.
+    free = getattr(driver, "free_when_idle", None) or driver.free
     for handle in handles:
         with contextlib.suppress(Exception):  # at interpreter exit, say
-            if free is not None:
-                free(ordinal, handle)
-            else:
-                driver.free(ordinal, handle)
+            free(ordinal, handle)
 
 
 class _Release:

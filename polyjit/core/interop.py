@@ -69,6 +69,8 @@ class _Pin:
         the unpin waits for the device's next safe point, as every dropped object's release
         does (taking the device lock here deadlocked, or freed a pool twice)."""
         self.device.released.append(functools.partial(self.device.unpin, self.pool))
+        if self.device.closed:  # a closed device reaches no safe point again: this is one
+            self.device.reap(blocking=False)
 
 
 class Exported:

@@ -105,11 +105,12 @@ class CpuDriver:
         self._cores = split_cores(sorted(os.sched_getaffinity(0)), num_devices)
         self._memory = _total_memory() // num_devices
         self._rt: NativeRuntime | None = None
-        self._lock = threading.Lock()
+        # Reentrant: a garbage collection under it may close a dropped stream (close_stream)
+        self._lock = threading.RLock()
         self._allocated: dict[int, int] = {}  # pointer -> bytes, for allocated_bytes()
-        # Native streams open per device, and pools to free once none is (free_when_idle)
-        self._open: dict[int, int] = {}  # stream handle -> ordinal
-        self._idle_frees: dict[int, list[int]] = {}
+        # Native streams open, and pools to free once none is (free_when_idle)
+        self._open: set[int] = set()
+        self._idle_frees: list[int] = []
 
     @property
     def rt(self) -> NativeRuntime:
@@ -151,13 +152,17 @@ class CpuDriver:
         self.rt.free(pool)
 
     def free_when_idle(self, ordinal: int, pool: int) -> None:
-        """Free ``pool`` once no stream of the device is open (now, if none is): for a pool whose
-        Device object is gone in the same garbage cycle as its streams, whose closing (which
-        waits for their queued work) comes after (found by review: the pools of a dropped
-        backend were freed under its running kernels)."""
+        """Free ``pool`` once no stream of this driver is open (now, if none is): for a pool
+        whose Device object is gone in the same garbage cycle as its streams, whose closing
+        (which waits for their queued work) comes after (found by review: the pools of a
+        dropped backend were freed under its running kernels). Any device's stream counts:
+        a copy queued on one device's stream reads another's pools (the second review).
+        Memory the driver did not allocate (taken in from numpy) is not its to free."""
         with self._lock:
-            if ordinal in self._open.values():
-                self._idle_frees.setdefault(ordinal, []).append(pool)
+            if pool not in self._allocated:
+                return
+            if self._open:
+                self._idle_frees.append(pool)
                 return
         self.free(ordinal, pool)
 
@@ -184,19 +189,19 @@ class CpuDriver:
         pin = cores if len(self._cores) > 1 else None  # one device: let the OS place threads
         handle = self.rt.stream_create(len(cores), pin)
         with self._lock:
-            self._open[handle] = ordinal
+            self._open.add(handle)
         return handle
 
     def close_stream(self, stream: int) -> None:
-        """Drain the stream and join its worker thread; then free what waited for the device's
-        last stream (free_when_idle)."""
+        """Drain the stream and join its worker thread; then, once no stream is open, free
+        what waited for that (free_when_idle)."""
         self.rt.stream_destroy(stream)
         with self._lock:
-            ordinal = self._open.pop(stream, None)
-            idle = ordinal is not None and ordinal not in self._open.values()
-            pools = self._idle_frees.pop(ordinal, []) if idle and ordinal is not None else []
+            self._open.discard(stream)
+            pools, self._idle_frees = (self._idle_frees, []) if not self._open else ([], self._idle_frees)
         for pool in pools:
-            self.free(ordinal if ordinal is not None else 0, pool)
+            with contextlib.suppress(KeyError):  # freed meanwhile by another path
+                self.free(0, pool)
 
     def discard_queued(self) -> None:
         """At exit: every stream's tasks not yet begun are dropped (the runtime's workers count
