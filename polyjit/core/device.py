@@ -146,6 +146,8 @@ def _close_at_exit(devices: list[Device], wait_s: float, calls_wait_s: float, *,
     # exit for minutes).
     drop = getattr(closing[0][0].driver, "discard_queued", None) if discard and closing else None
     if drop is not None:
+        for dev, _ in closing:  # before the drop: a wait it ends must know why (Event.synchronize)
+            dev.discarded = True
         with contextlib.suppress(Exception):
             drop()
     calls_deadline = time.monotonic() + calls_wait_s
@@ -204,6 +206,7 @@ class Device:
         self.forked = False  # this process is a fork of the one that made the device
         self.exiting = False  # closed at exit (close_at_exit): nothing new reaches the driver
         self.closed = False  # close() ended every stream after its work: no safe point comes again
+        self.discarded = False  # at exit, work not yet begun was dropped (see _close_at_exit)
         _LIVE.add(self)
         self._stream_index = itertools.count()
         self._modules: weakref.WeakValueDictionary[int, LoadedModule] = weakref.WeakValueDictionary()
@@ -352,7 +355,16 @@ class Device:
             return [s for s in self._streams if not s.closed]
 
     def all_work(self) -> AllOf:
-        return AllOf([s.record() for s in self.streams()])
+        """An event behind the work of every stream of the device (a stream another thread
+        closes meanwhile has none left: found by review, its StreamClosedError came out here)."""
+        events = []
+        for s in self.streams():
+            try:
+                events.append(s.record())
+            except StreamClosedError:
+                if not s.closed or self.exiting:
+                    raise
+        return AllOf(events)
 
     def synchronize(self) -> None:
         """Wait for all work on this device, then release what waited for it."""

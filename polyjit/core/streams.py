@@ -84,6 +84,10 @@ class Event:
                 s.driver_done(self.handle, block=True)
             except Exception as e:
                 s.fault(e)
+            if s.device.discarded:  # the exit dropped what had not begun: this work may be
+                raise StreamClosedError(  # among it (found by review: a read returned np.empty)
+                    f"{s!r} of {s.device.label}: the process is exiting, and work not yet begun was "
+                    "dropped (the device was closed at exit); this wait's results are not there")
             s.completed(self.seq)
         if self.seq <= s.fault_seq and s.fault_error is not None:
             raise s.fault_error
@@ -400,7 +404,13 @@ class Stream:
     def synchronize(self) -> None:
         if self.closed:
             return
-        self.record().synchronize()
+        try:
+            event = self.record()
+        except StreamClosedError:
+            if self.closed and not self.device.exiting:  # closed by another thread since: after its work
+                return
+            raise
+        event.synchronize()
 
     # -- release --------------------------------------------------------------------
 
