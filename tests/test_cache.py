@@ -464,13 +464,32 @@ def test_a_handed_over_namespace_on_an_almost_full_disk_goes_to_the_private_dire
     """Found by review: PoCL's LLVM aborts the whole process (SIGABRT) when its cache's disk is
     full; it cannot fall back as polyjit's own writes do. Under HAND_OVER_MIN_ROOM free, its
     cache goes to this process's private directory, with a warning."""
-    monkeypatch.setattr(cache_mod, "_free_bytes", lambda directory: 3 << 20)
+    monkeypatch.setattr(cache_mod, "_free_bytes", lambda directory: 3 << 20 if directory.is_relative_to(cache_root)
+                        else 1 << 30)  # the private directory elsewhere, with room
     with pytest.warns(CacheDirWarning, match=r"3 MiB free on its file system, under 64 MiB for pocl"):
         handed = cache_mod.hand_over(cache_mod.POCL_NAMESPACE)
     assert not handed.is_relative_to(cache_root) and handed.name == "pocl" and handed.is_dir()
     assert stat.S_IMODE(os.stat(handed.parent).st_mode) == 0o700
     monkeypatch.setattr(cache_mod, "_free_bytes", lambda directory: 1 << 30)
     assert cache_mod.hand_over(cache_mod.POCL_NAMESPACE) == cache_root / "pocl"  # room again: its own place
+
+
+def test_no_room_anywhere_for_pocls_cache_is_an_opencl_without_devices(
+        cache_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by the second review: the private directory (in $TMPDIR) is often on the same full
+    disk, and PoCL aborted there too. With no room anywhere, hand_over raises NoRoomError, and
+    OpenCL reports no devices, with the reason, instead of starting PoCL."""
+    from polyjit.backends.opencl import platforms
+
+    monkeypatch.setattr(cache_mod, "_free_bytes", lambda directory: 1 << 20)
+    monkeypatch.delenv(platforms.POCL_CACHE_ENV, raising=False)
+    with pytest.warns(CacheDirWarning), pytest.raises(cache_mod.NoRoomError, match="no room for pocl's own cache"):
+        cache_mod.hand_over(cache_mod.POCL_NAMESPACE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CacheDirWarning)  # said once above
+        reason = platforms._private_pocl_cache()
+    assert reason is not None and "1 MiB free" in reason
+    assert platforms.POCL_CACHE_ENV not in os.environ
 
 
 def test_clear_empties_the_namespace_handed_to_pocl_and_follows_no_link(cache_root: Path, tmp_path: Path) -> None:

@@ -139,6 +139,11 @@ class CacheError(PolyjitError, OSError):
     """Not even a private temporary cache directory could be created or written."""
 
 
+class NoRoomError(CacheError):
+    """Neither the cache root's file system nor the private directory's has the room a
+    namespace handed to another program needs (``hand_over``)."""
+
+
 def _euid() -> int | None:
     return os.geteuid() if hasattr(os, "geteuid") else None  # None: no owners to check (Windows)
 
@@ -974,7 +979,13 @@ def hand_over(namespace: str) -> Path:
         # whole process on a full disk (found by review: SIGABRT on a full cache file system).
         _warn(directory, f"{room >> 20} MiB free on its file system, under {HAND_OVER_MIN_ROOM >> 20} MiB "
                          f"for {namespace}'s own cache, which cannot fall back on a full disk")
-        directory = _fallback_root() / namespace
+        fallback = _fallback_root()
+        spare = _free_bytes(fallback)
+        if spare is not None and spare < HAND_OVER_MIN_ROOM:  # the same full disk, often
+            raise NoRoomError(f"no room for {namespace}'s own cache, which cannot fall back on a full disk: "
+                              f"{room >> 20} MiB free at {directory}, {spare >> 20} MiB at {fallback} "
+                              f"(under {HAND_OVER_MIN_ROOM >> 20} MiB)")
+        directory = fallback / namespace
         directory.mkdir(mode=0o700, exist_ok=True)
     marker = directory / HANDED_OVER_MARKER
     try:

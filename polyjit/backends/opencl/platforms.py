@@ -125,18 +125,25 @@ _opened_in: int | None = None
 POCL_CACHE_ENV = "POCL_CACHE_DIR"
 
 
-def _private_pocl_cache() -> None:
+def _private_pocl_cache() -> str | None:
     """PoCL keeps the native code of its builds in its own kernel cache and dlopens it in
     later processes, unverified. Unless the user chose its place, that cache goes in polyjit's
     cache root, whose directories the cache module checks (ours alone: no other user can
     plant a library there; a refused root falls back to a private temporary directory).
-    PoCL reads the variable when it starts (the first ``get_platforms``)."""
+    PoCL reads the variable when it starts (the first ``get_platforms``). Returns why OpenCL
+    cannot start where no directory has room for PoCL's builds (its LLVM aborts the whole
+    process on a full disk: no device is better)."""
     if POCL_CACHE_ENV in os.environ:
-        return
-    from polyjit.core.cache import POCL_NAMESPACE, CacheError, hand_over
+        return None
+    from polyjit.core.cache import POCL_NAMESPACE, CacheError, NoRoomError, hand_over
 
-    with contextlib.suppress(CacheError):  # else PoCL's default (the user's own cache directory)
+    try:
         os.environ[POCL_CACHE_ENV] = str(hand_over(POCL_NAMESPACE))
+    except NoRoomError as e:
+        return str(e)
+    except CacheError:
+        pass  # PoCL's default (the user's own cache directory)
+    return None
 
 
 def discover(platform_filter: str | None, cpu_options: bool) -> tuple[list[ClDevice], str | None]:
@@ -149,7 +156,9 @@ def discover(platform_filter: str | None, cpu_options: bool) -> tuple[list[ClDev
         return [], (f"OpenCL was opened in the parent process (pid {_opened_in}) before os.fork(): its "
                     "drivers' threads are not in this child, and work here would never complete; "
                     "start such processes with the 'spawn' method (multiprocessing.get_context('spawn'))")
-    _private_pocl_cache()
+    no_room = _private_pocl_cache()
+    if no_room is not None:
+        return [], no_room
     try:
         platforms = list(cl.get_platforms())
     except cl.Error as e:  # no ICD loader configuration, or no driver behind it
