@@ -54,8 +54,9 @@ from polyjit.tensor.autograd import grad
 from polyjit.tensor.devices import DeviceLike, resolve_devices
 from polyjit.tensor.hostio import Feed, check_names
 from polyjit.tensor.optim import Optimizer, checked_params
-from polyjit.tensor.plan import reset_shared, trainable_params
+from polyjit.tensor.plan import trainable_params
 from polyjit.tensor.program import Program
+from polyjit.tensor.sharing import reset_shared
 from polyjit.tensor.state import StateContext, stage_state
 from polyjit.tensor.tensor import DTypeLike, Tensor, input
 
