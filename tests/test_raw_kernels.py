@@ -356,6 +356,15 @@ def test_wrong_parameter_counts_and_missing_functions_are_compile_errors(cpu: Ba
         cpu.raw_kernel(src, "not_defined", [raw.write(x), raw.read(y)])
     with pytest.raises(CompileError):  # a static where the function takes a pointer
         cpu.raw_kernel(src, "k", [raw.write(x)], statics=[StaticSymbol("s", 4)])
+    # a static the function takes as anything but a 64-bit integer (found by review: an int
+    # took 2**32 + 5 as 5, a double took the integer's bits as a tiny float)
+    for param in ("int s", "double s", "float s", "char s"):
+        with pytest.raises(CompileError, match="may change value"):
+            cpu.raw_kernel(f"void k(float* out, {param}) {{ out[0] = s; }}\n", "k", [raw.write(x)],
+                           statics=[StaticSymbol("s", 1 << 40)])
+    for param in ("long long s", "long s", "int64_t s", "unsigned long long s", "size_t s"):  # 64 bits
+        cpu.raw_kernel(f"#include <stdint.h>\n#include <stddef.h>\nvoid k(float* out, {param}) {{ out[0] = s; }}\n",
+                       "k", [raw.write(x)], statics=[StaticSymbol("s", 1 << 40)])
 
 
 def test_compile_errors_name_the_file(cpu: Backend, tmp_path: Path) -> None:

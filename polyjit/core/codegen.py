@@ -114,6 +114,10 @@ def c_trampoline(text: str, spec: KernelSpec, ranged: bool = False) -> tuple[str
              # The call must find the user's function and match its parameters' kinds.
              '#pragma GCC diagnostic error "-Wimplicit-function-declaration"',
              '#pragma GCC diagnostic error "-Wint-conversion"',
+             # a static that is not a 64-bit integer (an int, a double) would lose its value
+             # silently (found by review: 2**32 + 5 came in as 5, 3 as 1.5e-323 on OpenCL)
+             '#pragma GCC diagnostic error "-Wconversion"',
+             '#pragma GCC diagnostic ignored "-Wsign-conversion"',
              f"void {entry}(void* const* pj_bufs, const long long* pj_statics"
              f"{', long long pj_lo, long long pj_hi' if ranged else ''}) {{",
              "  (void)pj_bufs;",

@@ -183,6 +183,12 @@ def test_wrong_parameters_are_refused_at_link(backend: Backend) -> None:
                                  bindings={StaticSymbol("p", 9): 1}, global_size=n)
     with pytest.raises(InvalidArgumentError, match="parameter 0"):
         ctx.link(swapped)
+    # 8 bytes, but not an integer (found by review: a binding of 3 arrived as 1.5e-323)
+    takes_double = """__kernel void k3(__global float* out, double p) { out[get_global_id(0)] = p; }"""
+    floating = backend.raw_kernel(takes_double, "k3", [raw.write(out)], statics=[StaticSymbol("p", 9)],
+                                  bindings={StaticSymbol("p", 9): 3}, global_size=n)
+    with pytest.raises(InvalidArgumentError, match="parameter 1 of OpenCL kernel k3 is 'double'"):
+        ctx.link(floating)
     assert dev.used_memory() == before  # the failed links kept nothing
     ctx.finalize()
 

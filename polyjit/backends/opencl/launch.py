@@ -106,7 +106,8 @@ def _check_qualifiers(kernel: Any, n_buffers: int, n_params: int) -> None:
         except cl.Error:
             return  # no argument info here: set_arg's size checks are all there is
         pointer = where in (q.GLOBAL, q.CONSTANT)
-        if pointer != (k < n_buffers):
+        floating = type_name.rstrip("0123456789") in ("float", "double", "half")  # set_arg sees 8 bytes
+        if pointer != (k < n_buffers) or (k >= n_buffers and floating):
             want = "a __global pointer (a buffer)" if k < n_buffers else "a long (a static)"
             raise InvalidArgumentError(f"parameter {k} of OpenCL kernel {kernel.function_name} is "
                                        f"{type_name!r}, where raw_kernel passes {want}")
