@@ -231,6 +231,8 @@ class Plan:
         self.device = device
         self.backend = device.backend
         self.mode: Mode = mode
+        if share is not None:
+            _check_same_tensors(program, share.state_context)
         self._state = StateContext(device, share.state_context if share is not None else None)
         self._share = share  # reset() of any plan sharing one state resets the state of all
         for t in program.persistent:
@@ -518,6 +520,20 @@ def _loss_scale(value: Any) -> float:
     if not (np.isfinite(v) and v > 0):
         raise InvalidProgramError(f"loss_scale must be finite and > 0, got {value!r}")
     return v
+
+
+def _check_same_tensors(program: Program, shared: Context) -> None:
+    """A plan shares state by tensor, not by name: a parameter of this program named as one of
+    the shared state's, but another tensor (a model built again), would get a buffer of its
+    own, initialized afresh, and the plan would never see the training (found by review: no
+    error, and the state then held two buffers of one name)."""
+    held = {node.name: node for node in shared.buffers}
+    for t in program.persistent:
+        other = held.get(t.node.name)
+        if other is not None and other is not t.node:
+            raise InvalidProgramError(
+                f"share=: this program's {t.name!r} is another tensor than the shared state's {t.name!r} (a "
+                "model built again?); plans share state through the same tensors: build both from one model")
 
 
 def _check_share(share: Any) -> None:

@@ -415,6 +415,23 @@ def test_a_sharers_state_calls_never_see_a_step_half_done() -> None:
     train.close()
 
 
+def test_a_model_built_again_cannot_share_by_name() -> None:
+    """Found by review: share= matches parameters by tensor, so a model built again with the
+    same names got fresh, unshared parameters, silently (the evaluation plan never saw the
+    training). It is refused, naming the parameter; the same model shares."""
+    x, y = pt.input("x", (8, 3)), pt.input("y", (8,), "int32")
+    mlp = pt.MLP("mlp", [3, 4, 2])
+    train = pt.compile(loss=pt.cross_entropy(mlp(x), y), optimizer=pt.SGD(1.0))
+    xe = pt.input("xe", (8, 3))
+    with pytest.raises(InvalidProgramError, match=r"this program's 'mlp.0.weight' is another tensor"):
+        pt.compile({"o": pt.MLP("mlp", [3, 4, 2])(xe)}, share=train)
+    evaluate = pt.compile({"o": mlp(xe)}, share=train)
+    train.step(x=np.ones((8, 3), np.float32), y=np.zeros(8, np.int32))
+    np.testing.assert_array_equal(evaluate.state_dict()["mlp.0.weight"], train.state_dict()["mlp.0.weight"])
+    evaluate.close()
+    train.close()
+
+
 def test_input_errors() -> None:
     x = pt.input("x", (2, 3))
     plan = pt.compile({"y": x * 2.0})
