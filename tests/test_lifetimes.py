@@ -1309,3 +1309,59 @@ def test_streams_dropped_with_work_in_flight_end_once_it_is_done(backend: Backen
     assert sum(r() is not None for r in refs) == 0
     weights.finalize()
     assert settled_memory(dev) == base
+
+
+def test_a_collection_inside_a_free_does_not_free_twice() -> None:
+    """Found by review: on a closed device, a garbage collection during a pool's free (any
+    Python code may run one) released a dropped context through a nested safe point on the
+    same thread, which freed again the pools the outer free was still going through."""
+    from polyjit.backends.cpu import CpuDriver
+
+    be = Backend(CpuDriver(1))
+    dev = be.get_device(0)
+    n = 1 << 16
+    x = Node("x", (n,))
+    kept = dev.make_context().init_from_host(x, np.ones(n, np.float32))
+    dropped = dev.make_context().init_from_host(x, np.ones(n, np.float32))
+    dropped.cycle = dropped  # found by a collection only
+    be.close()
+    del dropped
+    real_free, calls = be.driver.free, []
+
+    def free(ordinal: int, pool: int) -> None:
+        calls.append(pool)
+        if len(calls) == 1:
+            gc.collect()  # inside the first free
+        real_free(ordinal, pool)
+
+    gc.disable()
+    try:
+        be.driver.free = free  # type: ignore[method-assign]
+        kept.finalize()
+    finally:
+        gc.enable()
+        be.driver.free = real_free  # type: ignore[method-assign]
+    assert len(calls) == len(set(calls)) == 2
+    assert be.driver.allocated_bytes(0) == 0
+
+
+def test_a_dropped_backend_over_a_shared_driver_waits_for_its_own_streams_only() -> None:
+    """Found by the third review: a backend over a driver another backend also uses (the fault
+    kit's FaultyDriver around the registry's), dropped in a garbage cycle, left its pools
+    waiting for the registry backend's streams, which never close: 4 MiB a backend for good."""
+    from polyjit.testing.faults import FaultyDriver
+
+    main = get_backend("cpu")
+    main.get_device(0)
+    driver = main.driver
+    gc.collect()
+    before = driver.allocated_bytes(0)
+    n = 1 << 20
+    for _ in range(3):
+        be = Backend(FaultyDriver(driver, rate=0.0))
+        dev = be.get_device(0)
+        ctx = dev.make_context().init_from_host(Node("x", (n,)), np.ones(n, np.float32))
+        dev.cycle = (be, ctx)  # type: ignore[attr-defined]
+        del be, dev, ctx
+        gc.collect()
+    assert driver.allocated_bytes(0) == before

@@ -244,12 +244,14 @@ class Device:
             handle = driver_call(self.label, "new_stream", self.driver.new_stream, self.ordinal)
             s = Stream(self, handle, next(self._stream_index))
             self._streams.add(s)
+            self.backend.stream_handles.add(handle)
         return s
 
     def forget_stream(self, stream: Stream) -> None:
         self._streams.discard(stream)
 
     def close_stream_handle(self, handle: Any) -> None:
+        self.backend.stream_handles.discard(handle)
         close = getattr(self.driver, "close_stream", None)
         if close is not None:
             driver_call(self.label, "close_stream", close, handle)
@@ -427,9 +429,13 @@ class Device:
         if self.forked:
             self.freeing = []
             return
+        # Taken whole: a garbage collection inside a free below may reach a safe point on this
+        # thread (the lock is re-entrant) and free again what is still listed here (found by
+        # review: two pools freed twice on a closed device). What it adds is kept.
+        todo, self.freeing = self.freeing, []
         still: list[tuple[list[Event], int, Any, int]] = []
         errors: list[PolyjitError] = []
-        for events, pid, handle, nbytes in self.freeing:
+        for events, pid, handle, nbytes in todo:
             if pid in self._pins:  # an exported view of it is still alive
                 still.append((events, pid, handle, nbytes))
                 continue
@@ -459,7 +465,7 @@ class Device:
                                 self.ordinal, handle)
             except PolyjitError as e:
                 errors.append(e)
-        self.freeing = still
+        self.freeing = still + self.freeing
         if errors:
             raise errors[0]
 
