@@ -70,7 +70,8 @@ class Context:
         if own_pools or own_constants:  # the garbage collector's way to give them back
             handles = tuple(device.pool_handle(pid) for pid in self._own_pools)
             self._release = weakref.finalize(self, _context_dropped, weakref.ref(device), device.driver,
-                                             device.ordinal, self._own_pools, handles, self._own_constants)
+                                             device.ordinal, self._own_pools, handles, self._own_constants,
+                                             device.backend.stream_handles)
             # Not at exit: a context still referenced keeps its pools until its device closes (an
             # exit hook or a daemon thread that uses it gets StreamClosedError, not freed pools).
             self._release.atexit = False
@@ -376,7 +377,7 @@ class Context:
 
 
 def _context_dropped(device: weakref.ref[Device], driver: Any, ordinal: int, pools: tuple[int, ...],
-                     handles: tuple[Any, ...], constants: tuple[BufferLoc, ...]) -> None:
+                     handles: tuple[Any, ...], constants: tuple[BufferLoc, ...], streams: set[Any]) -> None:
     """The garbage collector took a context: its device gives its pools back at its next safe
     point. (The finalizer holds the device weakly: finalizers are roots, and a strong reference
     would keep a dropped device, and its streams, alive for ever.) If the device is gone too,
@@ -388,12 +389,16 @@ def _context_dropped(device: weakref.ref[Device], driver: Any, ordinal: int, poo
             dev.reap(blocking=False)  # is one; a pool a view still pins waits for its unpin
         return
     # The device is garbage in the same cycle, its streams not closed yet (their finalizers
-    # run after this): a driver that can frees once they are (free_when_idle). No view pins
-    # these pools: a view holds its device.
-    free = getattr(driver, "free_when_idle", None) or driver.free
+    # run after this): a driver that can frees once its backend's streams (any device's: a copy
+    # on one reads another's pools) are (free_when_idle). No view pins these pools: a view
+    # holds its device.
+    idle = getattr(driver, "free_when_idle", None)
     for handle in handles:
         with contextlib.suppress(Exception):  # at interpreter exit, say
-            free(ordinal, handle)
+            if idle is not None:
+                idle(ordinal, handle, frozenset(streams))
+            else:
+                driver.free(ordinal, handle)
 
 
 class _Release:

@@ -136,6 +136,9 @@ class Backend:
         self._compiles = threading.Condition()  # guards the two below
         self._compiling = 0  # driver compiles under way (a daemon thread's, at exit)
         self._exiting = False
+        # The driver handles of the streams its devices made and did not close themselves: a
+        # pool of a device gone in a garbage cycle waits for them (Driver.free_when_idle)
+        self.stream_handles: set[Any] = set()
         _BACKENDS.add(self)
 
     def driver_compile(self, what: str, source: Source) -> Any:

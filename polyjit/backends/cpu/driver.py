@@ -110,7 +110,7 @@ class CpuDriver:
         self._allocated: dict[int, int] = {}  # pointer -> bytes, for allocated_bytes()
         # Native streams open, and pools to free once none is (free_when_idle)
         self._open: set[int] = set()
-        self._idle_frees: list[int] = []
+        self._idle_frees: list[tuple[int, frozenset[int]]] = []  # (pool, the streams it waits for)
 
     @property
     def rt(self) -> NativeRuntime:
@@ -151,18 +151,20 @@ class CpuDriver:
             del self._allocated[pool]
         self.rt.free(pool)
 
-    def free_when_idle(self, ordinal: int, pool: int) -> None:
-        """Free ``pool`` once no stream of this driver is open (now, if none is): for a pool
-        whose Device object is gone in the same garbage cycle as its streams, whose closing
-        (which waits for their queued work) comes after (found by review: the pools of a
-        dropped backend were freed under its running kernels). Any device's stream counts:
-        a copy queued on one device's stream reads another's pools (the second review).
+    def free_when_idle(self, ordinal: int, pool: int, streams: frozenset[int]) -> None:
+        """Free ``pool`` once none of ``streams`` (the driver handles of its backend's streams)
+        is open (now, if none is): for a pool whose Device object is gone in the same garbage
+        cycle as its streams, whose closing (which waits for their queued work) comes after
+        (found by review: the pools of a dropped backend were freed under its running kernels).
+        Any device's stream of the backend counts: a copy queued on one device's stream reads
+        another's pools (the second review); another backend's do not (a wrapped driver shares
+        this one with the registry's backend, whose streams never close: the third review).
         Memory the driver did not allocate (taken in from numpy) is not its to free."""
         with self._lock:
             if pool not in self._allocated:
                 return
-            if self._open:
-                self._idle_frees.append(pool)
+            if self._open & streams:
+                self._idle_frees.append((pool, streams))
                 return
         self.free(ordinal, pool)
 
@@ -193,12 +195,13 @@ class CpuDriver:
         return handle
 
     def close_stream(self, stream: int) -> None:
-        """Drain the stream and join its worker thread; then, once no stream is open, free
-        what waited for that (free_when_idle)."""
+        """Drain the stream and join its worker thread; then free what waited for the last of
+        its streams (free_when_idle)."""
         self.rt.stream_destroy(stream)
         with self._lock:
             self._open.discard(stream)
-            pools, self._idle_frees = (self._idle_frees, []) if not self._open else ([], self._idle_frees)
+            pools = [pool for pool, streams in self._idle_frees if not self._open & streams]
+            self._idle_frees = [(pool, streams) for pool, streams in self._idle_frees if self._open & streams]
         for pool in pools:
             with contextlib.suppress(KeyError):  # freed meanwhile by another path
                 self.free(0, pool)
