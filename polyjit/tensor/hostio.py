@@ -77,6 +77,9 @@ def convert_into(target: Array, value: Any, what: str, row0: int = 0) -> None:
     if src.kind == "O" and arr.size and all(type(v) in (int, float, bool) for v in arr.flat):
         arr = _python_numbers(arr, dst, desc, row0)  # ints beyond 64 bits
         src = arr.dtype
+        if src == dst:
+            np.copyto(target, arr)
+            return
     if src == dtypes.bfloat16.np:  # not of numpy's kind "f": its float32 values, exactly
         arr = arr.astype(np.float32)
         src = arr.dtype
@@ -95,7 +98,7 @@ def convert_into(target: Array, value: Any, what: str, row0: int = 0) -> None:
             dtypes.check_no_overflow(arr, target, desc, row0)
         return
     try:  # numpy's cast flags an overflow itself: no pass of ours over the values
-        with np.errstate(over="raise"):
+        with np.errstate(over="raise", under="ignore", invalid="ignore", divide="ignore"):  # not the user's
             np.copyto(target, arr, casting="unsafe")  # float targets, and safe integer casts
     except FloatingPointError:
         dtypes.check_no_overflow(arr, target, desc, row0)
@@ -107,14 +110,19 @@ def _python_numbers(arr: Array, dst: np.dtype[Any], desc: str, row0: int) -> Arr
     any): refused by the first value ``dst`` cannot hold (ValueRangeError, as for any
     integer out of range, or a float beyond float64); else its int64 or float64 values,
     checked as those are."""
+    if all(type(v) is bool for v in arr.flat):
+        return arr.astype(np.bool_)
     if dst.kind in "iu":
         info = np.iinfo(dst)
-        at = next((k for k, v in enumerate(arr.flat) if not info.min <= v <= info.max), None)
-        if at is not None:
-            raise ValueRangeError(f"{desc}: value {arr.flat[at]!r} at index {dtypes.position(at, arr.shape, row0)} "
-                                  f"does not fit {dst} ({info.min}..{info.max})")
-        # in range: int64 values (or float64, where floats are: checked as integral next)
-        return arr.astype(np.float64 if any(type(v) is float for v in arr.flat) else np.int64)
+        for k, v in enumerate(arr.flat):
+            if type(v) is float and not v.is_integer():
+                raise ValueRangeError(f"{desc}: value {v!r} at index {dtypes.position(k, arr.shape, row0)} is not "
+                                      "an integer (an integer node takes integral values)")
+            if not info.min <= v <= info.max:
+                raise ValueRangeError(f"{desc}: value {v!r} at index {dtypes.position(k, arr.shape, row0)} "
+                                      f"does not fit {dst} ({info.min}..{info.max})")
+        # exact, as Python ints: 2**53 + 1 beside a float stays itself
+        return np.array([int(v) for v in arr.flat], dtype=np.uint64 if dst.kind == "u" else np.int64).reshape(arr.shape)
     for k, v in enumerate(arr.flat):
         try:
             float(v)

@@ -248,6 +248,26 @@ def test_python_integers_beyond_64_bits_are_refused_by_value() -> None:
     plan.close()
 
 
+def test_object_arrays_convert_exactly_and_the_users_float_errors_are_left_alone() -> None:
+    """Found by the third review: an object array holding a float went through float64, so
+    2**53 + 1 became 2**53; bools in an object array were refused for a bool input; under the
+    user's np.seterr(all="raise") an underflow (1e-300 into float32) was taken for an
+    overflow, with no index."""
+    n = pt.input("n", (2,), "int64")
+    b = pt.input("b", (2,), "bool")
+    f = pt.input("f", (2,))
+    plan = pt.compile({"n2": n + 0, "b2": pt.where(b, 1.0, 0.0), "f2": f * 1.0})
+    good = {"n": np.array([2**53 + 1, 1.0], dtype=object), "b": np.array([True, False], dtype=object),
+            "f": np.array([1e-300, 2.0])}
+    with np.errstate(all="raise"):
+        out = plan.run(**good)
+    assert out["n2"].tolist() == [2**53 + 1, 1] and out["b2"].tolist() == [1.0, 0.0]
+    assert out["f2"].tolist() == [0.0, 2.0]
+    with pytest.raises(ValueRangeError, match=r"value 1\.5 at index \(1,\) is not an integer"):
+        plan.run(**{**good, "n": np.array([2**60, 1.5], dtype=object)})
+    plan.close()
+
+
 def test_initial_values_are_converted_as_inputs_are() -> None:
     """Found by the second review: bfloat16 sources and Python ints skipped the overflow
     check (inf accepted), and 2**1100 raised a bare OverflowError."""
