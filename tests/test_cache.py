@@ -492,6 +492,21 @@ def test_no_room_anywhere_for_pocls_cache_is_an_opencl_without_devices(
     assert platforms.POCL_CACHE_ENV not in os.environ
 
 
+def test_no_room_in_the_private_directory_the_root_fell_back_to(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by the third review: where the root was refused, the cache lives in the private
+    directory already, and its room went unchecked: PoCL got a full disk."""
+    refused = tmp_path / "open_to_all"
+    refused.mkdir()
+    refused.chmod(0o777)
+    monkeypatch.setenv("POLYJIT_CACHE_DIR", str(refused))
+    monkeypatch.setattr(cache_mod, "_free_bytes", lambda directory: 1 << 20)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CacheDirWarning)  # the refused root
+        with pytest.raises(cache_mod.NoRoomError, match="no room for pocl's own cache"):
+            cache_mod.hand_over(cache_mod.POCL_NAMESPACE)
+
+
 def test_clear_empties_the_namespace_handed_to_pocl_and_follows_no_link(cache_root: Path, tmp_path: Path) -> None:
     """PoCL fills `<root>/pocl` its own way (a directory per program): `cache info` counts
     its files and `cache clear` removes them (it used to leave PoCL's native code behind),

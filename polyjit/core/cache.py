@@ -974,13 +974,15 @@ def hand_over(namespace: str) -> Path:
         raise ValueError(f"{namespace!r} is not a namespace handed over to another program")
     directory = BinaryCache(namespace, "").directory()
     room = _free_bytes(directory)
-    if room is not None and room < HAND_OVER_MIN_ROOM and not _in_fallback(directory):
+    if room is not None and room < HAND_OVER_MIN_ROOM:
         # The other program cannot fall back as polyjit's own writes do: PoCL's LLVM aborts the
         # whole process on a full disk (found by review: SIGABRT on a full cache file system).
-        _warn(directory, f"{room >> 20} MiB free on its file system, under {HAND_OVER_MIN_ROOM >> 20} MiB "
-                         f"for {namespace}'s own cache, which cannot fall back on a full disk")
+        in_fallback = _in_fallback(directory)  # the root was refused: this is the private one
+        if not in_fallback:
+            _warn(directory, f"{room >> 20} MiB free on its file system, under {HAND_OVER_MIN_ROOM >> 20} MiB "
+                             f"for {namespace}'s own cache, which cannot fall back on a full disk")
         fallback = _fallback_root()
-        spare = _free_bytes(fallback)
+        spare = room if in_fallback else _free_bytes(fallback)
         if spare is not None and spare < HAND_OVER_MIN_ROOM:  # the same full disk, often
             raise NoRoomError(f"no room for {namespace}'s own cache, which cannot fall back on a full disk: "
                               f"{room >> 20} MiB free at {directory}, {spare >> 20} MiB at {fallback} "
