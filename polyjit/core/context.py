@@ -384,9 +384,7 @@ def _context_dropped(device: weakref.ref[Device], driver: Any, ordinal: int, poo
     its streams were closed after their work: free the pools now."""
     dev = device()
     if dev is not None:
-        dev.released.append(_Release(dev, pools, constants))
-        if dev.closed:  # no safe point comes again (found by review: the pools leaked), so this
-            dev.reap(blocking=False)  # is one; a pool a view still pins waits for its unpin
+        dev.release_later(_Release(dev, pools, constants))  # a pool a view pins waits for its unpin
         return
     # The device is garbage in the same cycle, its streams not closed yet (their finalizers
     # run after this): a driver that can frees once its backend's streams (any device's: a copy

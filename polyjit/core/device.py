@@ -358,15 +358,8 @@ class Device:
 
     def all_work(self) -> AllOf:
         """An event behind the work of every stream of the device (a stream another thread
-        closes meanwhile has none left: found by review, its StreamClosedError came out here)."""
-        events = []
-        for s in self.streams():
-            try:
-                events.append(s.record())
-            except StreamClosedError:
-                if not s.closed or self.exiting:
-                    raise
-        return AllOf(events)
+        closes meanwhile has none left)."""
+        return AllOf([e for e in (s.record_if_open() for s in self.streams()) if e is not None])
 
     def synchronize(self) -> None:
         """Wait for all work on this device, then release what waited for it."""
@@ -385,6 +378,15 @@ class Device:
         return all(s.is_idle() for s in self.streams())
 
     # -- safe points -------------------------------------------------------------
+
+    def release_later(self, release: Callable[[], None]) -> None:
+        """Queue what a dropped object gives back (a garbage collector's finalizer may run on a
+        thread holding any lock: taking the device lock there deadlocked) for the next safe
+        point. A closed device reaches none again (found by review: its releases leaked), so
+        this is one, if no other thread holds the device."""
+        self.released.append(release)
+        if self.closed:
+            self.reap(blocking=False)
 
     def reap(self, poll: bool = False, wait: bool = False, blocking: bool = True) -> None:
         """Run the releases the garbage collector queued, and free the pools whose work is done

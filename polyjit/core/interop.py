@@ -68,9 +68,7 @@ class _Pin:
         """The garbage collector may run anywhere, a thread holding a stream's lock included:
         the unpin waits for the device's next safe point, as every dropped object's release
         does (taking the device lock here deadlocked, or freed a pool twice)."""
-        self.device.released.append(functools.partial(self.device.unpin, self.pool))
-        if self.device.closed:  # a closed device reaches no safe point again: this is one
-            self.device.reap(blocking=False)
+        self.device.release_later(functools.partial(self.device.unpin, self.pool))
 
 
 class Exported:
@@ -208,9 +206,8 @@ def init_from_dlpack(ctx: Context, node: Node, obj: Any) -> Context:
         need = max(device.info.import_alignment or device.info.base_alignment, node.dtype.itemsize)
         aligned = taken.address % need == 0
         if here is not None and taken.device == tuple(here) and aligned and taken.nbytes:
-            _refuse_overlap(ctx, node, taken.address, taken.nbytes)
+            own = _place(ctx, node, taken.address, taken.nbytes)
             read_only = frozenset([node]) if taken.read_only else frozenset()  # no write may reach it
-            own = _own_buffer(ctx, node, taken.address, taken.nbytes)
             if own is not None:  # the node's own memory back: the same buffer, its events and all
                 return ctx._child({node: own}, read_only=read_only)
             handle = device.driver.wrap_address(device.ordinal, taken.address, taken.nbytes)  # type: ignore[attr-defined]
@@ -229,33 +226,26 @@ def init_from_dlpack(ctx: Context, node: Node, obj: Any) -> Context:
             taken.release()
 
 
-def _own_buffer(ctx: Context, node: Node, address: int, nbytes: int) -> BufferLoc | None:
-    """The node's buffer in ``ctx`` when ``[address, address + nbytes)`` is exactly it (its
-    own export taken again). Found by review: adopted as a new pool, the memory had events of
-    its own, and a reader on another stream no longer waited for the parent's writer."""
-    loc = ctx.buffers.get(node)
-    if loc is None or nbytes != node.nbytes:
-        return None
+def _place(ctx: Context, node: Node, address: int, nbytes: int) -> BufferLoc | None:
+    """Where ``[address, address + nbytes)`` lies among ``ctx``'s buffers: the node's own
+    buffer when it is exactly that (its own export taken again: found by review, adopted as a
+    new pool it had events of its own, and a reader on another stream no longer waited for
+    the parent's writer), else None; raise when it overlaps another node's buffer (two nodes
+    on one memory would break every kernel's no-alias assumption)."""
     device = ctx.device
-    with device.lock:
-        ctx.check_alive()
-        start = device.driver.address(device.pool_handle(loc.pool_id), loc.offset)  # type: ignore[attr-defined]
-    return loc if start == address else None
-
-
-def _refuse_overlap(ctx: Context, node: Node, address: int, nbytes: int) -> None:
-    """Raise when ``[address, address + nbytes)`` overlaps the buffer of another node of
-    ``ctx``: two nodes on one memory would break every kernel's no-alias assumption."""
-    device = ctx.device
+    own = None
     with device.lock:  # the pools must not be freed between the check and the lookups
         ctx.check_alive()  # a finalize() since the caller's check: FinalizedError, not "no pool (freed?)"
         for other, loc in ctx.buffers.items():
-            if other is node or not other.nbytes:
+            if not other.nbytes:
                 continue
             start = device.driver.address(device.pool_handle(loc.pool_id), loc.offset)  # type: ignore[attr-defined]
-            if start < address + nbytes and address < start + other.nbytes:
+            if other is node:
+                own = loc if start == address and nbytes == node.nbytes else None
+            elif start < address + nbytes and address < start + other.nbytes:
                 raise AliasedMemoryError(f"init_from_dlpack of {node.label} on {device.device_id}: the tensor's "
                                          f"memory overlaps {other.label}'s buffer in this context; use that node")
+    return own
 
 
 @contextlib.contextmanager

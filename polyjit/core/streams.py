@@ -401,16 +401,23 @@ class Stream:
         else:
             event.synchronize()
 
+    def record_if_open(self) -> Event | None:
+        """An event behind the work enqueued so far, or None where another thread closed the
+        stream meanwhile, which it does after its work (found by review: its StreamClosedError
+        came out of Device.synchronize and all_work); at exit, StreamClosedError."""
+        try:
+            return self.record()
+        except StreamClosedError:
+            if self.closed and not self.device.exiting:
+                return None
+            raise
+
     def synchronize(self) -> None:
         if self.closed:
             return
-        try:
-            event = self.record()
-        except StreamClosedError:
-            if self.closed and not self.device.exiting:  # closed by another thread since: after its work
-                return
-            raise
-        event.synchronize()
+        event = self.record_if_open()
+        if event is not None:
+            event.synchronize()
 
     # -- release --------------------------------------------------------------------
 

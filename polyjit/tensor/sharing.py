@@ -10,11 +10,10 @@ half enqueued. A plan that shares nothing takes its own lock only.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 if TYPE_CHECKING:
@@ -86,52 +85,46 @@ def _shared_locks(owner: Any) -> tuple[Any, ...]:
         return locks
 
 
-@contextlib.contextmanager
-def holding_shared(owner: Any) -> Iterator[list[Plan]]:
-    """Hold the locks of ``owner`` (a plan, or a data_parallel: its own lock first) and of every
-    plan sharing its state, directly or through another sharer, in one order (by id); yields
-    those plans. Found by review: a sharer's ``state_dict()`` held its own lock only, so it read
-    parameters from different steps of the owner's training thread, and a ``load_state_dict()``
-    came out torn."""
-    with contextlib.ExitStack() as stack:
-        if not _is_plan(owner):
-            stack.enter_context(owner._lock)
-        with _SHARING:
-            plans = _sharing_plans(owner)
-        for plan in plans:
-            stack.enter_context(plan._lock)
-        yield plans
+def _holding(owner: Any, call: Callable[[], R]) -> R:
+    """``call()`` holding the locks of ``owner``'s sharing tree, in their one order
+    (:func:`_shared_locks`). Found by review: a sharer's ``state_dict()`` held its own lock
+    only, so it read parameters from different steps of the owner's training thread, and a
+    ``load_state_dict()`` came out torn."""
+    locks = _shared_locks(owner)
+    taken = 0
+    try:
+        for lock in locks:
+            lock.acquire()
+            taken += 1
+        return call()
+    finally:
+        for lock in reversed(locks[:taken]):
+            lock.release()
 
 
 def reset_shared(owner: Any, reset_owner: Callable[[], None] | None = None) -> None:
     """Reset the state of ``owner`` (a plan, or a data_parallel: ``reset_owner`` resets its
-    replicas) and of every plan sharing it, holding all their locks (:func:`holding_shared`),
-    so no step of theirs is half enqueued meanwhile."""
-    with holding_shared(owner) as plans:
+    replicas) and of every plan sharing it, holding all their locks, so no step of theirs is
+    half enqueued meanwhile."""
+    def reset() -> None:
         if reset_owner is not None:
             reset_owner()
+        with _SHARING:
+            plans = _sharing_plans(owner)
         for plan in plans:
             if not plan._state.context.finalized:  # a closed sharer's buffers are gone
                 plan._state.reset(plan.program.persistent)
+    _holding(owner, reset)
 
 
 def whole_state(method: Callable[Concatenate[Plan, P], R]) -> Callable[Concatenate[Plan, P], R]:
     """``@serialized`` for what reads or writes a plan's state: a plan that shares state
-    (``share=``, either side) takes the locks of everything sharing it (:func:`holding_shared`),
-    so no call of one sees another's step half enqueued; any other plan takes its own."""
+    (``share=``, either side) takes the locks of everything sharing it, so no call of one
+    sees another's step half enqueued; any other plan takes its own."""
     @functools.wraps(method)
     def locked(self: Plan, *args: P.args, **kwargs: P.kwargs) -> R:
         if self._share is None and not self._shared:
             with self._lock:
                 return method(self, *args, **kwargs)
-        locks = _shared_locks(state_owner(self))
-        taken = 0
-        try:
-            for lock in locks:
-                lock.acquire()
-                taken += 1
-            return method(self, *args, **kwargs)
-        finally:
-            for lock in reversed(locks[:taken]):
-                lock.release()
+        return _holding(state_owner(self), lambda: method(self, *args, **kwargs))
     return locked
