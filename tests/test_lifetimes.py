@@ -1365,3 +1365,39 @@ def test_a_dropped_backend_over_a_shared_driver_waits_for_its_own_streams_only()
         del be, dev, ctx
         gc.collect()
     assert driver.allocated_bytes(0) == before
+
+
+def test_releases_on_a_closed_device_held_by_another_thread_are_not_lost() -> None:
+    """Found by review: on a closed device, a release queued while another thread held the
+    device lock (a thread reading memory_stats()) waited for a safe point that never came: the
+    pools of 400 dropped views stayed allocated. A thread of the device's own now waits for the
+    lock and gives them back."""
+    from polyjit.backends.cpu import CpuDriver
+
+    be = Backend(CpuDriver(1))
+    dev = be.get_device(0)
+    n = 1 << 16
+    x = Node("x", (n,))
+    contexts = [dev.make_context().init_from_host(x, np.ones(n, np.float32)) for _ in range(8)]
+    views = [np.from_dlpack(c.export(x)) for c in contexts]
+    be.close()
+    holding, let_go = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with dev.lock:
+            holding.set()
+            let_go.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert holding.wait(30)
+    del contexts, views
+    gc.collect()  # the releases are queued while the other thread holds the device
+    assert be.driver.allocated_bytes(0) > 0
+    let_go.set()
+    holder.join(30)
+    deadline = time.monotonic() + 30
+    while be.driver.allocated_bytes(0) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert be.driver.allocated_bytes(0) == 0
+    assert not dev.released
