@@ -157,6 +157,7 @@ def test_bench_tensor_runs(tmp_path: Path) -> None:
     assert "[dispatch]" in out and "[data_parallel]" in out and "[mlp]" in out
     mlp = json.loads((tmp_path / "bench.json").read_text())["mlp"]
     assert mlp["fraction_of_matmul"] > 0 and mlp["step_of_numpy_products"] > 0  # both references
+    assert mlp["fraction_of_matmul_call"] > 0 and mlp["matmul_GFLOPs"] > 0
 
 
 def _run_bench(args: list[str]) -> str:
