@@ -28,6 +28,7 @@ Every call runs in three steps (docs/distributed.md, "Design"):
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import functools
 import math
@@ -175,19 +176,26 @@ class Comm:
             raise InvalidArgumentError(f"Comm needs an mpi4py communicator, got {type(base).__name__}")
         if base == MPI.COMM_NULL:
             raise InvalidArgumentError("Comm needs a communicator, got MPI.COMM_NULL (no ranks)")
+        if base.Is_inter():  # found by review: its calls reduced over one rank, without an error
+            raise InvalidArgumentError("Comm needs an intracommunicator, got an intercommunicator "
+                                       "(Merge() it into one first)")
         self.mpi: Any = base
         self.rank = int(base.Get_rank())
         self.size = int(base.Get_size())
         self._timeout = default_timeout() if timeout is None else _check_timeout(timeout, "Comm(timeout=)")
         self.cuda_aware = mpi_cuda_aware() if cuda_aware is None else bool(cuda_aware)
         self._seconds = self.timeout
-        self._data: Any = self._dup(base)
-        try:
-            self._ctl: Any = self._dup(base)
-        except PolyjitError:
-            with contextlib.suppress(Exception):
-                self._data.Free()
-            raise
+        with Comm._dup_lock:
+            self._data: Any = self._dup(base)
+            try:
+                self._ctl: Any = self._dup(base)
+            except CollectiveTimeoutError:  # the next Comm() of this process starts with this pair
+                Comm._pending_dups[base.py2f()].appendleft((self._data, None))
+                raise
+            except PolyjitError:
+                with contextlib.suppress(Exception):
+                    self._data.Free()
+                raise
         tag_ub = base.Get_attr(MPI.TAG_UB)
         self._max_tag = (int(tag_ub) if tag_ub else 32767) // 2 - TAG_P2P
         # Any thread may call: one call at a time, so a call's number, its header and its data
@@ -212,6 +220,13 @@ class Comm:
 
     _live = 0  # Comms of this process not freed (each holds two MPI communicators)
     _live_lock = threading.Lock()
+    # Per base communicator (its handle), the duplications a timed-out Comm() left posted or
+    # made, oldest first: the next Comm() takes them before it posts any (found by review:
+    # a new Idup paired with the peer's duplication of the timed-out one, and the two ranks'
+    # Comms crossed). One Comm() at a time duplicates: the pairs go in order.
+    _pending_dups: collections.defaultdict[int, collections.deque[tuple[Any, Any]]] = \
+        collections.defaultdict(collections.deque)
+    _dup_lock = threading.Lock()
 
     def __enter__(self) -> Comm:
         return self
@@ -222,15 +237,17 @@ class Comm:
     def _dup(self, base: Any) -> Any:
         """``MPI_Comm_idup``, tested until the timeout (a rank that never makes its Comm)."""
         deadline = time.monotonic() + self.timeout if math.isfinite(self.timeout) else math.inf
+        left = Comm._pending_dups[base.py2f()]
         try:
-            new, req = base.Idup()
-            pending = poll([req], deadline, patient=True)
+            new, req = left.popleft() if left else base.Idup()
+            pending = [] if req is None else poll([req], deadline, patient=True)
         except MPI.Exception as e:  # out of communicators (MPICH holds about two thousand)
             raise DriverError(
                 f"rank {self.rank}: Comm(): MPI could not duplicate the communicator ({_mpi_reason(e)}); "
                 f"{Comm._live} Comms of this process are not freed: free those no longer used "
                 "(Comm.free(), or `with Comm() as comm:`)") from None
         if pending:
+            left.appendleft((new, req))
             raise CollectiveTimeoutError(
                 f"rank {self.rank}: Comm(): duplicating the communicator timed out after {self.timeout:g} s: "
                 "a rank did not make its Comm (every rank makes its Comms at the same point)",
@@ -388,7 +405,7 @@ class Comm:
         if op == "mean":
             np.divide(work, self.size, out=work)
         if work.dtype != arr.dtype:
-            arr.reshape(-1)[...] = work
+            _write_back(arr.reshape(-1), work)
         return arr
 
     @one_call
@@ -435,8 +452,11 @@ class Comm:
         if collective not in header.KINDS or collective in ("send", "recv"):
             raise InvalidArgumentError(f"rank {self.rank}: refuse: {collective!r} is not a collective "
                                        f"({', '.join(k for k in header.KINDS if k not in ('send', 'recv'))})")
-        deadline, _ = self._start(timeout)
-        self._refuse_on(error, collective, node, deadline)
+        deadline, problem = self._start(timeout)
+        if not isinstance(error, BaseException):  # found by review: a bare TypeError here, after the join
+            problem = problem or InvalidArgumentError(
+                f"rank {self.rank}: refuse takes the exception to raise, got {type(error).__name__} {error!r}")
+        self._refuse_on(problem or error, collective, node, deadline)
         raise error  # not reached: the join raises it
 
     # -- the two phases ---------------------------------------------------------------------
@@ -509,12 +529,13 @@ class Comm:
             peers = [r for r in range(n) if r != me]
             rreqs = [self._ctl.Irecv(got[r], source=r, tag=TAG_JOIN) for r in peers]
             sreqs = [self._ctl.Isend(hdr, dest=r, tag=TAG_JOIN) for r in peers]
-            pending = poll(rreqs, deadline, patient=True, stop=self._peer_withdrew)
+            keep = (got, hdr, rreqs, sreqs)
+            pending = self._poll(rreqs, deadline, kind, node, keep, patient=True)
             if pending:
                 missing = tuple(peers[i] for i in pending)
                 self._cancel([rreqs[i] for i in pending])
                 self._fail_timeout(kind, node, missing, (got, hdr, sreqs))
-            if poll(sreqs, deadline, patient=True, stop=self._peer_withdrew):  # their receives are posted
+            if self._poll(sreqs, deadline, kind, node, keep, patient=True):  # their receives are posted
                 self._fail_timeout(kind, node, (), (got, hdr, sreqs))
             if self._peer_withdrew():  # its header came, and then it gave the call up
                 self._fail_timeout(kind, node, (), (got, hdr, sreqs))
@@ -545,7 +566,7 @@ class Comm:
         self._p2p_seq[key] = seq + 1
         shown = node if problem is None else None
         mine = header.make(seq, kind, root=tag, dtype=shown.dtype.np if shown else None,
-                           shape=shown.shape if shown else ())
+                           shape=shown.shape if shown else ())  # no name: a send of a into b is a pair
         if problem is not None:
             mine[header.FLAG] = 1
         theirs = np.zeros(header.LENGTH, np.int64)
@@ -554,13 +575,14 @@ class Comm:
             out_tag, in_tag = in_tag, out_tag
         rreq = self._ctl.Irecv(theirs, source=peer, tag=in_tag)
         sreq = self._ctl.Isend(mine, dest=peer, tag=out_tag)
-        if poll([rreq], deadline, patient=True, stop=self._peer_withdrew):
+        keep = (theirs, mine, rreq, sreq)
+        if self._poll([rreq], deadline, kind, node, keep, patient=True):
             self._cancel([rreq])
             # found by review: two ranks that both send to each other read as "did not join"
             hint = f"; if rank {peer} is in a send to this rank too, one of the two must receive first" \
                 if kind == "send" else ""
             self._fail_timeout(kind, node, (peer,), (theirs, mine, sreq), hint=hint)
-        if poll([sreq], deadline, patient=True, stop=self._peer_withdrew) or self._peer_withdrew():
+        if self._poll([sreq], deadline, kind, node, keep, patient=True) or self._peer_withdrew():
             self._fail_timeout(kind, node, (), (theirs, mine, sreq))
         if problem is not None:
             raise problem
@@ -579,15 +601,42 @@ class Comm:
     def _complete(self, requests: list[Any], deadline: float, kind: str, node: Node | None, keep: Any,
                   ctx: Context | None, *more: Node) -> None:
         """Phase 2: wait for the data until the deadline (or a peer's withdrawal)."""
-        if not poll(requests, deadline, stop=self._peer_withdrew):
-            return
-        pins: list[Any] = [keep, requests]
-        if ctx is not None:  # the node's memory itself may be MPI's buffer: keep it allocated
-            for n in (node, *more):
-                if n is not None:
-                    with contextlib.suppress(PolyjitError):
-                        pins.append(ctx.export(n))
-        self._fail_timeout(kind, node, (), pins, joined=True)
+        def pins() -> list[Any]:
+            held: list[Any] = [keep, requests]
+            if ctx is not None:  # the node's memory itself may be MPI's buffer: keep it allocated
+                for n in (node, *more):
+                    if n is not None:
+                        with contextlib.suppress(PolyjitError):
+                            held.append(ctx.export(n))
+            return held
+
+        try:
+            pending = poll(requests, deadline, stop=self._peer_withdrew)
+        except BaseException as e:
+            self._interrupted(e, kind, node, pins())
+            raise
+        if pending:
+            self._fail_timeout(kind, node, (), pins(), joined=True)
+
+    def _poll(self, requests: list[Any], deadline: float, kind: str, node: Node | None, keep: Any, *,
+              patient: bool) -> list[int]:
+        """:func:`poll` of a call's header requests (or a peer's withdrawal), but what interrupts it
+        breaks the Comm (:meth:`_interrupted`)."""
+        try:
+            return poll(requests, deadline, patient=patient, stop=self._peer_withdrew)
+        except BaseException as e:
+            self._interrupted(e, kind, node, keep)
+            raise
+
+    def _interrupted(self, error: BaseException, kind: str, node: Node | None, keep: Any) -> None:
+        """A call's wait interrupted (a KeyboardInterrupt, an exception a signal handler raised)
+        while MPI held its buffers and requests: they are kept for ever, this Comm refuses every
+        later call, and the peers are told (as after a timeout). Found by review: a Ctrl-C in
+        an all_reduce left its header receive posted, which swallowed the next call's header."""
+        self._abandoned.append(keep)
+        self._broken = f"{kind}{_of(node)} was interrupted ({type(error).__name__})"
+        with contextlib.suppress(Exception):
+            self._withdraw(kind)
 
     def _fail_timeout(self, kind: str, node: Node | None, missing: tuple[int, ...], keep: Any,
                       joined: bool = False, hint: str = "") -> None:
@@ -601,10 +650,12 @@ class Comm:
         if gone is not None and missing:  # ranks not here yet, and one that gave up on them
             who = header.ranks_text(missing)
             msg = (f"rank {self.rank}: {what} failed: {who} of {self.size} did not join, and rank {gone} gave "
-                   f"this Comm up meanwhile (its {header.describe(self._notice)} timed out there)")
+                   f"this Comm up meanwhile (its {header.describe(self._notice)} timed out or was interrupted "
+                   "there)")
         elif gone is not None:  # every header came: the one that left
             msg = (f"rank {self.rank}: {what} failed: rank {gone} of {self.size} gave this Comm up "
-                   f"(its {header.describe(self._notice)} timed out there), so the ranks no longer meet")
+                   f"(its {header.describe(self._notice)} timed out or was interrupted there), so the ranks "
+                   "no longer meet")
             missing = (gone,)
         elif missing:
             who = header.ranks_text(missing)
@@ -676,7 +727,7 @@ class Comm:
             buf = _mpi_array(flat, reduce is not None)
             yield buf, buf
             if write and reduce and buf is not flat:
-                flat[...] = buf  # the reduced float32 values, rounded once to bfloat16
+                _write_back(flat, buf)  # the reduced float32 values, rounded once
 
     def _finish_mean(self, ctx: Context, node: Node, host: Array | None, op: str) -> None:
         if op != "mean" or self.size == 1:
@@ -807,10 +858,20 @@ def _mpi_array(flat: Array, reduce: bool) -> Array:
     """What MPI gets for a flat host array: the array itself, but for bfloat16, which MPI has
     no datatype for: its 16-bit patterns (``uint16``, the same memory) where MPI only moves
     it, a float32 copy where MPI reduces it (max and min are exact; a sum is rounded once, when
-    the caller writes the float32 result back to bfloat16)."""
+    the caller writes the float32 result back to bfloat16). float16 is reduced in float32 too
+    (found by review: a mean of 40000s summed to inf in float16, where numpy's is finite)."""
+    if flat.dtype == np.float16 and reduce:
+        return flat.astype(np.float32)
     if flat.dtype != BFLOAT16:
         return flat
     return flat.astype(np.float32) if reduce else flat.view(np.uint16)
+
+
+def _write_back(flat: Array, work: Array) -> None:
+    """The float32 result of a half type's reduction, rounded once into the array (a sum past
+    the type's range is inf, as numpy's own float16 sum is)."""
+    with np.errstate(over="ignore"):
+        flat[...] = work
 
 
 def _mpi_op(op: str, node: Node) -> Any:

@@ -10,22 +10,33 @@ with ``comm=``): one all-reduce of a rank's packed gradients, on replica 0's con
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from polyjit.core.context import Context
+from polyjit.core.errors import InvalidArgumentError
 from polyjit.core.ir import Node
 from polyjit.distributed.comm import Comm
 
 Array = np.ndarray[Any, Any]
 
 
-class RankReduce:
-    """``RankReduce(comm)(ctx, node, peek)``: sum ``node`` over the ranks, in place."""
+# The names of the data parallels that all-reduce over each Comm a caller passed: the calls'
+# headers tell them apart by node name, which the name makes (found by review: two models on
+# one Comm, stepped from two threads, summed each other's gradients without an error).
+_names_on: weakref.WeakKeyDictionary[Comm, set[str]] = weakref.WeakKeyDictionary()
+_names_lock = threading.Lock()
 
-    def __init__(self, comm: Any) -> None:
+
+class RankReduce:
+    """``RankReduce(comm, name)(ctx, node, peek)``: sum ``node`` over the ranks, in place;
+    ``name``: the data parallel's, unique among those over one Comm."""
+
+    def __init__(self, comm: Any, name: str) -> None:
         from polyjit.distributed.nccl import NcclComm
 
         self.nccl: NcclComm | None = comm if isinstance(comm, NcclComm) else None
@@ -36,10 +47,20 @@ class RankReduce:
             self.comm = comm
         else:
             self.comm, self.owned = Comm(comm), True
+        self.name = name
+        with _names_lock:
+            taken = _names_on.setdefault(self.comm, set())
+            if name in taken:
+                raise InvalidArgumentError(
+                    f"data_parallel {name!r}: another data_parallel of that name all-reduces over {self.comm!r}: "
+                    "give each model over one Comm its own name= (the same on every rank)")
+            taken.add(name)
 
     def close(self) -> None:
         """Free the Comm made here (collective, as closing the data parallel is); a Comm the
         caller passed stays theirs."""
+        with _names_lock:
+            _names_on.get(self.comm, set()).discard(self.name)
         if self.owned:
             self.comm.free()
 

@@ -14,14 +14,18 @@ without starting MPI in their own process).
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import sysconfig
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from polyjit.core.dtypes import is_int
 from polyjit.core.errors import InvalidArgumentError, PolyjitError
@@ -81,6 +85,8 @@ def mpiexec_flavor(mpiexec: str) -> str:
 
 def mpiexec_command(n: int, *args: str, mpiexec: str | None = None, python: bool = True) -> list[str]:
     """``[mpiexec, flags..., -n, N, python, *args]`` (``python=False``: no interpreter)."""
+    if not is_int(n) or n < 1:  # found by review: 0, -3, 2.9 and True became -n 0, -n -3, -n 2, -n 1
+        raise InvalidArgumentError(f"mpiexec_command: n is a number of ranks (an int >= 1), got {n!r}")
     exe = mpiexec or find_mpiexec()
     flags: list[str] = []
     if mpiexec_flavor(exe) == "openmpi":
@@ -90,34 +96,53 @@ def mpiexec_command(n: int, *args: str, mpiexec: str | None = None, python: bool
     return [exe, *flags, "-n", str(int(n)), *([sys.executable] if python else []), *args]
 
 
-def local_rank(comm: Any = None) -> tuple[int, int]:
-    """(this rank's index among the ranks on its machine, how many ranks are on it)."""
-    from mpi4py import MPI
+def local_rank(comm: Any = None, *, timeout: float | None = None) -> tuple[int, int]:
+    """(this rank's index among the ranks on its machine, how many ranks are on it): a
+    collective call over ``comm`` (default: COMM_WORLD), within ``timeout`` seconds (default:
+    the Comm's)."""
+    return _local_rank(comm, timeout, None)
 
-    base = MPI.COMM_WORLD if comm is None else getattr(comm, "mpi", comm)
-    node = base.Split_type(MPI.COMM_TYPE_SHARED)
-    try:
-        return int(node.Get_rank()), int(node.Get_size())
-    finally:
-        node.Free()
+
+def _local_rank(comm: Any, timeout: float | None, problem: Exception | None) -> tuple[int, int]:
+    """The exchange of local_rank through a Comm (a timeout, a rank's refusal: found by review,
+    MPI's Split_type blocked for ever where one rank refused its arguments first). With
+    ``problem`` this rank refuses the call: it raises that, the others CollectiveRefusedError."""
+    from polyjit.distributed.comm import Comm
+
+    with Comm(comm, timeout=timeout) as c:
+        if problem is not None:
+            c.refuse(problem, "all_reduce")
+        machines = np.zeros(c.size, np.int64)  # each rank's machine, by a hash of its name
+        machines[c.rank] = int.from_bytes(hashlib.blake2b(socket.gethostname().encode(), digest_size=7).digest(),
+                                          "little")
+        machines = c.all_reduce_array(machines, "sum")
+    mine = machines[c.rank]
+    return int((machines[: c.rank] == mine).sum()), int((machines == mine).sum())
 
 
 def bind_to_cores(cores_per_rank: int | None = None, comm: Any = None,
-                  cores: Sequence[int] | None = None) -> list[int]:
+                  cores: Sequence[int] | None = None, *, timeout: float | None = None) -> list[int]:
     """Pin this process to its own share of the machine's cores and return them.
 
     The ranks of one machine split ``cores`` (default: the cores this process may use) into
     equal consecutive groups of ``cores_per_rank`` (default: as many as divide evenly, at
     least one); with more ranks than cores, ranks share. Call it before the cpu backend is
     first used: a cpu device is the set of cores the process may use when it starts
-    (``POLYJIT_CPU_DEVICES`` then splits that set).
+    (``POLYJIT_CPU_DEVICES`` then splits that set). A collective call (:func:`local_rank`):
+    a rank whose arguments are refused raises its InvalidArgumentError, the others
+    CollectiveRefusedError.
     """
-    if cores_per_rank is not None and (not is_int(cores_per_rank) or cores_per_rank < 1):
-        raise InvalidArgumentError(f"bind_to_cores: cores_per_rank is a positive int, got {cores_per_rank!r}")
-    allowed = sorted(_core_numbers(cores)) if cores is not None else sorted(os.sched_getaffinity(0))
-    if not allowed:
-        raise InvalidArgumentError("bind_to_cores: cores=[] leaves no core to bind to")
-    here, count = local_rank(comm)
+    problem: Exception | None = None
+    allowed: list[int] = []
+    try:
+        if cores_per_rank is not None and (not is_int(cores_per_rank) or cores_per_rank < 1):
+            raise InvalidArgumentError(f"bind_to_cores: cores_per_rank is a positive int, got {cores_per_rank!r}")
+        allowed = sorted(_core_numbers(cores)) if cores is not None else sorted(os.sched_getaffinity(0))
+        if not allowed:
+            raise InvalidArgumentError("bind_to_cores: cores=[] leaves no core to bind to")
+    except InvalidArgumentError as e:
+        problem = e
+    here, count = _local_rank(comm, timeout, problem)
     per = cores_per_rank or max(len(allowed) // count, 1)
     start = (here * per) % len(allowed)
     mine = [allowed[(start + k) % len(allowed)] for k in range(min(per, len(allowed)))]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,7 @@ from polyjit.core.dtypes import DType, as_dtype, is_int
 from polyjit.core.errors import (
     DTypeMismatchError,
     FinalizedError,
+    InvalidArgumentError,
     InvalidProgramError,
     ShapeMismatchError,
     UnknownDeviceError,
@@ -109,9 +111,11 @@ class DataParallel:
         comm: Any = None,
     ) -> None:
         self._lock = threading.RLock()  # threads that share it take turns (state.serialized)
+        if not isinstance(name, str):
+            raise InvalidArgumentError(f"data_parallel's name is a str, not {type(name).__name__}")
         self.devices = resolve_devices(devices)
         n = len(self.devices)
-        self._rank_reduce: RankReduce | None = _rank_reduce(comm)
+        self._rank_reduce: RankReduce | None = _rank_reduce(comm, name)
         self.comm: Comm | None = self._rank_reduce.comm if self._rank_reduce is not None else None
         self.ranks = self.comm.size if self.comm is not None else 1
         self.rank = self.comm.rank if self.comm is not None else 0
@@ -133,7 +137,8 @@ class DataParallel:
         total = n * self.ranks
         if self.comm is not None:
             # every rank must build the same thing: a refusal on one rank is one on all
-            self.comm.check_same("data_parallel set-up (devices per rank, global batch)", [n, self.batch_size])
+            self.comm.check_same("data_parallel set-up (devices per rank, global batch, name's hash)",
+                                 [n, self.batch_size, zlib.crc32(name.encode())])
         if self.batch_size == 0:
             raise ShapeMismatchError(f"a batch of 0 rows (inputs {', '.join(sorted(inputs))}): each device needs "
                                      "a shard of at least one row")
@@ -157,7 +162,9 @@ class DataParallel:
         if self.comm is not None:  # the loss rides along: one all-reduce gives the global loss too
             dtype = self.params[0].dtype
             pieces.append(ops.reshape(loss if loss.dtype == dtype else ops.cast(loss, dtype), (1,)))
-        flat = ops.concat(pieces).named("grads")
+        # with comm, a node of its own (the loss rides along) named by the model: the ranks'
+        # all-reduce headers tell models over one Comm apart by it
+        flat = ops.concat(pieces, name=f"{name}_grads").named("grads")
         self.grads_node = flat.node
         self.loss_node = loss.node
         # The update reads the packed (all-reduced) gradients as a leaf: its computation is elsewhere.
@@ -189,6 +196,19 @@ class DataParallel:
         if self.comm is not None:
             self.timings["mpi"] = []  # the MPI all-reduce alone (inside "allreduce")
         self._global_loss: float | None = None
+        self._take_rank_0_state()
+
+    def _take_rank_0_state(self) -> None:
+        """With ``comm``: every rank's replicas take rank 0's parameters and optimizer state
+        (a collective call), as PyTorch's DistributedDataParallel starts. Found by review: ranks
+        whose parameters started apart (a seed per rank) trained apart, and reported one loss."""
+        if self.comm is None:
+            return
+        mine = self.replicas[0].state.state_dict(self.persistent)  # the same names, in one order, on every rank
+        agreed = {k: self.comm.broadcast_array(v, 0) for k, v in mine.items()}
+        staged = stage_state(self.persistent, agreed, True, "rank 0's state")
+        for rep in self.replicas:
+            rep.state.write(staged)
 
     # -- setup ------------------------------------------------------------------------
 
@@ -381,17 +401,19 @@ class DataParallel:
     @serialized
     def load_state_dict(self, values: Mapping[str, Any], strict: bool = True) -> None:
         """Set parameters and optimizer state on every replica (checked as Plan.load_state_dict
-        checks them: on an error nothing has changed)."""
+        checks them: on an error nothing has changed). With ``comm``, a collective call: every
+        rank ends with rank 0's values."""
         self._check_open("load_state_dict()")
         self.write_state(stage_state(self.persistent, values, strict, "this data_parallel"))
 
     @serialized
     def write_state(self, staged: Sequence[tuple[Tensor, Array]]) -> None:
         """Copy checked host arrays (``state.stage_state``) into every replica's buffers (a plan
-        sharing this state loads through here)."""
+        sharing this state loads through here); with ``comm``, collective, as load_state_dict."""
         self._check_open("load_state_dict()")
         for rep in self.replicas:
             rep.state.write(staged)
+        self._take_rank_0_state()
 
     @serialized
     def parameters(self, replica: int = 0) -> dict[str, Array]:
@@ -445,13 +467,14 @@ class DataParallel:
     @serialized
     def reset(self) -> None:
         """Put the parameters and optimizer state back to their initial values on every
-        replica, and the state of every plan compiled with ``share=`` this (their own
-        parameters and optimizer state)."""
+        replica (with ``comm``, a collective call: rank 0's), and the state of every plan
+        compiled with ``share=`` this (their own parameters and optimizer state)."""
         self._check_open("reset()")
 
         def replicas() -> None:
             for rep in self.replicas:
                 rep.state.reset(self.persistent)
+            self._take_rank_0_state()
         reset_shared(self, replicas)
 
     @serialized
@@ -487,7 +510,7 @@ def _union(*groups: Sequence[Tensor]) -> list[Tensor]:
     return list(dict.fromkeys(t for group in groups for t in group))
 
 
-def _rank_reduce(comm: Any) -> RankReduce | None:
+def _rank_reduce(comm: Any, name: str) -> RankReduce | None:
     """The all-reduce between the ranks for ``comm``: a polyjit.distributed.Comm, an
     NcclComm, or an mpi4py communicator (wrapped in a Comm: a collective call). Only here is
     polyjit.distributed (and so mpi4py) imported."""
@@ -495,7 +518,7 @@ def _rank_reduce(comm: Any) -> RankReduce | None:
         return None
     from polyjit.distributed.data_parallel import RankReduce
 
-    return RankReduce(comm)
+    return RankReduce(comm, name)
 
 
 def _gap(a: Array, b: Array) -> float:

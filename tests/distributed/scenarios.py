@@ -15,8 +15,10 @@ from __future__ import annotations
 import functools
 import math
 import os
+import signal
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -960,6 +962,7 @@ def spread_nan() -> None:
     parameters were NaN (builtin max() drops a NaN that comes second, and MPI's max and min
     may drop it too). A NaN parameter on any rank now gives NaN on every rank."""
     from polyjit import tensor as pt
+    from polyjit.tensor.state import stage_state
 
     comm = Comm(timeout=TIMEOUT)
     mlp = pt.MLP("mlp", [2, 4, 2], seed=0)
@@ -973,16 +976,154 @@ def spread_nan() -> None:
     state[name].reshape(-1)[0] = np.inf  # the same inf everywhere: equal (inf - inf is NaN)
     dp.load_state_dict(state)
     assert dp.rank_spread() == 0.0 and dp.replica_spread() == 0.0, (dp.rank_spread(), dp.replica_spread())
-    if me == ranks - 1:
+    if me == ranks - 1:  # not load_state_dict, which gives every rank rank 0's values
         name = sorted(state)[-1]
         state[name] = state[name].copy()
         state[name].reshape(-1)[-1] = np.nan  # one value of one parameter, on one rank
-        dp.load_state_dict(state)
+        staged = stage_state(dp.persistent, state, True, "test")
+        for rep in dp.replicas:
+            rep.state.write(staged)
     assert np.isnan(dp.rank_spread()), dp.rank_spread()
     spread = dp.replica_spread()
     assert np.isnan(spread) if me == ranks - 1 else spread == 0.0, spread
     dp.close()
     say("spread_nan")
+
+
+def dp_rank0_state() -> None:
+    """Found by review: ranks whose parameters started apart (a seed per rank) trained apart and
+    reported one loss; load_state_dict() and reset() the same. Every rank now takes rank 0's
+    state, as PyTorch's DistributedDataParallel starts."""
+    from polyjit import tensor as pt
+
+    comm = Comm(timeout=TIMEOUT)
+    w = pt.param("w", (2, 2), init=np.full((2, 2), me + 1, np.float32))  # each rank its own start
+    dp = pt.data_parallel(lambda x: (x @ w).mean(), {"x": ((ranks * 2, 2), "float32")}, optimizer=pt.SGD(0.1),
+                          devices=cpu2().devices(), comm=comm, name="rank0")
+    np.testing.assert_array_equal(dp.parameters()["w"], np.ones((2, 2), np.float32))
+    assert dp.rank_spread() == 0.0 and dp.replica_spread() == 0.0
+    dp.step(x=np.ones((ranks * 2, 2), np.float32))
+    assert dp.rank_spread() == 0.0
+    dp.load_state_dict({"w": np.full((2, 2), 10 * (me + 1), np.float32)})
+    np.testing.assert_array_equal(dp.parameters(1)["w"], np.full((2, 2), 10, np.float32))
+    dp.reset()
+    np.testing.assert_array_equal(dp.parameters(1)["w"], np.ones((2, 2), np.float32))
+    dp.close()
+    say("dp_rank0_state")
+
+
+def dp_two_models() -> None:
+    """Found by review: two data parallels over one Comm all-reduced nodes of one name, so
+    stepped from two threads they summed each other's gradients without an error. Their
+    gradients are named by the model now: a step of one paired with the other's raises
+    CollectiveMismatchError on every rank, and a second model of the same name is refused."""
+    from polyjit import tensor as pt
+
+    comm = Comm(timeout=TIMEOUT)
+    made = {}
+    for name in ("a", "b"):
+        v = pt.param(f"{name}_w", (2,), init="ones")
+        made[name] = pt.data_parallel(lambda x, v=v: (x * v).mean(), {"x": ((ranks, 2), "float32")},
+                                      optimizer=pt.SGD(0.1), devices=cpu2().devices()[:1], comm=comm, name=name)
+    v = pt.param("a2_w", (2,), init="ones")
+    _expect(InvalidArgumentError, lambda: pt.data_parallel(lambda x: (x * v).mean(), {"x": ((ranks, 2), "float32")},
+                                                           optimizer=pt.SGD(0.1), devices=cpu2().devices()[:1],
+                                                           comm=comm, name="a"), "'a'", "its own name=")
+    first = "a" if me == 0 else "b"
+    x = np.ones((ranks, 2), np.float32)
+    _expect(CollectiveMismatchError, lambda: made[first].step(x=x), "a_grads", "b_grads")
+    for name in ("a", "b"):  # in one order: both train, alike on every rank
+        made[name].step(x=x)
+        assert made[name].rank_spread() == 0.0
+        made[name].close()
+    comm.barrier()
+    say("dp_two_models")
+
+
+def interrupted() -> None:
+    """Found by review: a KeyboardInterrupt in an all_reduce (a Ctrl-C while a peer is late)
+    left its header receive posted and the Comm unbroken: the next call's header was
+    swallowed, and it waited its whole timeout. The Comm is now broken at once, and the peer
+    fails at once, naming the rank that gave it up."""
+    comm = Comm(timeout=TIMEOUT)
+    if me == 0:
+        def interrupt(*_: object) -> None:
+            raise KeyboardInterrupt
+
+        old = signal.signal(signal.SIGALRM, interrupt)
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        try:
+            _expect(KeyboardInterrupt, lambda: comm.all_reduce_array(np.ones(4)))
+        finally:
+            signal.signal(signal.SIGALRM, old)
+        t0 = time.monotonic()
+        _expect(CollectiveTimeoutError, lambda: comm.all_reduce_array(np.ones(4)), "was interrupted",
+                "KeyboardInterrupt")
+        assert time.monotonic() - t0 < 1.0
+    else:
+        time.sleep(1.5)  # late: rank 0 is interrupted while it waits
+        t0 = time.monotonic()
+        _expect(CollectiveTimeoutError, lambda: comm.all_reduce_array(np.ones(4)), "rank 0", "gave this Comm up")
+        assert time.monotonic() - t0 < TIMEOUT / 2
+    comm.free()
+    say("interrupted")
+
+
+def dup_retry() -> None:
+    """Found by review: after a Comm() that timed out, the next Comm() of that rank paired its
+    duplications with the wrong ones of the peers': a rank's Comm "succeeded" and its calls
+    timed out. The next Comm() now takes the timed-out rank's pending duplications first."""
+    if me == 0:
+        _expect(CollectiveTimeoutError, lambda: Comm(timeout=0.5), "Comm()", "did not make its Comm")
+    else:
+        time.sleep(1.5)
+    comm = Comm(timeout=TIMEOUT)
+    got = comm.all_reduce_array(np.array([me + 1.0]))
+    assert got[0] == ranks * (ranks + 1) / 2, got
+    comm.free()
+    say("dup_retry")
+
+
+def intercomm() -> None:
+    """Found by review: Comm() took an intercommunicator (its size the local group's), whose
+    calls then reduced over one rank without an error."""
+    local = WORLD.Split(me % 2, me)
+    inter = local.Create_intercomm(0, WORLD, 1 - (me % 2), tag=7)
+    _expect(InvalidArgumentError, lambda: Comm(inter, timeout=TIMEOUT), "intercommunicator")
+    inter.Free()
+    local.Free()
+    say("intercomm")
+
+
+def half_mean() -> None:
+    """Found by review: a float16 mean of 40000s summed to inf in float16; it is reduced in
+    float32, rounded once (a sum past float16's range is still inf, as numpy's)."""
+    comm = Comm(timeout=TIMEOUT)
+    got = comm.all_reduce_array(np.array([40000, 1], np.float16), "mean")
+    np.testing.assert_array_equal(got, np.array([40000, 1], np.float16))
+    assert got.dtype == np.float16
+    node = Node("half_mean", (2,), "float16")
+    ctx = cpu2().get_device(0).make_context().init_from_host(node, np.array([40000, 1], np.float16))
+    comm.all_reduce(ctx, node, "mean")
+    np.testing.assert_array_equal(ctx.read(node), np.array([40000, 1], np.float16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        total = comm.all_reduce_array(np.array([40000, 1], np.float16), "sum")
+    assert np.isinf(total[0]) and total[1] == ranks, total
+    say("half_mean")
+
+
+def bind_refused() -> None:
+    """Found by review: a rank whose bind_to_cores refused its arguments left the others in
+    MPI's Split_type for ever; they now raise CollectiveRefusedError naming it."""
+    from polyjit.distributed import bind_to_cores, local_rank
+
+    assert local_rank() == (me, ranks)  # one machine
+    if me == 0:
+        _expect(InvalidArgumentError, lambda: bind_to_cores(cores=[], timeout=TIMEOUT), "cores=[]")
+    else:
+        _refused(lambda: bind_to_cores(timeout=TIMEOUT), 0, "all_reduce")
+    say("bind_refused")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1240,6 +1381,9 @@ SCENARIOS: dict[str, Callable[[], None]] = {
     "comm_lifetimes": comm_lifetimes, "comm_threads": comm_threads,
     "nan_fold": nan_fold, "late_rank": late_rank,
     "lock_timeout": lock_timeout, "gave_up_while_missing": gave_up_while_missing,
+    "dp_rank0_state": dp_rank0_state, "dp_two_models": dp_two_models,
+    "interrupted": interrupted, "dup_retry": dup_retry, "half_mean": half_mean, "bind_refused": bind_refused,
+    "intercomm": intercomm,
 }
 
 

@@ -124,9 +124,11 @@ def mpiexec() -> str:
 
 JOB2 = ("collectives", "bfloat16", "ordering", "mismatch", "local_failure", "export_path", "staged", "data_parallel:2",
         "dp_local_failure", "spread_nan", "world_threads", "comm_threads", "comm_lifetimes", "nan_fold", "late_rank",
-        "lock_timeout", "nccl_id", "nccl_refusal", "timeout")
+        "lock_timeout", "nccl_id", "nccl_refusal", "dp_rank0_state", "dp_two_models", "half_mean",
+        "bind_refused", "intercomm", "dup_retry", "interrupted", "timeout")
 JOB3 = ("collectives", "bfloat16", "mismatch", "local_failure", "data_parallel:2", "dp_local_failure", "spread_nan",
-        "comm_threads", "nan_fold", "gave_up_while_missing", "timeout")
+        "comm_threads", "nan_fold", "gave_up_while_missing", "dp_rank0_state", "dp_two_models", "half_mean",
+        "bind_refused", "dup_retry", "interrupted", "timeout")
 
 
 @pytest.fixture(scope="module")
@@ -187,6 +189,30 @@ def test_a_data_parallel_step_that_fails_on_one_rank_fails_on_every_rank_in_step
 
 def test_a_nan_parameter_shows_in_the_spreads(job: Job) -> None:
     job.passed("spread_nan")
+
+
+def test_every_rank_starts_loads_and_resets_with_rank_0s_state(job: Job) -> None:
+    job.passed("dp_rank0_state")
+
+
+def test_two_data_parallels_over_one_comm_never_sum_each_others_gradients(job: Job) -> None:
+    job.passed("dp_two_models")
+
+
+def test_half_means_reduce_in_float32(job: Job) -> None:
+    job.passed("half_mean")
+
+
+def test_bind_to_cores_refused_on_one_rank_is_refused_on_every_rank(job: Job) -> None:
+    job.passed("bind_refused")
+
+
+def test_a_comm_made_after_one_timed_out_pairs_with_the_peers(job: Job) -> None:
+    job.passed("dup_retry")
+
+
+def test_an_interrupted_call_breaks_the_comm_at_once_on_every_rank(job: Job) -> None:
+    job.passed("interrupted")
 
 
 def test_threads_sharing_a_comm_never_get_each_others_values(job: Job) -> None:
@@ -374,6 +400,32 @@ def test_one_node_as_both_sides_of_a_gather_is_refused_by_name() -> None:
         "    except InvalidArgumentError as e: print('refused', 'same_x' in str(e))\n"
         "c.barrier(); print('usable')\n")
     assert out.split() == ["refused", "True", "refused", "True", "usable"], out
+
+
+def test_mpiexec_command_refuses_what_is_not_a_number_of_ranks(tmp_path: Path) -> None:
+    """Found by review: 0, -3, 2.9 and True became -n 0, -n -3, -n 2 and -n 1; "abc" and None
+    a bare ValueError / TypeError."""
+    from polyjit.core.errors import InvalidArgumentError
+
+    for n in (0, -3, 2.9, True, "abc", None):
+        with pytest.raises(InvalidArgumentError, match="number of ranks"):
+            launch.mpiexec_command(n, "x.py", mpiexec=str(tmp_path / "mpiexec"))  # type: ignore[arg-type]
+
+
+def test_a_refusal_that_is_no_exception_is_refused() -> None:
+    """Found by review: refuse("text") raised a bare TypeError after the join."""
+    out = _python(
+        "from polyjit.core.errors import InvalidArgumentError\n"
+        "from polyjit.distributed import Comm\n"
+        "c = Comm(timeout=10)\n"
+        "try: c.refuse('the loader failed')\n"
+        "except InvalidArgumentError as e: print('refused', 'exception to raise' in str(e))\n"
+        "c.barrier(); print('usable')\n")
+    assert out.split() == ["refused", "True", "usable"], out
+
+
+def test_an_intercommunicator_is_refused(job2: Job) -> None:
+    job2.passed("intercomm")
 
 
 def test_mpiexec_command_adds_open_mpi_flags(tmp_path: Path) -> None:

@@ -54,8 +54,9 @@ def reshape(x: Tensor, shape: int | Sequence[int]) -> Tensor:
     return Tensor(node, (ir.reshape(node, x.node),), (x,), backward if x.dtype.is_float else None)
 
 
-def concat(tensors: Sequence[Tensor], axis: int = 0) -> Tensor:
-    """Join tensors along an axis: each one is written into its slice of one node."""
+def concat(tensors: Sequence[Tensor], axis: int = 0, *, name: str = "concat") -> Tensor:
+    """Join tensors along an axis: each one is written into its slice of one node (of ``name``;
+    a single tensor is returned as it is)."""
     if isinstance(tensors, Tensor) or not isinstance(tensors, (list, tuple)):
         raise InvalidArgumentError(f"concat takes a list or tuple of Tensors, got {type(tensors).__name__}")
     if not tensors:
@@ -72,7 +73,7 @@ def concat(tensors: Sequence[Tensor], axis: int = 0) -> Tensor:
         return alias(first)
     total = builtins.sum(t.shape[ax] for t in tensors)
     shape = first.shape[:ax] + (total,) + first.shape[ax + 1 :]
-    node = ir.Node("concat", shape, first.dtype)
+    node = ir.Node(name, shape, first.dtype)
     assigns: list[ir.Assignment] = []
     offsets: list[int] = []
     offset = 0
