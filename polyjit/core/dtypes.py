@@ -175,15 +175,24 @@ def check_integers(arr: Array, dst: np.dtype[Any], what: str, row0: int = 0) -> 
         too_low, too_high = int(lo) < info.min, int(hi) > info.max
     if too_low or too_high:
         at = int(np.argmin(arr)) if too_low else int(np.argmax(arr))
-        raise ValueRangeError(f"{what}: value {arr.flat[at].item()!r} at index "
-                              f"{position(at, arr.shape, row0)} does not fit {dst} ({info.min}..{info.max})")
+        raise out_of_range(what, arr.flat[at].item(), position(at, arr.shape, row0), dst)
     if arr.dtype.kind == "f":
         fraction = np.flatnonzero(arr != np.trunc(arr))
         if fraction.size:
             at = int(fraction[0])
-            raise ValueRangeError(f"{what}: value {arr.flat[at].item()!r} at index "
-                                  f"{position(at, arr.shape, row0)} is not an integer "
-                                  "(an integer node takes integral values)")
+            raise not_integral(what, arr.flat[at].item(), position(at, arr.shape, row0))
+
+
+def out_of_range(what: str, value: object, index: tuple[int, ...], dst: np.dtype[Any]) -> ValueRangeError:
+    """The error for an integer value the integer dtype ``dst`` cannot hold."""
+    info = np.iinfo(dst)
+    return ValueRangeError(f"{what}: value {value!r} at index {index} does not fit {dst} ({info.min}..{info.max})")
+
+
+def not_integral(what: str, value: object, index: tuple[int, ...]) -> ValueRangeError:
+    """The error for a fractional value bound for an integer node."""
+    return ValueRangeError(f"{what}: value {value!r} at index {index} is not an integer "
+                           "(an integer node takes integral values)")
 
 
 def check_no_overflow(source: Array, converted: Array, what: str, row0: int = 0) -> None:

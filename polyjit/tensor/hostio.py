@@ -114,13 +114,11 @@ def _python_numbers(arr: Array, dst: np.dtype[Any], desc: str, row0: int) -> Arr
         return arr.astype(np.bool_)
     if dst.kind in "iu":
         info = np.iinfo(dst)
-        for k, v in enumerate(arr.flat):
+        for k, v in enumerate(arr.flat):  # Python numbers: check_integers reads numpy's
             if type(v) is float and not v.is_integer():
-                raise ValueRangeError(f"{desc}: value {v!r} at index {dtypes.position(k, arr.shape, row0)} is not "
-                                      "an integer (an integer node takes integral values)")
+                raise dtypes.not_integral(desc, v, dtypes.position(k, arr.shape, row0))
             if not info.min <= v <= info.max:
-                raise ValueRangeError(f"{desc}: value {v!r} at index {dtypes.position(k, arr.shape, row0)} "
-                                      f"does not fit {dst} ({info.min}..{info.max})")
+                raise dtypes.out_of_range(desc, v, dtypes.position(k, arr.shape, row0), dst)
         # exact, as Python ints: 2**53 + 1 beside a float stays itself
         return np.array([int(v) for v in arr.flat], dtype=np.uint64 if dst.kind == "u" else np.int64).reshape(arr.shape)
     for k, v in enumerate(arr.flat):
