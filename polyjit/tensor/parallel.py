@@ -35,6 +35,7 @@ from polyjit.core.errors import (
     FinalizedError,
     InvalidArgumentError,
     InvalidProgramError,
+    PolyjitError,
     ShapeMismatchError,
     UnknownDeviceError,
 )
@@ -202,11 +203,17 @@ class DataParallel:
         """With ``comm``: every rank's replicas take rank 0's parameters and optimizer state
         (a collective call), as PyTorch's DistributedDataParallel starts. Found by review: ranks
         whose parameters started apart (a seed per rank) trained apart, and reported one loss."""
-        if self.comm is None:
-            return
-        mine = self.replicas[0].state.state_dict(self.persistent)  # the same names, in one order, on every rank
-        agreed = {k: self.comm.broadcast_array(v, 0) for k, v in mine.items()}
-        staged = stage_state(self.persistent, agreed, True, "rank 0's state")
+        if self.comm is not None:
+            mine = self.replicas[0].state.state_dict(self.persistent)
+            self._write_from_rank_0([(t, mine[t.name]) for t in self.persistent])
+
+    def _write_from_rank_0(self, staged: Sequence[tuple[Tensor, Array]]) -> None:
+        """Write checked host arrays into every replica's buffers; with ``comm``, rank 0's (the
+        ranks first agree on which tensors: the same shapes under other names would pair)."""
+        if self.comm is not None:
+            names = "\0".join(t.name for t, _ in staged)
+            self.comm.check_same("the state to write (a hash of its names)", [zlib.crc32(names.encode())])
+            staged = [(t, self.comm.broadcast_array(a, 0)) for t, a in staged]
         for rep in self.replicas:
             rep.state.write(staged)
 
@@ -404,16 +411,22 @@ class DataParallel:
         checks them: on an error nothing has changed). With ``comm``, a collective call: every
         rank ends with rank 0's values."""
         self._check_open("load_state_dict()")
-        self.write_state(stage_state(self.persistent, values, strict, "this data_parallel"))
+        self.write_state(lambda: stage_state(self.persistent, values, strict, "this data_parallel"))
 
     @serialized
-    def write_state(self, staged: Sequence[tuple[Tensor, Array]]) -> None:
-        """Copy checked host arrays (``state.stage_state``) into every replica's buffers (a plan
-        sharing this state loads through here); with ``comm``, collective, as load_state_dict."""
+    def write_state(self, stage: Callable[[], Sequence[tuple[Tensor, Array]]]) -> None:
+        """Copy the host arrays that ``stage()`` checks and converts (``state.stage_state``)
+        into every replica's buffers (a plan sharing this state loads through here). With
+        ``comm``, collective, as load_state_dict: where ``stage()`` fails on one rank, nothing
+        is written anywhere, that rank raises its error and the others CollectiveRefusedError."""
         self._check_open("load_state_dict()")
-        for rep in self.replicas:
-            rep.state.write(staged)
-        self._take_rank_0_state()
+        try:
+            staged = stage()
+        except PolyjitError as e:
+            if self.comm is not None:
+                self.comm.refuse(e, "check")
+            raise
+        self._write_from_rank_0(staged)
 
     @serialized
     def parameters(self, replica: int = 0) -> dict[str, Array]:

@@ -460,9 +460,14 @@ class Plan:
         # A data_parallel's: what it shares goes to every replica (found by review: it went to
         # replica 0 only, and the replicas stayed apart for good); this plan's own state here.
         self._state.context.check_alive()
-        staged = stage_state(self.program.persistent, values, strict, "this plan")
         replicated = {t.node for t in owner.persistent}
-        owner.write_state([(t, a) for t, a in staged if t.node in replicated])
+        staged: list[tuple[Tensor, Array]] = []
+
+        def shared() -> list[tuple[Tensor, Array]]:  # checked inside write_state: with comm, collective
+            staged.extend(stage_state(self.program.persistent, values, strict, "this plan"))
+            return [(t, a) for t, a in staged if t.node in replicated]
+
+        owner.write_state(shared)
         self._state.write([(t, a) for t, a in staged if t.node not in replicated])
 
     @whole_state

@@ -1008,6 +1008,19 @@ def dp_rank0_state() -> None:
     np.testing.assert_array_equal(dp.parameters(1)["w"], np.full((2, 2), 10, np.float32))
     dp.reset()
     np.testing.assert_array_equal(dp.parameters(1)["w"], np.ones((2, 2), np.float32))
+    last = ranks - 1
+    bad = {"w": np.zeros((3, 2) if me == last else (2, 2), np.float32)}
+    if me == last:  # refused on one rank: nothing written anywhere, and the Comm stays in step
+        _expect(ShapeMismatchError, lambda: dp.load_state_dict(bad), "(3, 2)")
+    else:
+        _refused(lambda: dp.load_state_dict(bad), last, "check")
+    np.testing.assert_array_equal(dp.parameters(1)["w"], np.ones((2, 2), np.float32))
+    v = pt.param("v", (2,), init="zeros")  # the ranks agree on which tensors they load first
+    dp2 = pt.data_parallel(lambda x: (x @ w).mean() + (x @ v).mean(), {"x": ((ranks * 2, 2), "float32")},
+                           optimizer=pt.SGD(0.1), devices=cpu2().devices(), comm=comm, name="rank0_two")
+    which = {"v": np.ones(2, np.float32)} if me == 0 else {"w": np.ones((2, 2), np.float32)}
+    _expect(CollectiveMismatchError, lambda: dp2.load_state_dict(which, strict=False), "hash of its names")
+    dp2.close()
     dp.close()
     say("dp_rank0_state")
 
