@@ -136,8 +136,15 @@ def one_call(method: Method) -> Method:
                 collective=method.__name__)
         try:
             self._lock_deadline = start + seconds if math.isfinite(seconds) else math.inf
+            self._exposed = None
             return method(self, *args, **kwargs)
+        except BaseException as e:
+            joined = self._exposed
+            if joined is not None and self._broken is None:  # joined, data not yet moved: the peers wait for it
+                self._interrupted(e, joined, None, None)
+            raise
         finally:
+            self._exposed = None
             self._lock_deadline = None
             self._lock.release()
     return cast(Method, call)
@@ -185,17 +192,7 @@ class Comm:
         self._timeout = default_timeout() if timeout is None else _check_timeout(timeout, "Comm(timeout=)")
         self.cuda_aware = mpi_cuda_aware() if cuda_aware is None else bool(cuda_aware)
         self._seconds = self.timeout
-        with Comm._dup_lock:
-            self._data: Any = self._dup(base)
-            try:
-                self._ctl: Any = self._dup(base)
-            except CollectiveTimeoutError:  # the next Comm() of this process starts with this pair
-                Comm._pending_dups[base.py2f()].appendleft((self._data, None))
-                raise
-            except PolyjitError:
-                with contextlib.suppress(Exception):
-                    self._data.Free()
-                raise
+        self._data, self._ctl = self._dup_pair(base)
         tag_ub = base.Get_attr(MPI.TAG_UB)
         self._max_tag = (int(tag_ub) if tag_ub else 32767) // 2 - TAG_P2P
         # Any thread may call: one call at a time, so a call's number, its header and its data
@@ -206,6 +203,7 @@ class Comm:
         self._seq = 0  # collective calls so far
         self._p2p_seq: dict[tuple[str, int, int], int] = {}
         self._broken: str | None = None
+        self._exposed: str | None = None  # the kind of a call joined whose data has not moved yet (one_call)
         self._freed = False
         self._abandoned: list[Any] = []  # buffers MPI may still touch after a timeout: never freed
         self.last_timings: dict[str, float] = {}
@@ -220,13 +218,15 @@ class Comm:
 
     _live = 0  # Comms of this process not freed (each holds two MPI communicators)
     _live_lock = threading.Lock()
-    # Per base communicator (its handle), the duplications a timed-out Comm() left posted or
-    # made, oldest first: the next Comm() takes them before it posts any (found by review:
-    # a new Idup paired with the peer's duplication of the timed-out one, and the two ranks'
-    # Comms crossed). One Comm() at a time duplicates: the pairs go in order.
+    # Per base communicator (its handle), the duplications a Comm() that timed out or was
+    # interrupted left posted or made, oldest first: the next Comm() takes them before it posts
+    # any (found by review: a new Idup paired with the peer's duplication of the abandoned one,
+    # and the two ranks' Comms crossed). One Comm() of a base communicator at a time (its lock,
+    # taken within the call's timeout): the pairs go in order.
     _pending_dups: collections.defaultdict[int, collections.deque[tuple[Any, Any]]] = \
         collections.defaultdict(collections.deque)
-    _dup_lock = threading.Lock()
+    _dup_locks: collections.defaultdict[int, threading.Lock] = collections.defaultdict(threading.Lock)
+    _dup_locks_lock = threading.Lock()
 
     def __enter__(self) -> Comm:
         return self
@@ -234,18 +234,44 @@ class Comm:
     def __exit__(self, *exc: object) -> None:
         self.free()
 
-    def _dup(self, base: Any) -> Any:
-        """``MPI_Comm_idup``, tested until the timeout (a rank that never makes its Comm)."""
+    def _dup_pair(self, base: Any) -> tuple[Any, Any]:
+        """The data and the control communicators: two ``MPI_Comm_idup``, tested until the
+        timeout (a rank that never makes its Comm)."""
+        key = base.py2f()
         deadline = time.monotonic() + self.timeout if math.isfinite(self.timeout) else math.inf
-        left = Comm._pending_dups[base.py2f()]
+        with Comm._dup_locks_lock:
+            lock = Comm._dup_locks[key]
+        if not lock.acquire(timeout=self.timeout if self.timeout < threading.TIMEOUT_MAX else -1):
+            raise CollectiveTimeoutError(
+                f"rank {self.rank}: Comm(): another thread's Comm() of this communicator held it for the whole "
+                f"{self.timeout:g} s of this one's timeout; nothing was duplicated", collective="Comm()")
+        try:
+            data = self._dup(base, key, deadline)
+            try:
+                return data, self._dup(base, key, deadline)
+            except DriverError:
+                with contextlib.suppress(Exception):
+                    data.Free()
+                raise
+            except BaseException:  # timed out or interrupted: the next Comm() starts with this pair
+                Comm._pending_dups[key].appendleft((data, None))
+                raise
+        finally:
+            lock.release()
+
+    def _dup(self, base: Any, key: int, deadline: float) -> Any:
+        left = Comm._pending_dups[key]
         try:
             new, req = left.popleft() if left else base.Idup()
+        except MPI.Exception as e:
+            raise self._out_of_communicators(e) from None
+        try:
             pending = [] if req is None else poll([req], deadline, patient=True)
-        except MPI.Exception as e:  # out of communicators (MPICH holds about two thousand)
-            raise DriverError(
-                f"rank {self.rank}: Comm(): MPI could not duplicate the communicator ({_mpi_reason(e)}); "
-                f"{Comm._live} Comms of this process are not freed: free those no longer used "
-                "(Comm.free(), or `with Comm() as comm:`)") from None
+        except MPI.Exception as e:
+            raise self._out_of_communicators(e) from None
+        except BaseException:  # interrupted: kept for the next Comm()
+            left.appendleft((new, req))
+            raise
         if pending:
             left.appendleft((new, req))
             raise CollectiveTimeoutError(
@@ -253,6 +279,13 @@ class Comm:
                 "a rank did not make its Comm (every rank makes its Comms at the same point)",
                 collective="Comm()")
         return new
+
+    def _out_of_communicators(self, e: Any) -> DriverError:
+        """MPICH holds about two thousand communicators."""
+        return DriverError(
+            f"rank {self.rank}: Comm(): MPI could not duplicate the communicator ({_mpi_reason(e)}); "
+            f"{Comm._live} Comms of this process are not freed: free those no longer used "
+            "(Comm.free(), or `with Comm() as comm:`)")
 
     @property
     def timeout(self) -> float:
@@ -533,7 +566,7 @@ class Comm:
             pending = self._poll(rreqs, deadline, kind, node, keep, patient=True)
             if pending:
                 missing = tuple(peers[i] for i in pending)
-                self._cancel([rreqs[i] for i in pending])
+                self._cancel_or_break([rreqs[i] for i in pending], kind, node, keep)
                 self._fail_timeout(kind, node, missing, (got, hdr, sreqs))
             if self._poll(sreqs, deadline, kind, node, keep, patient=True):  # their receives are posted
                 self._fail_timeout(kind, node, (), (got, hdr, sreqs))
@@ -555,6 +588,10 @@ class Comm:
             label = what or kind
             raise CollectiveMismatchError(
                 f"rank {me}: {label}{_of(node)}: the ranks disagree, no data was moved: {differ}")
+        # Joined: the peers now post the data; whatever interrupts this call before its data has
+        # moved breaks the Comm (one_call; found by review: an interrupt between the join and the
+        # data's post left the peer waiting its whole timeout)
+        self._exposed = kind if n > 1 and kind not in ("check", "barrier") else None
 
     def _handshake(self, kind: str, node: Node, peer: int, tag: int, deadline: float,
                    problem: Exception | None = None) -> None:
@@ -577,7 +614,7 @@ class Comm:
         sreq = self._ctl.Isend(mine, dest=peer, tag=out_tag)
         keep = (theirs, mine, rreq, sreq)
         if self._poll([rreq], deadline, kind, node, keep, patient=True):
-            self._cancel([rreq])
+            self._cancel_or_break([rreq], kind, node, keep)
             # found by review: two ranks that both send to each other read as "did not join"
             hint = f"; if rank {peer} is in a send to this rank too, one of the two must receive first" \
                 if kind == "send" else ""
@@ -597,6 +634,7 @@ class Comm:
             raise CollectiveMismatchError(
                 f"rank {self.rank}: {kind} of {node.label}: rank {sender} sends, rank {receiver} receives, "
                 f"and they disagree, no data was moved: {differ}")
+        self._exposed = kind  # as after a join
 
     def _complete(self, requests: list[Any], deadline: float, kind: str, node: Node | None, keep: Any,
                   ctx: Context | None, *more: Node) -> None:
@@ -617,6 +655,7 @@ class Comm:
             raise
         if pending:
             self._fail_timeout(kind, node, (), pins(), joined=True)
+        self._exposed = None  # the data moved: what the call does next is its own
 
     def _poll(self, requests: list[Any], deadline: float, kind: str, node: Node | None, keep: Any, *,
               patient: bool) -> list[int]:
@@ -628,6 +667,17 @@ class Comm:
             self._interrupted(e, kind, node, keep)
             raise
 
+    def _cancel_or_break(self, requests: list[Any], kind: str, node: Node | None, keep: Any) -> None:
+        """Cancel a timed-out call's header receives (a wait of up to a second), the call's
+        buffers kept first: an interrupt there breaks the Comm (found by review: the Comm was
+        left unbroken, its posted header unpinned)."""
+        self._abandoned.append(keep)
+        try:
+            self._cancel(requests)
+        except BaseException as e:
+            self._interrupted(e, kind, node, keep)
+            raise
+
     def _interrupted(self, error: BaseException, kind: str, node: Node | None, keep: Any) -> None:
         """A call's wait interrupted (a KeyboardInterrupt, an exception a signal handler raised)
         while MPI held its buffers and requests: they are kept for ever, this Comm refuses every
@@ -635,7 +685,8 @@ class Comm:
         an all_reduce left its header receive posted, which swallowed the next call's header."""
         self._abandoned.append(keep)
         self._broken = f"{kind}{_of(node)} was interrupted ({type(error).__name__})"
-        with contextlib.suppress(Exception):
+        self._exposed = None
+        with contextlib.suppress(BaseException):
             self._withdraw(kind)
 
     def _fail_timeout(self, kind: str, node: Node | None, missing: tuple[int, ...], keep: Any,

@@ -25,18 +25,23 @@ from polyjit.distributed.comm import Comm
 Array = np.ndarray[Any, Any]
 
 
-# The names of the data parallels that all-reduce over each Comm a caller passed: the calls'
-# headers tell them apart by node name, which the name makes (found by review: two models on
-# one Comm, stepped from two threads, summed each other's gradients without an error).
+# The names of the live data parallels that all-reduce over each Comm: the calls' headers tell
+# them apart by node name, which the name makes (found by review: two models on one Comm,
+# stepped from two threads, summed each other's gradients without an error). Re-entrant: a
+# dropped data parallel's finalizer may run inside a claim, on its thread.
 _names_on: weakref.WeakKeyDictionary[Comm, set[str]] = weakref.WeakKeyDictionary()
-_names_lock = threading.Lock()
+_names_lock = threading.RLock()
+
+
+def _release_name(comm: Comm, name: str) -> None:
+    with _names_lock:
+        _names_on.get(comm, set()).discard(name)
 
 
 class RankReduce:
-    """``RankReduce(comm, name)(ctx, node, peek)``: sum ``node`` over the ranks, in place;
-    ``name``: the data parallel's, unique among those over one Comm."""
+    """``RankReduce(comm)(ctx, node, peek)``: sum ``node`` over the ranks, in place."""
 
-    def __init__(self, comm: Any, name: str) -> None:
+    def __init__(self, comm: Any) -> None:
         from polyjit.distributed.nccl import NcclComm
 
         self.nccl: NcclComm | None = comm if isinstance(comm, NcclComm) else None
@@ -47,20 +52,27 @@ class RankReduce:
             self.comm = comm
         else:
             self.comm, self.owned = Comm(comm), True
-        self.name = name
+        self._release: weakref.finalize[..., Any] | None = None
+
+    def claim(self, owner: object, name: str) -> InvalidArgumentError | None:
+        """Take ``name`` among the data parallels over this Comm for ``owner`` (given back by
+        close(), or when ``owner`` is collected); the refusal where another live one has it
+        (raised by the caller through the set-up check: every rank fails together)."""
         with _names_lock:
             taken = _names_on.setdefault(self.comm, set())
             if name in taken:
-                raise InvalidArgumentError(
-                    f"data_parallel {name!r}: another data_parallel of that name all-reduces over {self.comm!r}: "
-                    "give each model over one Comm its own name= (the same on every rank)")
+                return InvalidArgumentError(
+                    f"data_parallel {name!r}: another live data_parallel of that name all-reduces over "
+                    f"{self.comm!r}: give each model over one Comm its own name= (the same on every rank)")
             taken.add(name)
+        self._release = weakref.finalize(owner, _release_name, self.comm, name)
+        return None
 
     def close(self) -> None:
-        """Free the Comm made here (collective, as closing the data parallel is); a Comm the
-        caller passed stays theirs."""
-        with _names_lock:
-            _names_on.get(self.comm, set()).discard(self.name)
+        """Give the name back, and free the Comm made here (collective, as closing the data
+        parallel is); a Comm the caller passed stays theirs."""
+        if self._release is not None:
+            self._release()
         if self.owned:
             self.comm.free()
 

@@ -100,18 +100,26 @@ def local_rank(comm: Any = None, *, timeout: float | None = None) -> tuple[int, 
     """(this rank's index among the ranks on its machine, how many ranks are on it): a
     collective call over ``comm`` (default: COMM_WORLD), within ``timeout`` seconds (default:
     the Comm's)."""
-    return _local_rank(comm, timeout, None)
+    return _local_rank(comm, timeout)
 
 
-def _local_rank(comm: Any, timeout: float | None, problem: Exception | None) -> tuple[int, int]:
+def _local_rank(comm: Any, timeout: float | None, check: tuple[str, list[int], Exception | None] | None = None
+                ) -> tuple[int, int]:
     """The exchange of local_rank through a Comm (a timeout, a rank's refusal: found by review,
-    MPI's Split_type blocked for ever where one rank refused its arguments first). With
-    ``problem`` this rank refuses the call: it raises that, the others CollectiveRefusedError."""
+    MPI's Split_type blocked for ever where one rank refused its arguments first); ``timeout``
+    None: a Comm's own, else the default. ``check``: (what, values, problem) for a check_same
+    first; with ``problem`` this rank refuses it: it raises that, the others
+    CollectiveRefusedError."""
     from polyjit.distributed.comm import Comm
 
+    if timeout is None and isinstance(comm, Comm):
+        timeout = comm.timeout
     with Comm(comm, timeout=timeout) as c:
-        if problem is not None:
-            c.refuse(problem, "all_reduce")
+        if check is not None:
+            what, values, problem = check
+            if problem is not None:
+                c.refuse(problem, "check")
+            c.check_same(what, values)
         machines = np.zeros(c.size, np.int64)  # each rank's machine, by a hash of its name
         machines[c.rank] = int.from_bytes(hashlib.blake2b(socket.gethostname().encode(), digest_size=7).digest(),
                                           "little")
@@ -130,7 +138,8 @@ def bind_to_cores(cores_per_rank: int | None = None, comm: Any = None,
     first used: a cpu device is the set of cores the process may use when it starts
     (``POLYJIT_CPU_DEVICES`` then splits that set). A collective call (:func:`local_rank`):
     a rank whose arguments are refused raises its InvalidArgumentError, the others
-    CollectiveRefusedError.
+    CollectiveRefusedError; ``cores_per_rank`` must be the same on every rank
+    (CollectiveMismatchError).
     """
     problem: Exception | None = None
     allowed: list[int] = []
@@ -142,7 +151,9 @@ def bind_to_cores(cores_per_rank: int | None = None, comm: Any = None,
             raise InvalidArgumentError("bind_to_cores: cores=[] leaves no core to bind to")
     except InvalidArgumentError as e:
         problem = e
-    here, count = _local_rank(comm, timeout, problem)
+    # the ranks agree on cores_per_rank (found by review: 2 on one rank, 1 on another overlapped)
+    per_rank = 0 if problem is not None or cores_per_rank is None else int(cores_per_rank)
+    here, count = _local_rank(comm, timeout, ("bind_to_cores (cores_per_rank; 0: the default)", [per_rank], problem))
     per = cores_per_rank or max(len(allowed) // count, 1)
     start = (here * per) % len(allowed)
     mine = [allowed[(start + k) % len(allowed)] for k in range(min(per, len(allowed)))]

@@ -116,7 +116,7 @@ class DataParallel:
             raise InvalidArgumentError(f"data_parallel's name is a str, not {type(name).__name__}")
         self.devices = resolve_devices(devices)
         n = len(self.devices)
-        self._rank_reduce: RankReduce | None = _rank_reduce(comm, name)
+        self._rank_reduce: RankReduce | None = _rank_reduce(comm)
         self.comm: Comm | None = self._rank_reduce.comm if self._rank_reduce is not None else None
         self.ranks = self.comm.size if self.comm is not None else 1
         self.rank = self.comm.rank if self.comm is not None else 0
@@ -136,8 +136,11 @@ class DataParallel:
             raise ShapeMismatchError(f"every input needs the same batch size (axis 0), got {sorted(sizes)}")
         self.batch_size = sizes.pop()
         total = n * self.ranks
-        if self.comm is not None:
+        if self._rank_reduce is not None and self.comm is not None:
             # every rank must build the same thing: a refusal on one rank is one on all
+            taken = self._rank_reduce.claim(self, name)
+            if taken is not None:
+                self.comm.refuse(taken, "check")
             self.comm.check_same("data_parallel set-up (devices per rank, global batch, name's hash)",
                                  [n, self.batch_size, zlib.crc32(name.encode())])
         if self.batch_size == 0:
@@ -208,12 +211,21 @@ class DataParallel:
             self._write_from_rank_0([(t, mine[t.name]) for t in self.persistent])
 
     def _write_from_rank_0(self, staged: Sequence[tuple[Tensor, Array]]) -> None:
-        """Write checked host arrays into every replica's buffers; with ``comm``, rank 0's (the
-        ranks first agree on which tensors: the same shapes under other names would pair)."""
+        """Write checked host arrays into every replica's buffers; with ``comm``, rank 0's: the
+        ranks agree on the tensors (names, shapes, dtypes: found by review, other optimizers'
+        states paired apart), then one broadcast of their bytes."""
         if self.comm is not None:
-            names = "\0".join(t.name for t, _ in staged)
-            self.comm.check_same("the state to write (a hash of its names)", [zlib.crc32(names.encode())])
-            staged = [(t, self.comm.broadcast_array(a, 0)) for t, a in staged]
+            layout = "\0".join(f"{t.name}:{a.shape}:{a.dtype.name}" for t, a in staged)
+            self.comm.check_same("the state to write (a hash of its names, shapes and dtypes)",
+                                 [zlib.crc32(layout.encode())])
+            packed = np.concatenate([np.ascontiguousarray(a).reshape(-1).view(np.uint8) for _, a in staged]) \
+                if staged else np.empty(0, np.uint8)
+            packed = self.comm.broadcast_array(packed, 0)
+            offset, agreed = 0, []
+            for t, a in staged:
+                agreed.append((t, packed[offset:offset + a.nbytes].view(a.dtype).reshape(a.shape)))
+                offset += a.nbytes
+            staged = agreed
         for rep in self.replicas:
             rep.state.write(staged)
 
@@ -523,7 +535,7 @@ def _union(*groups: Sequence[Tensor]) -> list[Tensor]:
     return list(dict.fromkeys(t for group in groups for t in group))
 
 
-def _rank_reduce(comm: Any, name: str) -> RankReduce | None:
+def _rank_reduce(comm: Any) -> RankReduce | None:
     """The all-reduce between the ranks for ``comm``: a polyjit.distributed.Comm, an
     NcclComm, or an mpi4py communicator (wrapped in a Comm: a collective call). Only here is
     polyjit.distributed (and so mpi4py) imported."""
@@ -531,7 +543,7 @@ def _rank_reduce(comm: Any, name: str) -> RankReduce | None:
         return None
     from polyjit.distributed.data_parallel import RankReduce
 
-    return RankReduce(comm, name)
+    return RankReduce(comm)
 
 
 def _gap(a: Array, b: Array) -> float:

@@ -13,10 +13,12 @@ cuda_staged, cuda_aware, nccl (GPU only).
 from __future__ import annotations
 
 import functools
+import gc
 import math
 import os
 import signal
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -553,7 +555,7 @@ def thread_abort() -> None:
     """Found by review: an exception that ended a thread (a server's worker) did not abort
     the job (only sys.excepthook was replaced): rank 0 waited out its timeout. Rank 1's
     thread raises while rank 0 waits in a collective with a long timeout."""
-    import threading
+
 
     comm = Comm(timeout=120)
     comm.barrier()
@@ -730,8 +732,6 @@ def comm_threads() -> None:
     each get their own sum or CollectiveMismatchError (a call paired with the other node's),
     never the other's values, and the Comm stays in step; threads that order their calls
     (taking turns on a lock, the same order on every rank) all get their sums."""
-    import threading
-
     comm = Comm(timeout=TIMEOUT)
     backend = cpu2()
     calls, wrong, mismatched = 150, [], []
@@ -784,7 +784,7 @@ def lock_timeout() -> None:
     late to a barrier that rank 0's thread A waits in (timeout 30 s); rank 0's thread B calls
     with a 1 s timeout meanwhile: B gives up after about 1 s, having sent nothing, and the
     Comm carries on."""
-    import threading
+
 
     comm = Comm(timeout=TIMEOUT)
     comm.barrier()
@@ -816,7 +816,7 @@ def lock_timeout() -> None:
 def world_threads() -> None:
     """Found by review: world() from two threads at once made two Comms (two concurrent
     MPI_Comm_idup calls). Every thread now gets the one shared Comm."""
-    import threading
+
 
     import polyjit.distributed as pd
 
@@ -1053,6 +1053,40 @@ def dp_two_models() -> None:
     say("dp_two_models")
 
 
+def dp_names() -> None:
+    """Found by the second review: a dropped data parallel kept its name for good (a model
+    rebuilt without close() was refused), a name refused on one rank only left the others
+    waiting, and ranks with other optimizers broadcast states that paired apart."""
+    from polyjit import tensor as pt
+
+    comm = Comm(timeout=TIMEOUT)
+    devs = cpu2().devices()[:1]
+
+    def make(name: str, opt: Any = None) -> Any:
+        w = pt.param(f"{name}_w", (2,), init="ones")
+        return pt.data_parallel(lambda x: (x * w).mean(), {"x": ((ranks, 2), "float32")},
+                                optimizer=opt or pt.SGD(0.1), devices=devs, comm=comm, name=name)
+
+    dp = make("model")
+    del dp
+    gc.collect()
+    dp = make("model")  # the dropped one gave its name back
+    last = ranks - 1
+    held = make("held")
+    if me != last:  # the last rank's stays alive
+        held.close()
+    if me == last:
+        _expect(InvalidArgumentError, lambda: make("held"), "'held'")
+    else:
+        _refused(lambda: make("held"), last, "check")
+    other = pt.Adam(0.01) if me == last else pt.SGD(0.1)
+    _expect(CollectiveMismatchError, lambda: make("opt", other), "names, shapes and dtypes")
+    comm.barrier()
+    dp.close()
+    held.close()
+    say("dp_names")
+
+
 def interrupted() -> None:
     """Found by review: a KeyboardInterrupt in an all_reduce (a Ctrl-C while a peer is late)
     left its header receive posted and the Comm unbroken: the next call's header was
@@ -1079,6 +1113,22 @@ def interrupted() -> None:
         _expect(CollectiveTimeoutError, lambda: comm.all_reduce_array(np.ones(4)), "rank 0", "gave this Comm up")
         assert time.monotonic() - t0 < TIMEOUT / 2
     comm.free()
+    # found by the second review: an interrupt after the join, before the data is posted
+    comm = Comm(timeout=TIMEOUT)
+    if me == 0:
+        real = comm._join
+
+        def join_then_interrupt(*args: Any, **kwargs: Any) -> None:
+            real(*args, **kwargs)
+            raise KeyboardInterrupt  # as a signal handler's, at the next bytecode
+
+        comm._join = join_then_interrupt  # type: ignore[method-assign]
+        _expect(KeyboardInterrupt, lambda: comm.all_reduce_array(np.ones(4)))
+    else:
+        t0 = time.monotonic()
+        _expect(CollectiveTimeoutError, lambda: comm.all_reduce_array(np.ones(4)), "rank 0", "gave this Comm up")
+        assert time.monotonic() - t0 < TIMEOUT / 2
+    comm.free()
     say("interrupted")
 
 
@@ -1094,6 +1144,41 @@ def dup_retry() -> None:
     got = comm.all_reduce_array(np.array([me + 1.0]))
     assert got[0] == ranks * (ranks + 1) / 2, got
     comm.free()
+    if me == 0:  # found by the second review: interrupted there, as timed out
+        def interrupt(*_: object) -> None:
+            raise KeyboardInterrupt
+
+        old = signal.signal(signal.SIGALRM, interrupt)
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        try:
+            _expect(KeyboardInterrupt, lambda: Comm(timeout=TIMEOUT))
+        finally:
+            signal.signal(signal.SIGALRM, old)
+    else:
+        time.sleep(1.0)
+    with Comm(timeout=TIMEOUT) as comm:
+        got = comm.all_reduce_array(np.array([me + 1.0]))
+    assert got[0] == ranks * (ranks + 1) / 2, got
+    # found by the second review: Comms over two communicators, made by two threads in other
+    # orders on the ranks, waited for each other (one lock for every communicator)
+    x, y = WORLD.Dup(), WORLD.Dup()
+    order = [x, y] if me == 0 else [y, x]
+    made: list[Any] = []
+
+    def make(base: Any, delay: float) -> None:
+        time.sleep(delay)
+        made.append(Comm(base, timeout=TIMEOUT))
+
+    threads = [threading.Thread(target=make, args=(order[0], 0.0)), threading.Thread(target=make, args=(order[1], 0.3))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(made) == 2, made
+    for c in made:
+        c.free()
+    x.Free()
+    y.Free()
     say("dup_retry")
 
 
@@ -1135,7 +1220,9 @@ def bind_refused() -> None:
     if me == 0:
         _expect(InvalidArgumentError, lambda: bind_to_cores(cores=[], timeout=TIMEOUT), "cores=[]")
     else:
-        _refused(lambda: bind_to_cores(timeout=TIMEOUT), 0, "all_reduce")
+        _refused(lambda: bind_to_cores(timeout=TIMEOUT), 0, "check")
+    # found by the second review: other cores_per_rank on the ranks bound overlapping cores
+    _expect(CollectiveMismatchError, lambda: bind_to_cores(me + 1, timeout=TIMEOUT), "cores_per_rank")
     say("bind_refused")
 
 
@@ -1396,7 +1483,7 @@ SCENARIOS: dict[str, Callable[[], None]] = {
     "lock_timeout": lock_timeout, "gave_up_while_missing": gave_up_while_missing,
     "dp_rank0_state": dp_rank0_state, "dp_two_models": dp_two_models,
     "interrupted": interrupted, "dup_retry": dup_retry, "half_mean": half_mean, "bind_refused": bind_refused,
-    "intercomm": intercomm,
+    "intercomm": intercomm, "dp_names": dp_names,
 }
 
 

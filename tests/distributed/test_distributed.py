@@ -124,10 +124,10 @@ def mpiexec() -> str:
 
 JOB2 = ("collectives", "bfloat16", "ordering", "mismatch", "local_failure", "export_path", "staged", "data_parallel:2",
         "dp_local_failure", "spread_nan", "world_threads", "comm_threads", "comm_lifetimes", "nan_fold", "late_rank",
-        "lock_timeout", "nccl_id", "nccl_refusal", "dp_rank0_state", "dp_two_models", "half_mean",
+        "lock_timeout", "nccl_id", "nccl_refusal", "dp_rank0_state", "dp_two_models", "dp_names", "half_mean",
         "bind_refused", "intercomm", "dup_retry", "interrupted", "timeout")
 JOB3 = ("collectives", "bfloat16", "mismatch", "local_failure", "data_parallel:2", "dp_local_failure", "spread_nan",
-        "comm_threads", "nan_fold", "gave_up_while_missing", "dp_rank0_state", "dp_two_models", "half_mean",
+        "comm_threads", "nan_fold", "gave_up_while_missing", "dp_rank0_state", "dp_two_models", "dp_names", "half_mean",
         "bind_refused", "dup_retry", "interrupted", "timeout")
 
 
@@ -197,6 +197,10 @@ def test_every_rank_starts_loads_and_resets_with_rank_0s_state(job: Job) -> None
 
 def test_two_data_parallels_over_one_comm_never_sum_each_others_gradients(job: Job) -> None:
     job.passed("dp_two_models")
+
+
+def test_data_parallel_names_are_given_back_and_refused_on_every_rank(job: Job) -> None:
+    job.passed("dp_names")
 
 
 def test_half_means_reduce_in_float32(job: Job) -> None:
