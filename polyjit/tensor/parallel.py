@@ -130,28 +130,36 @@ class DataParallel:
     def _build(self, model_step: Callable[..., Tensor], inputs: Mapping[str, InputSpec], optimizer: Optimizer,
                params: Sequence[Tensor] | None, name: str, n: int) -> None:
         """The rest of the constructor: the programs, the replicas, their routines."""
-        inputs = _batch_inputs(inputs)
-        sizes = {int(shape[0]) for shape, _ in inputs.values()}
-        if len(sizes) != 1:
-            raise ShapeMismatchError(f"every input needs the same batch size (axis 0), got {sorted(sizes)}")
-        self.batch_size = sizes.pop()
+        problem: PolyjitError | None = None
+        specs: dict[str, tuple[tuple[int, ...], DType]] = {}
+        try:
+            specs = _batch_inputs(inputs)
+            sizes = {int(shape[0]) for shape, _ in specs.values()}
+            if len(sizes) != 1:
+                raise ShapeMismatchError(f"every input needs the same batch size (axis 0), got {sorted(sizes)}")
+            self.batch_size = sizes.pop()
+        except PolyjitError as e:
+            problem = e
         total = n * self.ranks
         if self._rank_reduce is not None and self.comm is not None:
-            # every rank must build the same thing: a refusal on one rank is one on all
-            taken = self._rank_reduce.claim(self, name)
-            if taken is not None:
-                self.comm.refuse(taken, "check")
+            # every rank must build the same thing: a refusal on one rank is one on all (found
+            # by review: the others waited out their timeout in the check below)
+            problem = problem or self._rank_reduce.claim(self, name)
+            if problem is not None:
+                self.comm.refuse(problem, "check")
             self.comm.check_same("data_parallel set-up (devices per rank, global batch, name's hash)",
                                  [n, self.batch_size, zlib.crc32(name.encode())])
+        if problem is not None:
+            raise problem
         if self.batch_size == 0:
-            raise ShapeMismatchError(f"a batch of 0 rows (inputs {', '.join(sorted(inputs))}): each device needs "
+            raise ShapeMismatchError(f"a batch of 0 rows (inputs {', '.join(sorted(specs))}): each device needs "
                                      "a shard of at least one row")
         if self.batch_size % total:
             over = f"{n} devices" + (f" x {self.ranks} ranks" if self.comm is not None else "")
             raise ShapeMismatchError(f"a batch of {self.batch_size} does not split evenly over {over}")
         self.shard = self.batch_size // total
         self.rank_rows = self.batch_size // self.ranks  # the rows of one rank
-        local = {k: input(k, (self.shard, *tuple(shape)[1:]), dt) for k, (shape, dt) in inputs.items()}
+        local = {k: input(k, (self.shard, *tuple(shape)[1:]), dt) for k, (shape, dt) in specs.items()}
         loss = model_step(**local)
         if not isinstance(loss, Tensor) or loss.shape != ():
             raise InvalidProgramError("model_step must return the loss: a scalar Tensor (the mean over its shard)")
@@ -182,9 +190,9 @@ class DataParallel:
                                       name=f"{name}_update")
         self.persistent = _union(self.compute_program.persistent, self.update_program.persistent)
         # Declared inputs the model does not read are still taken (and their shapes checked).
-        self._input_names = frozenset(inputs)
+        self._input_names = frozenset(specs)
         read = {t.name for t in self.compute_program.inputs}
-        self._unread = {k: v for k, v in inputs.items() if k not in read}
+        self._unread = {k: v for k, v in specs.items() if k not in read}
         g = self.grads_node
         self._reduce_comp = ir.Comp.of(ir.apply(ir.Op.ADD, g, ir.merge(g), into=g), embedded=[g])
         self._batches: dict[int, tuple[CodeBatch, CodeBatch]] = {}

@@ -1081,6 +1081,16 @@ def dp_names() -> None:
         _refused(lambda: make("held"), last, "check")
     other = pt.Adam(0.01) if me == last else pt.SGD(0.1)
     _expect(CollectiveMismatchError, lambda: make("opt", other), "names, shapes and dtypes")
+    # found by the first review: a set-up refused on one rank before the check left the others
+    # waiting out their timeout in it
+    w = pt.param("setup_w", (2,), init="ones")
+    spec = {"x": ((ranks, 2) if me != last else (), "float32")}  # no batch axis on the last rank
+    make_bad = lambda: pt.data_parallel(lambda x: (x * w).mean(), spec, optimizer=pt.SGD(0.1),  # noqa: E731
+                                        devices=devs, comm=comm, name="setup")
+    if me == last:
+        _expect(ShapeMismatchError, make_bad, "no batch axis")
+    else:
+        _refused(make_bad, last, "check")
     comm.barrier()
     dp.close()
     held.close()
