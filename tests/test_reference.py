@@ -110,19 +110,6 @@ def test_unary_math_and_where() -> None:
                                   np.where(cv, xv, np.float32(1.5)))
 
 
-def test_pow_is_cs_pow_whatever_the_exponents_shape() -> None:
-    """Found by review: numpy takes a scalar exponent of 0.5 for sqrt, so the reference gave
-    -0.0 and NaN for ``x ** 0.5`` at -0.0 and -inf, where the kernels' pow (and the reference
-    with an array of 0.5s) give 0.0 and inf."""
-    x, y, h = f32("x", (4,)), f32("y", (4,)), f32("h", (4,))
-    xv = np.array([-0.0, -np.inf, 4.0, 2.0], np.float32)
-    want = np.array([0.0, np.inf, 2.0, np.sqrt(np.float32(2.0))], np.float32)
-    for got in (run1(ir.apply(Op.POW, x, 0.5, into=y), {x: xv})[y],
-                run1(ir.apply(Op.POW, x, h, into=y), {x: xv, h: np.full(4, 0.5, np.float32)})[y]):
-        np.testing.assert_array_equal(got, want)
-        assert not np.signbit(got).any()
-
-
 def test_accumulation_without_init_neutral_adds_onto_the_value() -> None:
     x, acc = f32("x", (3, 4)), f32("acc", (3,))
     xv, accv = rng.standard_normal(x.shape).astype(np.float32), rng.standard_normal(acc.shape).astype(np.float32)

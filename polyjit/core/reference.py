@@ -137,10 +137,7 @@ def apply_op(op: Op, args: Sequence[Array], operand_dtypes: Sequence[DType], out
         elif op is Op.MIN:
             res = _min_keeping_nan(a, b)
         elif op is Op.POW:
-            # C's pow: numpy takes a scalar exponent of 0.5 for sqrt (-0.0 and NaN where pow
-            # gives 0.0 and inf at -0.0 and -inf; found by review), an array one it does not (a
-            # stride-0 view is a scalar to it too)
-            res = np.power(a, np.broadcast_to(b, np.broadcast_shapes(a.shape, b.shape)).copy())
+            res = np.power(a, b)
         elif op is Op.LT:
             res = a < b
         elif op is Op.LE:
