@@ -585,7 +585,14 @@ def apply(
     accum: AccumOp | None = None,
     init_neutral: bool = True,
 ) -> Accum:
-    """An elementwise Accum with numpy broadcasting of the tensor operands to ``into.shape``."""
+    """An elementwise Accum with numpy broadcasting of the tensor operands to ``into.shape``.
+    ``x ** 0.5`` (a literal exponent) is ``sqrt(x)``, as numpy computes it: -0.0 at -0.0 and NaN
+    at -inf, where C's pow gives 0.0 and inf (found by review: GCC's vectorizer made ``powf(x,
+    0.5f)`` a vector sqrt but left a loop's scalar tail a powf, and the reference took numpy's
+    sqrt for float32 and pow for the half types)."""
+    if op is Op.POW and len(operands) == 2 and isinstance(operands[1], (float, np.floating)) \
+            and not isinstance(operands[0], (int, float, np.number)) and operands[1] == 0.5:
+        op, operands = Op.SQRT, operands[:1]
     _check_target(into, op, "apply")
     shapes = [operand_node(x).shape for x in operands if _is_tensor_operand(x)]
     out_shape = broadcast_shapes(into.shape, *shapes)

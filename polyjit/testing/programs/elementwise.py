@@ -179,6 +179,16 @@ def special_scalars() -> list[CatalogProgram]:
             x, y = Node("x", (16,), dt), Node("y", (16,), dt)
             out.append(program(f"elementwise.divide_by_{name}.{dt}", ir.apply(Op.DIV, x, zero, into=y),
                                inputs=[(x, values(dt, (16,)))], outputs=[y]))
+    # x ** 0.5 is sqrt(x) (ir.apply), as numpy's: -0.0 at -0.0, NaN at -inf and below 0, in a
+    # vectorized loop and its scalar tail alike (found by review: GCC made powf(x, 0.5f) a vector
+    # sqrt and left the tail a powf, whose answers there are 0.0 and inf)
+    def specials(rng: np.random.Generator) -> Array:
+        return np.resize(np.array([-0.0, -np.inf, np.inf, np.nan, -1.0, 0.0, 4.0, 2.0, 1.5, 0.25]), 37)
+
+    for dt in (dtypes.float32, dtypes.float64, *dtypes.HALF):
+        x, y = Node("x", (37,), dt), Node("y", (37,), dt)
+        out.append(program(f"elementwise.pow_half_specials.{dt}", ir.apply(Op.POW, x, 0.5, into=y),
+                           inputs=[(x, specials)], outputs=[y], rtol=0.0, atol=0.0))
     return out
 
 
