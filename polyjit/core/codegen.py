@@ -270,10 +270,7 @@ class Dialect:
 
         A float max or min is NaN where either operand is (``a != a``), as numpy's ``maximum``
         and PyTorch's are: ``a > b ? a : b`` alone would drop a NaN ``a``, so relu and row
-        maxima would hide a NaN that the reference shows. Of +0 and -0 the max is +0 and the
-        min -0 in either order (IEEE 754-2019's maximum and minimum): a reduction's lanes
-        combine in any order (found by review: "b where equal" gave a row's max the sign of
-        whichever zero its lanes met last). An OpenMP dialect declares each
+        maxima would hide a NaN that the reference shows. An OpenMP dialect declares each
         as a reduction too (:meth:`reduction_op`): OpenMP's own ``max`` combines its lanes'
         partial results with no NaN rule."""
         q = self.function_qualifier
@@ -282,13 +279,10 @@ class Dialect:
         openmp = self.simd_reduction_pragma is not None
         for dt in sorted(computed, key=lambda d: d.name):
             t = self.type_name(dt)
-            for fn, cmp, zeros in (("max", ">", "a + b"), ("min", "<", "-(-a + -b)")):
+            for fn, cmp in (("max", ">"), ("min", "<")):
                 name = f"pj_{fn}_{dt.name}"
-                if dt.is_float:  # +0 and -0: max +0, min -0 whatever their order (the sum of the two zeros)
-                    body = f"(a {cmp} b || a != a) ? a : ((a == 0 && b == 0) ? {zeros} : b)"
-                else:
-                    body = f"(a {cmp} b) ? a : b"
-                out.append((name, [f"{q} {t} {name}({t} a, {t} b) {{ return {body}; }}"]))
+                test = f"a {cmp} b || a != a" if dt.is_float else f"a {cmp} b"
+                out.append((name, [f"{q} {t} {name}({t} a, {t} b) {{ return ({test}) ? a : b; }}"]))
                 if openmp and dt.is_float:  # a max is idempotent: each lane may start from the original
                     out.append((f"{name}_omp", [f"#pragma omp declare reduction({name}_omp : {t} : "
                                                 f"omp_out = {name}(omp_out, omp_in)) initializer(omp_priv = omp_orig)"]))

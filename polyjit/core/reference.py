@@ -59,21 +59,8 @@ def scalar_value(value: int | float | bool, dt: DType) -> Array:
 
 def _max_keeping_nan(a: Array, b: Array) -> Array:
     """``a > b || a != a ? a : b``, as the kernels compute a max: NaN where either operand is
-    (as ``np.maximum``), and of +0 and -0, +0 in either order (IEEE 754-2019's maximum)."""
-    return np.where((a > b) | (a != a), a, _where_equal(a, b, True))
-
-
-def _min_keeping_nan(a: Array, b: Array) -> Array:
-    """The min as :func:`_max_keeping_nan` is the max: of +0 and -0, -0 in either order."""
-    return np.where((a < b) | (a != a), a, _where_equal(a, b, False))
-
-
-def _where_equal(a: Array, b: Array, is_max: bool) -> Array:
-    """``b``, but where float ``a`` and ``b`` are zeros: the sum of the two (+0 unless both
-    are -0) for a max, its mirror (-0 unless both are +0) for a min."""
-    if a.dtype.kind != "f":
-        return b
-    return np.where((a == 0) & (b == 0), a + b if is_max else -(-a + -b), b)
+    (as ``np.maximum``), and ``b`` where the two are equal (``max(-0.0, 0.0)`` is 0.0)."""
+    return np.where((a > b) | (a != a), a, b)
 
 
 def _int_div(a: Array, b: Array) -> Array:
@@ -135,7 +122,7 @@ def apply_op(op: Op, args: Sequence[Array], operand_dtypes: Sequence[DType], out
         elif op is Op.MAX:
             res = _max_keeping_nan(a, b)
         elif op is Op.MIN:
-            res = _min_keeping_nan(a, b)
+            res = np.where((a < b) | (a != a), a, b)
         elif op is Op.POW:
             res = np.power(a, b)
         elif op is Op.LT:
@@ -275,32 +262,6 @@ _UFUNC_AT = {
 }
 
 
-def _combine(accum: AccumOp, acc: Array, new: Array) -> Array:
-    """One update of each cell: the kernels' max and min (NaN wins; of +0 and -0, max +0 and
-    min -0 whatever the order), numpy's add and multiply."""
-    if accum is AccumOp.MAX:
-        return _max_keeping_nan(acc, new)
-    if accum is AccumOp.MIN:
-        return _min_keeping_nan(acc, new)
-    return np.asarray(_UFUNC_AT[accum](acc, new))
-
-
-def _accumulate_at(accum: AccumOp, view: Array, cells: tuple[Array, ...], full: Array) -> None:
-    """Serial updates of ``view`` at ``cells`` (``ufunc.at``). numpy's maximum keeps the first
-    of two equal values, so a cell's zero takes the sign of whichever zero came first; the
-    kernels' max is +0 where any of the cell's zeros is (its min -0), whatever the order of
-    the values (a vector reduction's lanes combine in any order: found by review)."""
-    before = view.copy() if accum in (AccumOp.MAX, AccumOp.MIN) and view.dtype.kind == "f" else None
-    _UFUNC_AT[accum].at(view, cells, full)
-    if before is None:
-        return
-    negative = accum is AccumOp.MIN  # the sign a zero result takes if any of its zeros has it
-    has = (before == 0) & (np.signbit(before) == negative)
-    np.logical_or.at(has, cells, (full == 0) & (np.signbit(full) == negative))
-    zero = view == 0
-    view[zero] = np.where(has[zero], -0.0 if negative else 0.0, 0.0 if negative else -0.0)
-
-
 def _injective(pr: ir.Projections) -> bool:
     """Distinct iterations write distinct cells."""
     return lower.injective(pr.lhs, pr.symbols)
@@ -366,10 +327,10 @@ def _run_accum(
                 if a.accum is None:
                     written[...] = full
                 elif lhs_dt.is_half:  # one update per cell, in float32, rounded
-                    written[...] = to_half(_combine(a.accum, written.astype(np.float32), full.astype(np.float32)),
+                    written[...] = to_half(_UFUNC_AT[a.accum](written.astype(np.float32), full.astype(np.float32)),
                                            lhs_dt)
                 else:
-                    written[...] = _combine(a.accum, written, full)
+                    written[...] = _UFUNC_AT[a.accum](written, full)
             env[a.lhs] = target
             return
     idx = tuple(_eval_affine(e, grids, bindings) for e in pr.lhs)
@@ -390,12 +351,12 @@ def _run_accum(
             elif lhs_dt.is_half and (_injective(pr) or lower.cell_symbols(a) is not None):
                 # each cell once, or a reduction: accumulated in float32, rounded once
                 wide = view.astype(np.float32)
-                _accumulate_at(a.accum, wide, cells, full.astype(np.float32))
+                _UFUNC_AT[a.accum].at(wide, cells, full.astype(np.float32))
                 view[...] = to_half(wide, lhs_dt)
             elif _injective(pr):  # each cell written once: no need for the slow unbuffered ufunc.at
-                view[cells] = _combine(a.accum, view[cells], full)
+                view[cells] = _UFUNC_AT[a.accum](view[cells], full)
             else:  # serial updates (a half type rounds at each: ufunc.at updates one at a time)
-                _accumulate_at(a.accum, view, cells, full)
+                _UFUNC_AT[a.accum].at(view, cells, full)
     env[a.lhs] = target
 
 

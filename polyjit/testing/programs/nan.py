@@ -8,11 +8,7 @@ beside rows without one: elementwise in both operand orders and in a matmul's ep
 cell over rows and down columns, a whole array in one reduction (OpenMP's parallel
 reduction on the CPU), a long one split into partial results (an OpenMP simd reduction on
 the CPU, a group's tree on a GPU), and onto what the context holds. Compared exactly: NaN
-matches NaN.
-
-``signed_zero_programs``: max and min of +0 and -0, which are +0 and -0 whatever the order
-(IEEE 754-2019's maximum and minimum), so that a row's vector lanes may combine in any order
-(found by review: the CPU's row max took the sign of the zero its lanes met last)."""
+matches NaN."""
 
 from __future__ import annotations
 
@@ -95,39 +91,4 @@ def nan_programs() -> list[CatalogProgram]:
         inputs=[(x, with_nans(f32, x.shape, [(0, 0), (4, 11)])), (w, values(f32, w.shape, "quarter")),
                 (bias, values(f32, bias.shape, "quarter"))],
         outputs=[act], virtual=(biased,), rtol=0.0, atol=0.0))
-    return out
-
-
-def zeros_of_both_signs(dt: DType, shape: tuple[int, ...]) -> Gen:
-    """+0 and -0 at random, a row of -0 only, a row of +0 only, and a 1 in the last row."""
-    def gen(rng: np.random.Generator) -> Array:
-        x = np.where(rng.random(shape) < 0.5, -0.0, 0.0)
-        x[0] = -0.0
-        x[1] = 0.0
-        x[-1, -1] = 1.0
-        return x
-
-    return gen
-
-
-def signed_zero_programs() -> list[CatalogProgram]:
-    out = []
-    for dt in (dtypes.float32, dtypes.float64, dtypes.float16):
-        for n in (3, 7, 16, 33, 100, 700):
-            rows = 5
-            a, b = Node("a", (rows, n), dt), Node("b", (rows, n), dt)
-            reduced = [Node(f"{acc.value}_{k}", shape, dt) for acc in (AccumOp.MAX, AccumOp.MIN)
-                       for k, shape in (("rows", (rows,)), ("cols", (n,)), ("all", ()))]
-            comps = []
-            for acc, (by_rows, by_cols, whole) in ((AccumOp.MAX, reduced[:3]), (AccumOp.MIN, reduced[3:])):
-                comps += [ir.Comp.of(ir.einsum("ij->i", a, into=by_rows, accum=acc)),
-                          ir.Comp.of(ir.einsum("ij->j", a, into=by_cols, accum=acc)),
-                          ir.Comp.of(ir.einsum("ij->", a, into=whole, accum=acc))]
-            pairs = [Node(nm, (rows, n), dt) for nm in ("max_ab", "max_ba", "min_ab", "min_ba", "relu")]
-            comps.append(ir.Comp.of(ir.apply(Op.MAX, a, b, into=pairs[0]), ir.apply(Op.MAX, b, a, into=pairs[1]),
-                                    ir.apply(Op.MIN, a, b, into=pairs[2]), ir.apply(Op.MIN, b, a, into=pairs[3]),
-                                    ir.apply(Op.RELU, a, into=pairs[4]), embedded=tuple(pairs)))
-            out.append(program(f"signed_zero.{dt}.{n}", comps=comps,
-                               inputs=[(a, zeros_of_both_signs(dt, a.shape)), (b, zeros_of_both_signs(dt, b.shape))],
-                               outputs=[*reduced, *pairs], rtol=0.0, atol=0.0))
     return out
