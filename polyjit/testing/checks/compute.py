@@ -73,8 +73,9 @@ def check_nan_propagation(backend: Backend) -> None:
     """max, min and relu, elementwise and in every kind of reduction, are NaN where an operand
     is (numpy's ``maximum`` and ``max``), exactly as the reference computes them: a kernel
     spelled ``a > b ? a : b``, or a parallel reduction combined by the compiler's own max,
-    drops a NaN and hides a diverged model behind finite values."""
-    _all_match(backend, nan_programs.nan_programs(), "NaN")
+    drops a NaN and hides a diverged model behind finite values. Over +0 and -0: elementwise,
+    ``b`` where equal; a reduction exact but for its zero's sign, which is the backend's."""
+    _all_match(backend, nan_programs.nan_programs() + nan_programs.signed_zero_programs(), "NaN and signed-zero")
 
 
 def _all_match(backend: Backend, progs: list[CatalogProgram], what: str) -> None:

@@ -8,7 +8,12 @@ beside rows without one: elementwise in both operand orders and in a matmul's ep
 cell over rows and down columns, a whole array in one reduction (OpenMP's parallel
 reduction on the CPU), a long one split into partial results (an OpenMP simd reduction on
 the CPU, a group's tree on a GPU), and onto what the context holds. Compared exactly: NaN
-matches NaN."""
+matches NaN.
+
+``signed_zero_programs``: max and min over +0 and -0. Elementwise, ``b`` where the operands
+are equal, exactly as the reference; a reduction's zero may take either sign (its lanes and
+threads combine in an order of the backend's, as numpy's and PyTorch's vectorized
+reductions), but its values must be exact."""
 
 from __future__ import annotations
 
@@ -91,4 +96,47 @@ def nan_programs() -> list[CatalogProgram]:
         inputs=[(x, with_nans(f32, x.shape, [(0, 0), (4, 11)])), (w, values(f32, w.shape, "quarter")),
                 (bias, values(f32, bias.shape, "quarter"))],
         outputs=[act], virtual=(biased,), rtol=0.0, atol=0.0))
+    return out
+
+
+def zeros_of_both_signs(dt: DType, shape: tuple[int, ...]) -> Gen:
+    """+0 and -0 at random, a row of -0 only, a row of +0 only, and a 1 in the last row."""
+    def gen(rng: np.random.Generator) -> Array:
+        x = np.where(rng.random(shape) < 0.5, -0.0, 0.0)
+        x[0] = -0.0
+        x[1] = 0.0
+        x[-1, -1] = 1.0
+        return x
+
+    return gen
+
+
+# Below every nonzero value of every float dtype (0 in its own arithmetic): the values must be
+# exact, and a zero's sign is not compared (harness.compare compares it at zero tolerance only).
+ZERO_SIGN_FREE = 1e-300
+
+
+def signed_zero_programs() -> list[CatalogProgram]:
+    out = []
+    for dt in FLOATS:
+        for n in (3, 7, 16, 33, 100, 700):
+            rows = 5
+            a, b = Node("a", (rows, n), dt), Node("b", (rows, n), dt)
+            reduced = [Node(f"{acc.value}_{k}", shape, dt) for acc in (AccumOp.MAX, AccumOp.MIN)
+                       for k, shape in (("rows", (rows,)), ("cols", (n,)), ("all", ()))]
+            comps = []
+            for acc, (by_rows, by_cols, whole) in ((AccumOp.MAX, reduced[:3]), (AccumOp.MIN, reduced[3:])):
+                comps += [ir.Comp.of(ir.einsum("ij->i", a, into=by_rows, accum=acc)),
+                          ir.Comp.of(ir.einsum("ij->j", a, into=by_cols, accum=acc)),
+                          ir.Comp.of(ir.einsum("ij->", a, into=whole, accum=acc))]
+            out.append(program(f"signed_zero.reduce.{dt}.{n}", comps=comps,
+                               inputs=[(a, zeros_of_both_signs(dt, a.shape))], outputs=reduced,
+                               rtol=0.0, atol=ZERO_SIGN_FREE))
+            pairs = [Node(nm, (rows, n), dt) for nm in ("max_ab", "max_ba", "min_ab", "min_ba", "relu")]
+            comp = ir.Comp.of(ir.apply(Op.MAX, a, b, into=pairs[0]), ir.apply(Op.MAX, b, a, into=pairs[1]),
+                              ir.apply(Op.MIN, a, b, into=pairs[2]), ir.apply(Op.MIN, b, a, into=pairs[3]),
+                              ir.apply(Op.RELU, a, into=pairs[4]), embedded=tuple(pairs))
+            out.append(program(f"signed_zero.elementwise.{dt}.{n}", comps=[comp],
+                               inputs=[(a, zeros_of_both_signs(dt, a.shape)), (b, zeros_of_both_signs(dt, b.shape))],
+                               outputs=pairs, rtol=0.0, atol=0.0))
     return out
