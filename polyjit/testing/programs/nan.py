@@ -111,8 +111,9 @@ def zeros_of_both_signs(dt: DType, shape: tuple[int, ...]) -> Gen:
     return gen
 
 
-# Below every nonzero value of every float dtype (0 in its own arithmetic): the values must be
-# exact, and a zero's sign is not compared (harness.compare compares it at zero tolerance only).
+# Far below the values these programs make (0 and 1), and 0 in float32's and the half types'
+# arithmetic: the values must be exact, and a zero's sign is not compared (harness.compare
+# compares it at zero tolerance only).
 ZERO_SIGN_FREE = 1e-300
 
 
