@@ -1401,3 +1401,49 @@ def test_releases_on_a_closed_device_held_by_another_thread_are_not_lost() -> No
         time.sleep(0.01)
     assert be.driver.allocated_bytes(0) == 0
     assert not dev.released
+
+
+def test_a_release_that_raises_does_not_strand_the_others() -> None:
+    """Found by the review of the reaper: a queued release that raised ended the reap, and every
+    release queued after it stayed queued for good (1 MiB held). Every one runs; the first error
+    is raised after them (here on the reaper thread, while another thread held the device)."""
+    from polyjit.backends.cpu import CpuDriver
+
+    be = Backend(CpuDriver(1))
+    dev = be.get_device(0)
+    n = 1 << 16
+    x = Node("x", (n,))
+    contexts = [dev.make_context().init_from_host(x, np.ones(n, np.float32)) for _ in range(4)]
+    be.close()
+    holding, let_go = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with dev.lock:
+            holding.set()
+            let_go.wait(30)
+
+    def fail() -> None:
+        raise RuntimeError("this release failed")
+
+    raised: list[BaseException | None] = []
+    old_hook = threading.excepthook
+    threading.excepthook = lambda args: raised.append(args.exc_value)
+    holder = threading.Thread(target=hold)
+    try:
+        holder.start()
+        assert holding.wait(30)
+        dev.release_later(fail)  # first in the queue
+        del contexts
+        gc.collect()
+        assert len(dev.released) > 1
+        let_go.set()
+        holder.join(30)
+        deadline = time.monotonic() + 30
+        while (dev.released or dev._reaper_running) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        let_go.set()
+        threading.excepthook = old_hook
+    assert not dev.released
+    assert be.driver.allocated_bytes(0) == 0
+    assert [str(e) for e in raised] == ["this release failed"]

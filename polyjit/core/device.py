@@ -435,10 +435,16 @@ class Device:
             try:
                 if poll:
                     self._poll_streams()
-                while self.released:
-                    self.released.popleft()()
+                failed: BaseException | None = None
+                while self.released:  # every one, whatever another raised (found by review:
+                    try:              # one that raised left those queued after it for good)
+                        self.released.popleft()()
+                    except BaseException as e:
+                        failed = failed or e
                 if self.freeing:
                     self._free_finished(poll, wait)
+                if failed is not None:
+                    raise failed
             finally:
                 self._reaping = False
         finally:
