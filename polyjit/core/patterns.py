@@ -667,7 +667,7 @@ def _tiles_plan(kernel: Kernel, d: Dialect) -> KernelPlan | None:
     index), ``tm`` x ``tn`` outputs per thread; vector loads where the sizes divide the tiles
     and an operand is contiguous with 4-aligned rows."""
     c = _contraction(kernel, d)
-    if c is None or not d.matmul_tiles:
+    if c is None or not d.matmul_tiles or 0 in (c.batch_size, c.m, c.n):  # empty: no "aligned" tiles
         return None
     t = next((t for t in d.matmul_tiles if c.m >= 2 * t.bm and c.n >= 2 * t.bn), d.matmul_tiles[-1])
     if _ceil_div(c.m, t.bm) > MAX_GRID_YZ or c.batch_size > MAX_GRID_YZ:

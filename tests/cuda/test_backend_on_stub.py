@@ -403,3 +403,23 @@ def test_benchmark_code_runs(backend: Any, capsys: pytest.CaptureFixture[str]) -
     assert "max abs error" in printed
     err = float(printed.split("max abs error on 64 rows: ")[1].split()[0])
     assert err < 1e-3, printed
+
+
+def test_empty_kernels_are_not_launched(backend: Any) -> None:
+    """Found by review: a batched matmul of batch 0 got a grid of 1 (a 0 dimension was clamped)
+    and its tiles, "aligned" (0 is a multiple of every tile), wrote 64 KiB past its empty
+    buffer into another context's memory. A kernel with nothing to compute is not launched."""
+    a, b, c = ir.Node("a", (0, 128, 64)), ir.Node("b", (0, 64, 128)), ir.Node("c", (0, 128, 128))
+    x, y = f32("x", (1 << 14,)), f32("y", (1 << 14,))
+    code = backend.compile(ir.Comp.of(ir.apply(Op.ADD, x, x, into=y), ir.einsum("bik,bkj->bij", a, b, into=c)),
+                           name="bmm0")
+    dev = backend.get_device(0)
+    ctx = dev.make_context().init_from_host(x, np.ones(1 << 14, np.float32))
+    ctx = ctx.init_from_host(a, np.zeros((0, 128, 64), np.float32)).init_from_host(b, np.zeros((0, 64, 128), np.float32))
+    routine = ctx.link(code)
+    z = f32("z", (1 << 14,))
+    beside = dev.make_context().init_from_host(z, np.full(1 << 14, 7, np.float32))
+    routine.run()
+    np.testing.assert_array_equal(beside.read(z), np.full(1 << 14, 7, np.float32))
+    np.testing.assert_array_equal(routine.context.read(y), np.full(1 << 14, 2, np.float32))
+    assert routine.context.read(c).shape == (0, 128, 128)

@@ -130,6 +130,8 @@ def prepare_launches(ordinal: int, module: Module, kernels: Sequence[tuple[Kerne
         if len(spec.statics) != n_statics:
             raise InvalidProgramError(f"kernel {spec.name} takes {len(spec.statics)} statics, not {n_statics}")
         kernel = module.kernel(spec.name)
+        if 0 in tuple(spec.launch.global_size):  # nothing to compute (found by review: a grid of 0
+            continue  # became 1, and a batch-0 matmul's tiles, unguarded, wrote past its buffer)
         if spec.plan.kind == RAW:
             grid, block = _raw_shape(spec, kernel, len(args), max_threads)
         else:
