@@ -423,3 +423,36 @@ def test_empty_kernels_are_not_launched(backend: Any) -> None:
     np.testing.assert_array_equal(beside.read(z), np.full(1 << 14, 7, np.float32))
     np.testing.assert_array_equal(routine.context.read(y), np.full(1 << 14, 2, np.float32))
     assert routine.context.read(c).shape == (0, 128, 128)
+
+
+def test_a_backend_dropped_in_a_garbage_cycle_frees_its_pools_after_its_kernels(backend: Any) -> None:
+    """Found by review: a backend dropped with kernels queued, in a garbage cycle, had its pools
+    freed at once (on the memory resource's stream, which no kernel's stream orders): the stub's
+    queued kernels then read freed memory (CUDA_ERROR_ILLEGAL_ADDRESS). The pools now go once
+    the backend's streams have closed, after their work (CudaDriver.free_when_idle)."""
+    import gc
+
+    from polyjit.backends.cuda import CudaBackend
+    from polyjit.backends.cuda.driver import CudaDriver
+
+    n = 1 << 16
+    driver = CudaDriver()
+
+    def in_flight() -> None:
+        be = CudaBackend(driver)
+        dev = be.get_device(0)
+        a = f32("a", (n,))
+        steps, t = [], a
+        for k in range(6):
+            nxt = f32(f"t{k}", (n,))
+            steps.append(ir.apply(Op.EXP if k % 2 == 0 else Op.LOG, t, into=nxt))
+            t = nxt
+        routine = dev.make_context().init_from_host(a, np.ones(n, np.float32)).link(
+            be.compile(ir.Comp.of(*steps), name="slow"))
+        for _ in range(4):
+            routine.run()
+        dev.cycle = (be, routine)  # type: ignore[attr-defined]
+
+    in_flight()
+    gc.collect()  # the backend, its device, streams, contexts and routine: one garbage cycle
+    assert driver.allocated_bytes(0) == 0  # raised CUDAError (illegal address) before

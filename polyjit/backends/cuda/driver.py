@@ -88,6 +88,9 @@ class CudaDriver(DriverDefaults):
         self._memory: dict[int, tuple[Any, Any]] = {}  # ordinal -> (DeviceMemoryResource, its stream)
         self._free_events: dict[int, list[Any]] = collections.defaultdict(list)
         self._staging: dict[int, Staging] = {}
+        # Streams open, and pools to free once none of theirs is (free_when_idle)
+        self._open: set[StreamHandle] = set()
+        self._idle_frees: list[tuple[int, Pool, frozenset[StreamHandle]]] = []
 
     # -- devices -----------------------------------------------------------------------
 
@@ -192,6 +195,20 @@ class CudaDriver(DriverDefaults):
         self.make_current(ordinal)
         pool.buffer.close(stream)  # the runtime calls this once the pool's last work is done
 
+    def free_when_idle(self, ordinal: int, pool: Pool, streams: frozenset[StreamHandle]) -> None:
+        """Free ``pool`` once none of ``streams`` (its backend's) is open, now if none is: a
+        pool whose Device object went in a garbage cycle with its streams, whose closing (after
+        their queued work) comes later. Found by review: freed at once, on the memory
+        resource's own stream, which no kernel's stream orders, while kernels still used it
+        (the stub read freed memory). Memory another library lent is not freed here."""
+        if pool.buffer is None:
+            return
+        with self._lock:
+            if self._open & streams:
+                self._idle_frees.append((ordinal, pool, streams))
+                return
+        self.free(ordinal, pool)
+
     def allocated_bytes(self, ordinal: int) -> int:
         """Bytes in use in the device's memory pool (polyjit's pools only), once the frees
         already ordered on its stream have run."""
@@ -232,11 +249,20 @@ class CudaDriver(DriverDefaults):
         from cuda.core import StreamOptions
 
         s = self.make_current(ordinal).create_stream(options=StreamOptions(nonblocking=True))
-        return StreamHandle(ordinal, s, s.handle)
+        handle = StreamHandle(ordinal, s, s.handle)
+        with self._lock:
+            self._open.add(handle)
+        return handle
 
     def close_stream(self, stream: StreamHandle) -> None:
         self.make_current(stream.ordinal)
         stream.core.close()
+        with self._lock:
+            self._open.discard(stream)
+            due = [(o, p) for o, p, s in self._idle_frees if not self._open & s]
+            self._idle_frees = [f for f in self._idle_frees if self._open & f[2]]
+        for ordinal, pool in due:
+            self.free(ordinal, pool)
 
     def record(self, stream: StreamHandle) -> EventHandle:
         free = self._free_events[stream.ordinal]
