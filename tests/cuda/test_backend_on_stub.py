@@ -456,3 +456,29 @@ def test_a_backend_dropped_in_a_garbage_cycle_frees_its_pools_after_its_kernels(
     in_flight()
     gc.collect()  # the backend, its device, streams, contexts and routine: one garbage cycle
     assert driver.allocated_bytes(0) == 0  # raised CUDAError (illegal address) before
+
+
+def test_work_queued_at_exit_lands_before_the_pools_go(backend: Any) -> None:
+    """Found by review: the CUDA devices were not closed at exit, so the interpreter's teardown
+    freed the pools' Buffers (on another stream) while a copy was still queued, which the stub
+    then ran into freed memory. The devices now close at exit, after their queued work."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    script = (f"import sys; sys.path.insert(0, {str(here)!r})\n"
+              "import stub; stub.install_nvrtc_hook()\n"
+              "import numpy as np, polyjit\n"
+              "from polyjit.core import ir\n"
+              "cuda = polyjit.get_backend('cuda')\n"
+              "for n in (1, 1 << 20):\n"
+              "    x = ir.Node(f'x{n}', (n,))\n"
+              "    cuda.get_device(0).make_context().init_from_host(x, np.zeros(n, np.float32))\n"
+              "print('exiting with the copies queued')\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "exiting with the copies queued" in done.stdout
+    assert "fault" not in done.stderr, done.stderr[-2000:]

@@ -58,6 +58,7 @@ from polyjit.backends.cuda.nvrtc import (
 from polyjit.backends.cuda.staging import Staging
 from polyjit.backends.cuda.staging import staging_bytes as default_staging_bytes
 from polyjit.core.codegen import KernelSpec, Source
+from polyjit.core.device import close_devices_at_exit
 from polyjit.core.errors import CompileError, UnknownDeviceError
 from polyjit.core.protocol import DeviceInfo, DriverDefaults
 from polyjit.core.streams import partly_issued
@@ -112,6 +113,10 @@ class CudaDriver(DriverDefaults):
 
     def _discover(self) -> str | None:
         self._devices, self._infos, self._peer, reason = discover()
+        # after cuda.core's import: the devices close (their queued work waited for) before the
+        # interpreter tears down the pools' Buffers, whose finalizers free them on another
+        # stream (found by review: at exit the stub ran a queued copy into a freed pool)
+        close_devices_at_exit(CudaDriver)
         return reason
 
     def device_count(self) -> int:
