@@ -280,3 +280,17 @@ def test_the_cuda_example_of_the_docs_runs_as_written(backend: Any) -> None:
         exec(compile(code, str(doc), "exec"), {"backend": backend})
     expected = re.search(r"# (\[.*\])", code)
     assert expected is not None and out.getvalue().strip() == expected.group(1)
+
+
+def test_a_grid_past_cudas_limits_is_refused_when_linked(backend: Any) -> None:
+    """Found by review: a raw kernel's grid past CUDA's limits (65535 blocks in y and z, 2^31 - 1
+    in x) failed at run() with the driver's CUDA_ERROR_INVALID_VALUE (or an overflow in
+    cuda.core); it is refused by name, with the limit, before anything runs."""
+    x = f32("x", (4,))
+    src = 'extern "C" __global__ void k(float* x) { if (blockIdx.y == 0 && threadIdx.x == 0) x[0] = 1.0f; }'
+    for glob, local in (((1, 70000), (1, 1)), ((1 << 40,), (256,))):
+        code = backend.raw_kernel(src, "k", [raw.write(x)], global_size=glob, local_size=local)
+        ctx = backend.get_device(0).make_context().init_from_host(x, np.zeros(4, np.float32))
+        with pytest.raises(UnsupportedError, match=r"exceeds CUDA's \(2147483647, 65535, 65535\)"):
+            ctx.link(code).run()
+        assert float(ctx.read(x)[0]) == 0.0

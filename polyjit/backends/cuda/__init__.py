@@ -82,5 +82,9 @@ class CudaBackend(Backend):
 
 
 def create_backend(*, fast_math: bool = False) -> CudaBackend:
-    """The CUDA backend (zero devices, with ``unavailable_reason``, where there is no driver)."""
+    """The CUDA backend (zero devices, with ``unavailable_reason``, where there is no driver).
+    ``fast_math``: NVRTC's ``--use_fast_math``, which gives up what the reference promises:
+    float32 subnormals flush to zero (``relu(1e-40)`` is 0; max/min compare them as zeros),
+    and division, sqrt, exp, log and the like are approximate (NaN still propagates through
+    max and min). Off by default; the conformance kit has not run with it."""
     return CudaBackend(CudaDriver(fast_math=fast_math))

@@ -27,6 +27,9 @@ __all__ = ["EventHandle", "KernelLaunch", "Module", "Pool", "PreparedLaunch", "S
 RAW_BLOCK = 256  # the most threads per block of a user's kernel launched without a block size
 
 
+MAX_GRID = (2**31 - 1, 65535, 65535)  # blocks per grid dimension, every compute capability since 3.0
+
+
 def grid_and_block(launch: LaunchShape) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     """CUDA grid and block from an OpenCL-style launch shape. A grid-stride kernel gets the
     blocks its plan asks for (capped at MAX_GRID_BLOCKS by the plan): on an H200 capping them
@@ -161,7 +164,11 @@ def _raw_shape(spec: KernelSpec, kernel: Any, n_buffers: int,
     limit = min(max_threads, int(kernel.attributes.max_threads_per_block))
     if math.prod(local) > limit:
         raise UnsupportedError(f"CUDA kernel {spec.name}: blocks of {local} threads exceed the {limit} it may use")
-    return grid_and_block(LaunchShape(glob, local))
+    grid, block = grid_and_block(LaunchShape(glob, local))
+    if any(g > m for g, m in zip(grid, MAX_GRID)):  # found by review: CUDA_ERROR_INVALID_VALUE at run()
+        raise UnsupportedError(f"CUDA kernel {spec.name}: a grid of {grid} blocks (global size {glob} over blocks "
+                               f"of {local}) exceeds CUDA's {MAX_GRID}")
+    return grid, block
 
 
 def _parameter_sizes(kernel: Any) -> list[int] | None:
