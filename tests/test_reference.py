@@ -226,8 +226,10 @@ def test_catalog_covers_every_op_on_every_dtype() -> None:
 
 def test_catalog_reference_values_are_finite() -> None:
     """The input ranges avoid overflow and NaN (the empty-axis MAX is -inf on purpose, and so
-    are the results of IEEE's special scalars: a pow of NaN or an infinity, a division by zero)."""
-    special = ("reduce.empty_axis", "elementwise.pow_special_scalar.", "elementwise.divide_by_")
+    are the results of IEEE's special scalars: a pow of NaN or an infinity, a division by zero,
+    the square root of special values)."""
+    special = ("reduce.empty_axis", "elementwise.pow_special_scalar.", "elementwise.divide_by_",
+               "elementwise.pow_half_specials.")
     for p in catalog():
         state = p.generate(program_rng(p.name))
         for bindings in p.runs:
