@@ -591,7 +591,8 @@ def apply(
     0.5f)`` a vector sqrt but left a loop's scalar tail a powf, and the reference took numpy's
     sqrt for float32 and pow for the half types)."""
     if op is Op.POW and len(operands) == 2 and isinstance(operands[1], (float, np.floating)) \
-            and not isinstance(operands[0], (int, float, np.number)) and operands[1] == 0.5:
+            and not isinstance(operands[0], (int, float, np.number)) and operands[1] == 0.5 \
+            and into.dtype.is_float:  # else pow's own error names the dtype
         op, operands = Op.SQRT, operands[:1]
     _check_target(into, op, "apply")
     shapes = [operand_node(x).shape for x in operands if _is_tensor_operand(x)]

@@ -318,6 +318,24 @@ _TORCH_POW_GB = [[-np.inf, 0.0, 0.0, 0.0], [np.nan] * 4,
                  [0.34657359027997264, 0.6931471805599453, 0.9802581434685472, 2.772588722239781]]
 
 
+def test_a_literal_half_power_is_sqrt_forward_and_backward() -> None:
+    """``x ** 0.5`` is sqrt(x) (numpy's answer: -0.0 at -0.0, NaN at -inf); found by review, its
+    gradient still came from C's pow: 0 at -inf where the forward was NaN, +inf at -0.0. Now
+    sqrt's (torch's): NaN and -inf. On the reference and the cpu alike."""
+    xv = np.array([-np.inf, -0.0, 0.0, 4.0, 9.0, -1.0], np.float32)
+    x = pt.param("x", xv.shape, init=xv)
+    (gx,) = pt.grad(pt.sum(x**0.5), [x])
+    outs = {"y": x**0.5, "gx": gx}
+    want_y = np.array([np.nan, -0.0, 0.0, 2.0, 3.0, np.nan], np.float32)
+    want_g = np.array([np.nan, -np.inf, np.inf, 0.25, 1 / 6, np.nan], np.float32)
+    got_ref, _ = evaluate(outs)
+    got_cpu = pt.compile(outs, device="cpu").run()
+    for got in (got_ref, got_cpu):
+        np.testing.assert_array_equal(got["y"], want_y)
+        np.testing.assert_array_equal(np.signbit(got["y"][1:3]), [True, False])
+        np.testing.assert_allclose(got["gx"], want_g, rtol=1e-6)
+
+
 def test_pow_gradients_at_edge_values_match_torch() -> None:
     """Found by review: a scalar base of 0 or below raised a bare ValueError (math.log), and
     d(a**b)/db at a == 0, d(a**0)/da at a == 0 were NaN where torch gives 0."""
@@ -333,12 +351,14 @@ def test_pow_gradients_at_edge_values_match_torch() -> None:
         outs[f"exp{k}"] = pt.grad(pt.sum(a**e), [a])[0]
     got, _ = evaluate(outs)
     with np.errstate(all="ignore"):
-        np.testing.assert_array_equal(got["ga"], np.ravel(_TORCH_POW_GA))
+        # a ** 0.5 is sqrt (forward and gradient: 0.5 / sqrt(a)), 1 ulp from torch's 0.5 * a ** -0.5
+        np.testing.assert_allclose(got["ga"], np.ravel(_TORCH_POW_GA), rtol=2e-16)
         np.testing.assert_array_equal(got["gb"], np.ravel(_TORCH_POW_GB))
         for k in range(len(_POW_A)):
             np.testing.assert_array_equal(got[f"base{k}"], np.tile(_TORCH_POW_GB[k], len(_POW_A)))
         for k in range(len(_POW_B)):
-            np.testing.assert_array_equal(got[f"exp{k}"], np.repeat(np.asarray(_TORCH_POW_GA)[:, k], len(_POW_B)))
+            np.testing.assert_allclose(got[f"exp{k}"], np.repeat(np.asarray(_TORCH_POW_GA)[:, k], len(_POW_B)),
+                                       rtol=2e-16)
     plan = pt.compile(outs)  # the CPU kernels give the same values
     run = plan.run()
     for key, want in got.items():

@@ -78,7 +78,10 @@ def elementwise(
     node = ir.Node(name or op.value, shape, out_dt)
     rhs = tuple(x.node if isinstance(x, Tensor) else x for x in operands)
     assign = ir.apply(op, *rhs, into=node)
-    rule = _RULES.get(op)
+    # the op ir.apply made (x ** 0.5 is sqrt: its gradient too, found by review: 0 where the
+    # forward was NaN, at -inf) and the operands it kept
+    rule = _RULES.get(assign.op)
+    operands = operands[: len(assign.rhs)]
     if rule is None or not out_dt.is_float:
         return Tensor(node, (assign,), tensors, None, requires_grad=False)
     out_holder: list[Tensor] = []
