@@ -160,7 +160,9 @@ class _FailingUnload(CpuDriver):
 
 def test_a_failed_unload_is_a_driver_error() -> None:
     """Found by review: a module collected with no routine left queued the driver's own unload,
-    whose failure reached the next safe point as the driver's bare RuntimeError."""
+    whose failure reached the next safe point as the driver's bare RuntimeError. It is a
+    DriverError naming the device, reported as a finalizer's failure is (a RuntimeWarning), not
+    raised into the unrelated call that reached the safe point (session 38's review)."""
     backend = Backend(_FailingUnload(1))
     dev = backend.get_device(0)
     a, out = Node("unload_a", (8,)), Node("unload_out", (8,))
@@ -170,7 +172,7 @@ def test_a_failed_unload_is_a_driver_error() -> None:
     r.context.read(out)
     del r
     gc.collect()
-    with pytest.raises(DriverError, match=r"cpu:0.*unload.*injected unload failure"):
+    with pytest.warns(RuntimeWarning, match=r"cpu:0.*DriverError.*unload.*injected unload failure"):
         dev.synchronize()
     dev.synchronize()  # reported once; the device goes on
     dev.close()

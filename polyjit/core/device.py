@@ -17,6 +17,7 @@ import functools
 import itertools
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
@@ -92,6 +93,14 @@ _LIVE: weakref.WeakSet[Device] = weakref.WeakSet()  # every device made, while i
 
 def live_devices() -> list[Device]:
     return list(_LIVE)
+
+
+def _release_failed(device: Device, error: Exception) -> None:
+    """What a dropped object's release raised, reported as a finalizer's failure is (a warning
+    naming the device), not raised into the run, sync or close that reached the safe point
+    (found by review: another context's failed release failed an unrelated run())."""
+    warnings.warn(f"polyjit: giving back what a dropped object held on {device.label} failed: "
+                  f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=2)
 
 
 _exit_lock = threading.Lock()
@@ -435,16 +444,20 @@ class Device:
             try:
                 if poll:
                     self._poll_streams()
-                failed: BaseException | None = None
-                while self.released:  # every one, whatever another raised (found by review:
-                    try:              # one that raised left those queued after it for good)
-                        self.released.popleft()()
-                    except BaseException as e:
-                        failed = failed or e
-                if self.freeing:
-                    self._free_finished(poll, wait)
-                if failed is not None:
-                    raise failed
+                interrupted: BaseException | None = None
+                try:
+                    while self.released:  # every one, whatever another raised (found by review:
+                        try:              # one that raised left those queued after it for good)
+                            self.released.popleft()()
+                        except Exception as e:  # a finalizer's failure, not this caller's: reported
+                            _release_failed(self, e)
+                        except BaseException as e:  # an interrupt: raised once the queue is done
+                            interrupted = interrupted or e
+                    if self.freeing:
+                        self._free_finished(poll, wait)
+                finally:
+                    if interrupted is not None:
+                        raise interrupted
             finally:
                 self._reaping = False
         finally:

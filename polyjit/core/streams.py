@@ -450,10 +450,13 @@ class Stream:
         holds, still intact here): let its last work finish, then end it in the driver."""
         if getattr(self, "closed", True) or sys.is_finalizing():  # at exit the drivers are gone
             return
-        with contextlib.suppress(Exception):  # a faulted stream
+        with contextlib.suppress(Exception):  # found by review: the backend's set only grew
+            self.device.backend.stream_handles.discard(self.handle)
+        with contextlib.suppress(Exception):  # a faulted stream: its work is over, it closes too
             self.driver.event_sync(self.driver.record(self.handle))
-            close = getattr(self.driver, "close_stream", None)
-            if close is not None:
+        close = getattr(self.driver, "close_stream", None)
+        if close is not None:
+            with contextlib.suppress(Exception):
                 close(self.handle)
 
     def __enter__(self) -> Stream:

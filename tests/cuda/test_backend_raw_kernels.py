@@ -294,3 +294,8 @@ def test_a_grid_past_cudas_limits_is_refused_when_linked(backend: Any) -> None:
         with pytest.raises(UnsupportedError, match=r"exceeds CUDA's \(2147483647, 65535, 65535\)"):
             ctx.link(code).run()
         assert float(ctx.read(x)[0]) == 0.0
+    # and a block past CUDA's per-dimension limits (64 threads in z), found by the next review
+    code = backend.raw_kernel(src, "k", [raw.write(x)], global_size=(1, 1, 128), local_size=(1, 1, 128))
+    ctx = backend.get_device(0).make_context().init_from_host(x, np.zeros(4, np.float32))
+    with pytest.raises(UnsupportedError, match=r"\(1024, 1024, 64\) per dimension"):
+        ctx.link(code).run()

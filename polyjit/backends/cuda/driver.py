@@ -266,8 +266,14 @@ class CudaDriver(DriverDefaults):
             self._open.discard(stream)
             due = [(o, p) for o, p, s in self._idle_frees if not self._open & s]
             self._idle_frees = [f for f in self._idle_frees if self._open & f[2]]
-        for ordinal, pool in due:
-            self.free(ordinal, pool)
+        failed: Exception | None = None
+        for ordinal, pool in due:  # every one, whatever another's free raised (found by review)
+            try:
+                self.free(ordinal, pool)
+            except Exception as e:
+                failed = failed or e
+        if failed is not None:
+            raise failed
 
     def record(self, stream: StreamHandle) -> EventHandle:
         free = self._free_events[stream.ordinal]

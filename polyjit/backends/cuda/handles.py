@@ -28,6 +28,7 @@ RAW_BLOCK = 256  # the most threads per block of a user's kernel launched withou
 
 
 MAX_GRID = (2**31 - 1, 65535, 65535)  # blocks per grid dimension, every compute capability since 3.0
+MAX_BLOCK = (1024, 1024, 64)  # threads per block dimension
 
 
 def grid_and_block(launch: LaunchShape) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
@@ -162,8 +163,9 @@ def _raw_shape(spec: KernelSpec, kernel: Any, n_buffers: int,
     glob = tuple(spec.launch.global_size)
     local = tuple(spec.launch.local_size or _default_block(glob))
     limit = min(max_threads, int(kernel.attributes.max_threads_per_block))
-    if math.prod(local) > limit:
-        raise UnsupportedError(f"CUDA kernel {spec.name}: blocks of {local} threads exceed the {limit} it may use")
+    if math.prod(local) > limit or any(b > m for b, m in zip(local, MAX_BLOCK)):
+        raise UnsupportedError(f"CUDA kernel {spec.name}: blocks of {local} threads exceed the {limit} it may use "
+                               f"or CUDA's {MAX_BLOCK} per dimension")
     grid, block = grid_and_block(LaunchShape(glob, local))
     if any(g > m for g, m in zip(grid, MAX_GRID)):  # found by review: CUDA_ERROR_INVALID_VALUE at run()
         raise UnsupportedError(f"CUDA kernel {spec.name}: a grid of {grid} blocks (global size {glob} over blocks "
