@@ -599,7 +599,9 @@ def data_parallel(
     and splits them over its devices; ``step()`` takes the global batch (every rank the same
     arrays) or just the rank's slice, and returns the mean loss over all ranks. Gradients are
     summed by the tree inside each rank, one MPI all-reduce among the ranks, and the tree
-    back down.
+    back down. Every rank starts with rank 0's parameters and optimizer state (and
+    ``load_state_dict`` / ``reset`` end with them: collective calls); data parallels over one
+    Comm need their own ``name``, the same on every rank.
     """
     return DataParallel(model_step, inputs, optimizer=optimizer, devices=devices, params=params, name=name,
                         comm=comm)
