@@ -8,6 +8,7 @@ one test instead of the whole run.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import os
 import subprocess
@@ -19,6 +20,7 @@ import warnings
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -1368,6 +1370,33 @@ def test_a_dropped_backend_over_a_shared_driver_waits_for_its_own_streams_only()
     assert driver.allocated_bytes(0) == before
 
 
+@contextlib.contextmanager
+def _held_by_another_thread(dev: Any) -> Iterator[None]:
+    """Another thread holds ``dev``'s lock for the length of the block (and lets go at its end)."""
+    holding, let_go = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with dev.lock:
+            holding.set()
+            let_go.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert holding.wait(30)
+        yield
+    finally:
+        let_go.set()
+        holder.join(30)
+
+
+def _reaped(dev: Any) -> None:
+    """Wait (up to 30 s) for the device's reaper thread to have run every queued release."""
+    deadline = time.monotonic() + 30
+    while (dev.released or dev._reaper_running) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def test_releases_on_a_closed_device_held_by_another_thread_are_not_lost() -> None:
     """Found by review: on a closed device, a release queued while another thread held the
     device lock (a thread reading memory_stats()) waited for a safe point that never came: the
@@ -1382,24 +1411,11 @@ def test_releases_on_a_closed_device_held_by_another_thread_are_not_lost() -> No
     contexts = [dev.make_context().init_from_host(x, np.ones(n, np.float32)) for _ in range(8)]
     views = [np.from_dlpack(c.export(x)) for c in contexts]
     be.close()
-    holding, let_go = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with dev.lock:
-            holding.set()
-            let_go.wait(30)
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    assert holding.wait(30)
-    del contexts, views
-    gc.collect()  # the releases are queued while the other thread holds the device
-    assert be.driver.allocated_bytes(0) > 0
-    let_go.set()
-    holder.join(30)
-    deadline = time.monotonic() + 30
-    while be.driver.allocated_bytes(0) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    with _held_by_another_thread(dev):
+        del contexts, views
+        gc.collect()  # the releases are queued while the other thread holds the device
+        assert be.driver.allocated_bytes(0) > 0
+    _reaped(dev)
     assert be.driver.allocated_bytes(0) == 0
     assert not dev.released
 
@@ -1417,33 +1433,18 @@ def test_a_release_that_raises_does_not_strand_the_others() -> None:
     x = Node("x", (n,))
     contexts = [dev.make_context().init_from_host(x, np.ones(n, np.float32)) for _ in range(4)]
     be.close()
-    holding, let_go = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with dev.lock:
-            holding.set()
-            let_go.wait(30)
 
     def fail() -> None:
         raise RuntimeError("this release failed")
 
-    holder = threading.Thread(target=hold)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        try:
-            holder.start()
-            assert holding.wait(30)
+        with _held_by_another_thread(dev):
             dev.release_later(fail)  # first in the queue
             del contexts
             gc.collect()
             assert len(dev.released) > 1
-            let_go.set()
-            holder.join(30)
-            deadline = time.monotonic() + 30
-            while (dev.released or dev._reaper_running) and time.monotonic() < deadline:
-                time.sleep(0.01)
-        finally:
-            let_go.set()
+        _reaped(dev)
     assert not dev.released
     assert be.driver.allocated_bytes(0) == 0
     said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
